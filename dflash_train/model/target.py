@@ -1,0 +1,238 @@
+"""The frozen target LLM: loading (HF id, local dir, GGUF file) and feature extraction.
+
+A target spec is one string:
+  * an HF Hub id (``Qwen/Qwen3-8B``) or a local model directory,
+  * a ``.gguf`` file, or a directory holding exactly one ``.gguf`` file,
+  * ``pkg:<package>/<file>``: a file shipped inside an installed Python package (how the
+    offline default SmolLM2 GGUF arrives). The package is located, never imported.
+
+GGUF files are dequantized once into a safetensors folder under the cache directory and
+reused from there (dequantizing takes 10-40 s per load).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# hidden_states[0] of an HF causal LM is the embedding output, so the output of decoder
+# layer i sits at hidden_states[i + EMBEDDING_OFFSET].
+EMBEDDING_OFFSET = 1
+PKG_SCHEME = "pkg:"
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "dflash_train"
+
+
+def _resolve_pkg(spec: str) -> Path:
+    package, _, rel = spec[len(PKG_SCHEME):].partition("/")
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise ValueError(f"target {spec!r}: package {package!r} is not installed")
+    path = Path(list(found.submodule_search_locations)[0]) / rel
+    if not path.exists():
+        raise ValueError(f"target {spec!r}: {path} does not exist in package {package!r}")
+    return path
+
+
+def _find_gguf(spec: str) -> Path | None:
+    """The GGUF file a spec names, or None when it names a regular HF model."""
+    path = _resolve_pkg(spec) if spec.startswith(PKG_SCHEME) else Path(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        if len(ggufs) > 1:
+            raise ValueError(f"target {spec!r}: several .gguf files in {path}: {[g.name for g in ggufs]}")
+    if spec.startswith(PKG_SCHEME):
+        raise ValueError(f"target {spec!r}: {path} is not a .gguf file")
+    return None
+
+
+def _file_digest(path: Path, limit: int = 1 << 20) -> str:
+    """Cheap identity of a big file: its size plus a hash of its first and last MiB."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(limit))
+        f.seek(max(0, path.stat().st_size - limit))
+        h.update(f.read(limit))
+    return h.hexdigest()[:16]
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF file into an HF folder (bf16 safetensors + tokenizer), atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    # save_pretrained refuses a GGUF-loaded model until its quantizer marks are cleared.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "dflash_source.json").write_text(json.dumps({"gguf": gguf.name, "digest": _file_digest(gguf)}))
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").exists():  # lost a race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_target(spec: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """A path or hub id that ``from_pretrained`` loads directly (GGUF converted once)."""
+    if not spec:
+        raise ValueError("target is empty: give an HF id, a model directory or a .gguf file")
+    gguf = _find_gguf(spec)
+    if gguf is None:
+        return spec
+    out = Path(cache_dir or default_cache_dir()) / "targets" / f"{gguf.stem}-{_file_digest(gguf)}"
+    if not (out / "config.json").exists():
+        _convert_gguf(gguf, out)
+    return str(out)
+
+
+def target_identity(spec: str, cache_dir: str | os.PathLike | None = None) -> dict:
+    """What names a target's weights: used in data manifests and model cards."""
+    path = resolve_target(spec, cache_dir)
+    ident = {"spec": spec, "name_or_path": path}
+    gguf = _find_gguf(spec)
+    if gguf is not None:
+        ident["revision"] = "gguf-" + _file_digest(gguf)
+    elif Path(path, "config.json").exists():
+        ident["revision"] = "dir-" + hashlib.sha256(Path(path, "config.json").read_bytes()).hexdigest()[:16]
+    else:
+        ident["revision"] = "hub"
+    return ident
+
+
+def load_tokenizer(spec: str, cache_dir: str | os.PathLike | None = None):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_target(spec, cache_dir))
+
+
+class _StopForward(Exception):
+    """Raised by a forward hook to end the target's forward after the last needed layer."""
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer stack of an HF causal LM (``model.model.layers`` for Llama/Qwen)."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"target {type(model).__name__} has no decoder layer list at .model.layers")
+    return layers
+
+
+@dataclass
+class TargetModel:
+    """A frozen HF causal LM and the pieces of it a DFlash drafter uses."""
+
+    model: nn.Module
+
+    def __post_init__(self):
+        self.model.eval().requires_grad_(False)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return len(decoder_layers(self.model))
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[1]
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the input embedding: every valid token id (mask id included) is below it."""
+        return self.model.get_input_embeddings().weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """The output projection; it is the embedding when ``tie_word_embeddings`` is set."""
+        return self.model.get_output_embeddings()
+
+    def features(self, input_ids, layer_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """Concatenated outputs of decoder layers ``layer_ids``: (b, T, len(ids) * hidden).
+
+        The forward stops after ``max(layer_ids)``; the LM head is never run. The last
+        layer's entry in HF's ``hidden_states`` is taken after the final norm, so that id
+        is served by a full forward to keep the semantics of ``hidden_states[i + 1]``.
+        """
+        n = self.num_layers
+        bad = [i for i in layer_ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"target_layer_ids={list(layer_ids)} but the target has {n} layers (0..{n - 1})")
+        kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        if max(layer_ids) == n - 1:
+            out = self.model(input_ids, output_hidden_states=True, **kwargs)
+            return torch.cat([out.hidden_states[i + EMBEDDING_OFFSET] for i in layer_ids], dim=-1)
+        captured: dict[int, torch.Tensor] = {}
+        last = max(layer_ids)
+        layers = decoder_layers(self.model)
+
+        def hook(idx):
+            def fn(_module, _inputs, output):
+                captured[idx] = output[0] if isinstance(output, tuple) else output
+                if idx == last:
+                    raise _StopForward
+
+            return fn
+
+        handles = [layers[i].register_forward_hook(hook(i)) for i in sorted(set(layer_ids))]
+        try:
+            getattr(self.model, "model", self.model)(input_ids, **kwargs)
+        except _StopForward:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        return torch.cat([captured[i] for i in layer_ids], dim=-1)
+
+
+def load_target(
+    spec: str,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+) -> TargetModel:
+    """Load a frozen target. ``dtype='auto'`` is float32 on CPU and bfloat16 elsewhere."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype == "auto":
+        dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    elif isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(resolve_target(spec, cache_dir), dtype=dtype)
+    return TargetModel(model.to(device))
