@@ -236,3 +236,13 @@ def load_target(
         dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(resolve_target(spec, cache_dir), dtype=dtype)
     return TargetModel(model.to(device))
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Identity of a tokenizer as the data depends on it: vocabulary, specials and template."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": sorted(str(t) for t in tokenizer.all_special_tokens),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
