@@ -1,0 +1,200 @@
+"""Acceptance metrics, the plain-decoding baseline, and one speculative-vs-plain comparison.
+
+Acceptance length of one verify step = accepted drafts + 1 (the target's own token is
+always committed), so it lies in 1..B for block size B; tau is its mean.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PromptResult:
+    """Speculative and plain decoding of one prompt: new tokens only, wall-clock seconds."""
+
+    id: str
+    prompt_tokens: int
+    acceptance_lengths: list[int]
+    spec_ids: list[int]
+    plain_ids: list[int]
+    spec_s: float
+    plain_s: float
+
+    def to_dict(self) -> dict:
+        prefix = common_prefix(self.spec_ids, self.plain_ids)
+        exact = self.spec_ids == self.plain_ids
+        return {
+            "id": self.id,
+            "prompt_tokens": self.prompt_tokens,
+            "tau": mean_acceptance(self.acceptance_lengths),
+            "acceptance_lengths": self.acceptance_lengths,
+            "spec_tokens": len(self.spec_ids),
+            "plain_tokens": len(self.plain_ids),
+            "exact_match": exact,
+            "first_divergence": None if exact else prefix,
+            "spec_s": self.spec_s,
+            "plain_s": self.plain_s,
+        }
+
+
+def mean_acceptance(lengths: list[int]) -> float:
+    """tau. A generation that stopped at its first token has no verify step: tau is 0 then."""
+    return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def _check_lengths(lengths: list[int], block_size: int) -> None:
+    bad = [n for n in lengths if not 1 <= n <= block_size]
+    if bad:
+        raise ValueError(f"acceptance lengths {bad[:5]} outside 1..{block_size} (block_size={block_size})")
+
+
+def length_histogram(lengths: list[int], block_size: int) -> list[int]:
+    """Counts of steps with length 1, 2, ..., block_size (index 0 is length 1)."""
+    _check_lengths(lengths, block_size)
+    counts = [0] * block_size
+    for n in lengths:
+        counts[n - 1] += 1
+    return counts
+
+
+def position_acceptance(lengths: list[int], block_size: int) -> list[float]:
+    """For draft position k = 1..B-1: the fraction of steps that accepted at least k drafts.
+
+    Drafts are accepted as a prefix, so this is the rate at which slot k is reached and
+    right; it falls with k, and its sum plus one is tau.
+    """
+    _check_lengths(lengths, block_size)
+    if not lengths:
+        return [0.0] * (block_size - 1)
+    return [sum(n - 1 >= k for n in lengths) / len(lengths) for k in range(1, block_size)]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Number of leading tokens two outputs share (index of the first divergence)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def summarize(results: list[PromptResult], block_size: int, greedy: bool) -> dict:
+    """Dataset-level metrics. tau is over all verify steps of all prompts.
+
+    Agreement is only meaningful for greedy decoding (sampled outputs differ by design),
+    so it is None otherwise. Token agreement counts the shared prefix against the longer
+    of the two outputs, so a speculative output that stops early is not 100%.
+    """
+    steps = [n for r in results for n in r.acceptance_lengths]
+    spec_tokens = sum(len(r.spec_ids) for r in results)
+    plain_tokens = sum(len(r.plain_ids) for r in results)
+    spec_s = sum(r.spec_s for r in results)
+    plain_s = sum(r.plain_s for r in results)
+    spec_tps = spec_tokens / spec_s if spec_s > 0 else 0.0
+    plain_tps = plain_tokens / plain_s if plain_s > 0 else 0.0
+    longest = sum(max(len(r.spec_ids), len(r.plain_ids)) for r in results)
+    agree = sum(r.spec_ids == r.plain_ids for r in results) / len(results) if results else 0.0
+    token_agree = sum(common_prefix(r.spec_ids, r.plain_ids) for r in results) / longest if longest else 1.0
+    return {
+        "num_prompts": len(results),
+        "num_steps": len(steps),
+        "tau": mean_acceptance(steps),
+        "length_histogram": length_histogram(steps, block_size),
+        "position_acceptance": position_acceptance(steps, block_size),
+        "greedy_agreement": agree if greedy else None,
+        "token_agreement": token_agree if greedy else None,
+        "spec_tokens": spec_tokens,
+        "plain_tokens": plain_tokens,
+        "spec_s": spec_s,
+        "plain_s": plain_s,
+        "spec_tok_s": spec_tps,
+        "plain_tok_s": plain_tps,
+        "speedup": spec_tps / plain_tps if plain_tps > 0 else 0.0,
+    }
+
+
+def _next_token(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(1, V) logits -> (1, 1) token: argmax when greedy, else a sample at ``temperature``."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    return torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1)
+
+
+@torch.inference_mode()
+def target_generate(model, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=None,
+                    temperature: float = 0.0) -> torch.Tensor:
+    """Plain autoregressive decoding with a KV cache: the baseline speculative output must equal.
+
+    Returns (1, T + n) ids, prompt included; stops after emitting a stop token.
+    """
+    from transformers import DynamicCache
+
+    stop = set(stop_token_ids or ())
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    new = []
+    for _ in range(max_new_tokens):
+        token = _next_token(out.logits[:, -1], temperature)  # (1, 1)
+        new.append(token)
+        if token.item() in stop or len(new) == max_new_tokens:
+            break
+        out = model(token, past_key_values=cache, use_cache=True)
+    return torch.cat([input_ids, *new], dim=1)
+
+
+def trim_output(new_ids: list[int], max_new_tokens: int, stop_token_ids) -> list[int]:
+    """Cut at ``max_new_tokens`` and just after the first stop token: what a user receives.
+
+    Applied to both outputs so a runtime that commits a whole block past the end is
+    compared on the same span.
+    """
+    new_ids = new_ids[:max_new_tokens]
+    stop = set(stop_token_ids or ())
+    for i, t in enumerate(new_ids):
+        if t in stop:
+            return new_ids[: i + 1]
+    return new_ids
+
+
+def _timed(fn, device: torch.device):
+    """Run ``fn`` and return (result, seconds), waiting for queued GPU work on both ends."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def compare_prompt(drafter, model, prompt_id: str, input_ids: torch.Tensor, max_new_tokens: int,
+                   stop_token_ids: list[int], temperature: float = 0.0, seed: int = 0) -> PromptResult:
+    """Decode one prompt speculatively and plainly, each timed end to end (prefill included).
+
+    Both runs start from the same RNG seed so sampled runs are reproducible.
+    """
+    device = input_ids.device
+    prompt_len = input_ids.shape[1]
+    torch.manual_seed(seed)
+    stats, spec_s = _timed(lambda: drafter.spec_generate(
+        target=model, input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+        stop_token_ids=stop_token_ids, return_stats=True), device)
+    torch.manual_seed(seed)
+    plain, plain_s = _timed(lambda: target_generate(model, input_ids, max_new_tokens, stop_token_ids,
+                                                    temperature), device)
+    spec_ids = stats.output_ids[0, prompt_len:].tolist()
+    plain_ids = plain[0, prompt_len:].tolist()
+    return PromptResult(
+        id=prompt_id,
+        prompt_tokens=prompt_len,
+        acceptance_lengths=[int(n) for n in stats.acceptance_lengths],
+        spec_ids=trim_output(spec_ids, max_new_tokens, stop_token_ids),
+        plain_ids=trim_output(plain_ids, max_new_tokens, stop_token_ids),
+        spec_s=spec_s,
+        plain_s=plain_s,
+    )
