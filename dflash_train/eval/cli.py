@@ -1,0 +1,188 @@
+"""``dflash-eval``: acceptance length, lossless check and speedup of a drafter on benchmarks.
+
+    dflash-eval drafter=DIR datasets=[mtbench,humaneval] limit=20 max_new_tokens=256
+
+Config: ``recipes/eval.yaml``. For each dataset every prompt goes through the target's
+chat template, is decoded speculatively and plainly, and the two are compared. Writes
+``results.json`` and ``acceptance.png`` under ``output_dir`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from dflash_train.eval.acceptance import compare_prompt, summarize
+from dflash_train.eval.benchmarks import Prompt, load_benchmark
+from dflash_train.eval.plot import plot_acceptance
+
+RANDOM_DRAFTER = "random"
+WARMUP_TOKENS = 8
+DATASET_KEYS = {"name", "label", "limit", "column", "subset"}
+
+
+def _dataset_entries(cfg: DictConfig) -> list[dict]:
+    """Normalise ``datasets`` entries to dicts with a unique ``label``."""
+    raw = OmegaConf.to_container(cfg.datasets, resolve=True)
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"datasets must be a non-empty list, got {raw!r}")
+    entries = []
+    for item in raw:
+        entry = {"name": item} if isinstance(item, str) else dict(item) if isinstance(item, dict) else None
+        if entry is None or not isinstance(entry.get("name"), str) or set(entry) - DATASET_KEYS:
+            raise ValueError(f"datasets entry {item!r}: expected a name or a mapping with keys {sorted(DATASET_KEYS)}")
+        name = entry["name"]
+        default_label = Path(name).name.split(".")[0] if name.endswith((".jsonl", ".gz")) else name
+        entry.setdefault("label", default_label)
+        entry.setdefault("limit", cfg.limit)
+        entries.append(entry)
+    labels = [e["label"] for e in entries]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"dataset labels must be unique, got {labels}; set 'label' on repeated entries")
+    return entries
+
+
+def _load_prompts(entries: list[dict]) -> dict[str, tuple[str, list[Prompt]]]:
+    """label -> (name, prompts). Done before any model loads so typos fail in a second."""
+    out = {}
+    for e in entries:
+        options = {k: v for k, v in e.items() if k not in ("name", "label", "limit")}
+        out[e["label"]] = (e["name"], load_benchmark(e["name"], limit=e["limit"], **options))
+    return out
+
+
+def _setup_drafter(cfg: DictConfig, target):
+    from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
+
+    dtype = target.model.dtype
+    if cfg.drafter != RANDOM_DRAFTER:
+        from dflash_train.model.io import load_drafter
+
+        return load_drafter(cfg.drafter, target=target, dtype=dtype, device=cfg.device)
+    torch.manual_seed(cfg.seed)  # the fresh drafter's weights are part of the run's identity
+    config = DFlashConfig.from_target(
+        target.config,
+        mask_token_id=cfg.target.mask_token_id,
+        num_hidden_layers=cfg.random_drafter.num_hidden_layers,
+        block_size=cfg.random_drafter.block_size,
+    )
+    return DFlashDraftModel(config).to(device=cfg.device, dtype=dtype).eval()
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """End-of-turn ids: the tokenizer's eos plus the generation config's (often a list)."""
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(tokenizer, prompt: Prompt, system_prompt: str | None, enable_thinking: bool) -> list[int]:
+    """The prompt as the target sees it in chat: its template plus the assistant header."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; use an instruct target")
+    messages = prompt.messages
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    # Templates ignore variables they do not use, so enable_thinking is safe to pass always.
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=enable_thinking)
+    # The template already holds the special tokens (BOS, headers): do not add them twice.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def format_table(summaries: dict[str, dict]) -> str:
+    """One row per dataset; agreement is '-' when sampling (no lossless check applies)."""
+    w = max(7, *(len(label) for label in summaries))
+    header = f"{'dataset':<{w}} {'n':>4} {'tau':>6} {'agree %':>8} {'spec tok/s':>11} {'plain tok/s':>12} {'speedup':>8}"
+    rows = [header, "-" * len(header)]
+    for label, s in summaries.items():
+        agree = "-" if s["greedy_agreement"] is None else f"{100 * s['greedy_agreement']:.1f}"
+        rows.append(f"{label:<{w}} {s['num_prompts']:>4} {s['tau']:>6.2f} {agree:>8} {s['spec_tok_s']:>11.1f} "
+                    f"{s['plain_tok_s']:>12.1f} {s['speedup']:>7.2f}x")
+    return "\n".join(rows)
+
+
+def _check_config(cfg: DictConfig) -> None:
+    if OmegaConf.is_missing(cfg, "drafter") or not cfg.drafter:
+        raise ValueError(f"set drafter=<drafter directory> or drafter={RANDOM_DRAFTER}")
+    if cfg.drafter != RANDOM_DRAFTER and not Path(cfg.drafter).is_dir():
+        raise ValueError(f"drafter {cfg.drafter!r} is not a directory (give a saved drafter or 'random')")
+    if cfg.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {cfg.temperature}")
+
+
+def setup(cfg: DictConfig):
+    """Everything a user can get wrong, checked before any decoding: raises ValueError.
+
+    Returns label -> (dataset name, [(prompt, input ids (1, T))]), the target, the drafter
+    and the stop token ids.
+    """
+    from dflash_train.model.target import load_target, load_tokenizer
+
+    _check_config(cfg)
+    prompts = _load_prompts(_dataset_entries(cfg))
+    target = load_target(cfg.target.name, dtype=cfg.dtype, device=cfg.device)
+    tokenizer = load_tokenizer(cfg.target.name)
+    drafter = _setup_drafter(cfg, target)
+    datasets = {}
+    for label, (name, items) in prompts.items():
+        encoded = [encode_prompt(tokenizer, p, cfg.system_prompt, cfg.enable_thinking) for p in items]
+        datasets[label] = (name, [(p, torch.tensor([ids], device=cfg.device)) for p, ids in zip(items, encoded)])
+    return datasets, target, drafter, stop_token_ids(tokenizer, target.model)
+
+
+def evaluate(cfg: DictConfig, datasets, target, drafter, stops: list[int]) -> dict:
+    """Decode every prompt both ways; write results.json and acceptance.png; print the table."""
+    block_size = drafter.config.block_size
+    # Warm both paths once so one-time costs (allocator growth, kernel selection) stay
+    # out of the first timed prompt.
+    first, first_ids = next(iter(datasets.values()))[1][0]
+    compare_prompt(drafter, target.model, first.id, first_ids, WARMUP_TOKENS, stops, cfg.temperature, cfg.seed)
+
+    report = {"target": cfg.target.name, "drafter": cfg.drafter, "block_size": block_size,
+              "config": OmegaConf.to_container(cfg, resolve=True), "datasets": {}}
+    summaries = {}
+    for label, (name, prompts) in datasets.items():
+        results = []
+        bar = tqdm(prompts, desc=label, unit="prompt", file=sys.stderr)
+        for i, (prompt, input_ids) in enumerate(bar):
+            results.append(compare_prompt(drafter, target.model, prompt.id, input_ids, cfg.max_new_tokens,
+                                          stops, cfg.temperature, cfg.seed + i))
+            steps = [n for r in results for n in r.acceptance_lengths]
+            bar.set_postfix(tau=f"{sum(steps) / max(len(steps), 1):.2f}")
+        summaries[label] = summarize(results, block_size, greedy=cfg.temperature == 0)
+        report["datasets"][label] = {"source": name, **summaries[label], "prompts": [r.to_dict() for r in results]}
+
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot_acceptance(summaries, out / "acceptance.png", title=f"{Path(str(cfg.drafter)).name} on {cfg.target.name}")
+    print(format_table(summaries))
+    print(f"wrote {out / 'results.json'} and {out / 'acceptance.png'}")
+    return report
+
+
+@hydra.main(config_path="pkg://dflash_recipes", config_name="eval", version_base=None)
+def main(cfg: DictConfig) -> None:
+    try:
+        parts = setup(cfg)
+    except ValueError as e:
+        # A user mistake: one readable line and a non-zero exit. Errors past setup are
+        # bugs and keep their traceback.
+        print(f"dflash-eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    evaluate(cfg, *parts)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+import pytest
+from hydra import compose, initialize_config_module
+
+from dflash_train.eval.acceptance import PromptResult, summarize
+from dflash_train.eval.cli import _check_config, _dataset_entries, format_table, stop_token_ids
+from dflash_train.eval.plot import plot_acceptance
+
+
+def _cfg(*overrides):
+    with initialize_config_module("dflash_recipes", version_base=None):
+        return compose("eval", overrides=list(overrides))
+
+
+def test_eval_recipe_composes_with_required_drafter():
+    cfg = _cfg("drafter=random", "target=qwen3_8b")
+    assert cfg.target.mask_token_id == 151669 and cfg.dtype == "auto"
+    assert list(cfg.datasets) == ["mtbench", "humaneval"]
+    with pytest.raises(ValueError, match="set drafter=<drafter directory> or drafter=random"):
+        _check_config(_cfg())
+    with pytest.raises(ValueError, match="drafter '/no/such/dir' is not a directory"):
+        _check_config(_cfg("drafter=/no/such/dir"))
+
+
+def test_dataset_entries_labels_and_limits():
+    cfg = _cfg("drafter=random", "limit=5",
+               'datasets=[mtbench,data/gsm8k.jsonl,{name:"hf:openai/gsm8k:test",label:gsm,limit:2,column:question}]')
+    assert _dataset_entries(cfg) == [
+        {"name": "mtbench", "label": "mtbench", "limit": 5},
+        {"name": "data/gsm8k.jsonl", "label": "gsm8k", "limit": 5},
+        {"name": "hf:openai/gsm8k:test", "label": "gsm", "limit": 2, "column": "question"},
+    ]
+    with pytest.raises(ValueError, match=r"labels must be unique, got \['mtbench', 'mtbench'\]"):
+        _dataset_entries(_cfg("drafter=random", "datasets=[mtbench,mtbench]"))
+    with pytest.raises(ValueError, match=r"datasets entry \{'name': 'x', 'colum': 'q'\}"):
+        _dataset_entries(_cfg("drafter=random", "datasets=[{name:x,colum:q}]"))
+
+
+class _Tok:
+    eos_token_id = 2
+
+
+class _Gen:
+    eos_token_id = [2, 7]
+
+
+class _Model:
+    generation_config = _Gen()
+
+
+def test_stop_token_ids_merges_tokenizer_and_generation_config():
+    assert stop_token_ids(_Tok(), _Model()) == [2, 7]
+
+
+def _summary():
+    r = PromptResult("a", 10, [1, 2, 1, 4], list(range(8)), list(range(8)), 2.0, 1.0)
+    return summarize([r], block_size=4, greedy=True)
+
+
+def test_format_table_row():
+    table = format_table({"mtbench": _summary()}).splitlines()
+    assert table[0].split() == ["dataset", "n", "tau", "agree", "%", "spec", "tok/s", "plain", "tok/s", "speedup"]
+    assert table[2].split() == ["mtbench", "1", "2.00", "100.0", "4.0", "8.0", "0.50x"]
+
+
+def test_plot_writes_png(tmp_path):
+    path = plot_acceptance({"mtbench": _summary(), "humaneval": _summary()}, tmp_path / "acc.png", title="t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
