@@ -1,0 +1,543 @@
+"""DFlash drafter: one file for training, inference and `trust_remote_code` loading.
+
+This file is copied verbatim beside exported weights as `dflash.py`, so it imports only
+torch and transformers and works with transformers 4.57.x and 5.x.
+
+A DFlash drafter is a stack of Qwen3-style decoder layers whose queries come only from a
+block of B tokens `[anchor, MASK, ..., MASK]`; every layer's keys and values are
+`[projected target context features | block tokens]`. It has no embedding and no LM head:
+the target's frozen embedding embeds the block and the target's LM head reads the output.
+
+Shape legend:
+  b  batch            Q  query (block) tokens: B at inference, N*B when training
+  C  context tokens   H  hidden size           n  number of target features
+  h  attention heads  g  key/value heads       d  head dim
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel, Qwen3Config
+
+# hidden_states[0] of an HF causal LM is the embedding output: id i is hidden_states[i + 1].
+EMBEDDING_OFFSET = 1
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Evenly spread feature layers, skipping the first and the last three layers."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
+
+
+def dflash_field(config, name: str, default=None):
+    """A DFlash setting: `dflash_config` wins over a top-level attribute of the same name."""
+    nested = getattr(config, "dflash_config", None) or {}
+    if name in nested:
+        return nested[name]
+    return getattr(config, name, default)
+
+
+def rope_parameters(config) -> dict:
+    """RoPE settings from a 5.x `rope_parameters` or a 4.x `rope_theta`/`rope_scaling` config."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    return params
+
+
+class DFlashConfig(Qwen3Config):
+    """Qwen3Config plus the DFlash fields; serialises to the contract's `config.json`."""
+
+    def __init__(self, block_size: int = 16, num_target_layers: int | None = None, dflash_config=None, **kwargs):
+        super().__init__(**kwargs)
+        self.block_size = block_size
+        self.num_target_layers = num_target_layers
+        self.dflash_config = dict(dflash_config or {})
+        self.architectures = ["DFlashDraftModel"]
+        self.auto_map = {"AutoModel": "dflash.DFlashDraftModel"}
+        self.tie_word_embeddings = False
+
+    @classmethod
+    def from_target(
+        cls,
+        target_config,
+        *,
+        mask_token_id: int,
+        num_hidden_layers: int = 5,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        num_features: int | None = None,
+        **overrides,
+    ) -> "DFlashConfig":
+        """A drafter config for a target: attention geometry and RoPE follow the target."""
+        t = target_config
+        num_target_layers = t.num_hidden_layers
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(num_target_layers, num_features or num_hidden_layers)
+        heads = t.num_attention_heads
+        rope = rope_parameters(t)
+        fields = dict(
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
+            head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
+            rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+            max_position_embeddings=getattr(t, "max_position_embeddings", 32768),
+            vocab_size=t.vocab_size,
+            num_hidden_layers=num_hidden_layers,
+            attention_bias=False,
+            hidden_act="silu",
+            rope_theta=rope["rope_theta"],
+            rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
+            rope_parameters=rope,
+        )
+        fields.update(overrides)
+        return cls(
+            block_size=block_size,
+            num_target_layers=num_target_layers,
+            dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids]},
+            **fields,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like the Qwen3/Llama targets do, then cast back.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables computed on the fly: no buffers, so meta-device loading cannot lose them."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self._cache: dict = {}
+
+    def _inv_freq(self, device) -> tuple[torch.Tensor, float]:
+        if device not in self._cache:
+            params = rope_parameters(self.config)
+            if params.get("rope_type", "default") == "default":
+                exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+                inv_freq, scale = 1.0 / (params["rope_theta"] ** exponent), 1.0
+            else:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+                inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](self.config, device)
+            self._cache[device] = (inv_freq.float(), float(scale))
+        return self._cache[device]
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, scale = self._inv_freq(position_ids.device)
+        freqs = position_ids[..., None].float() * inv_freq  # (b, L, d/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (b, L, d)
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (b, heads, L, d); cos/sin: (b, L, d)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def visible_mask(anchors, context_len, block_size, doc_ids=None, sliding_window=None, causal_block=False):
+    """Dense visibility of the concatenated training layout: (b, 1, N*B, C + N*B) bool.
+
+    anchors: (b, N) anchor index of each block in the context row. A block query sees
+    context strictly before its anchor (at inference the anchor's own features do not
+    exist yet; seeing them leaks the answer), in the anchor's document when rows are
+    packed, plus its own block: all slots, or causally for sliding layers. Sliding layers
+    also see at most `sliding_window` positions back.
+    """
+    b, n = anchors.shape
+    dev = anchors.device
+    slot = torch.arange(block_size, device=dev)
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # (b, Q)
+    q_block = torch.arange(n, device=dev).repeat_interleave(block_size)  # (Q,)
+    q_slot = slot.repeat(n)  # (Q,)
+    q_pos = q_anchor + q_slot  # (b, Q) index the slot stands for
+    ctx = torch.arange(context_len, device=dev)
+    see_ctx = ctx[None, None, :] < q_anchor[:, :, None]  # (b, Q, C)
+    if doc_ids is not None:
+        anchor_doc = doc_ids.gather(1, anchors.clamp(max=context_len - 1))  # (b, N)
+        q_doc = anchor_doc.repeat_interleave(block_size, dim=1)
+        see_ctx = see_ctx & (doc_ids[:, None, :] == q_doc[:, :, None])
+    same_block = q_block[:, None] == q_block[None, :]  # (Q, Q)
+    if causal_block:
+        same_block = same_block & (q_slot[None, :] <= q_slot[:, None])
+    see_block = same_block[None].expand(b, -1, -1)
+    if sliding_window is not None:
+        see_ctx = see_ctx & (q_pos[:, :, None] - ctx[None, None, :] < sliding_window)
+        see_block = see_block & (q_slot[:, None] - q_slot[None, :] < sliding_window)[None]
+    return torch.cat([see_ctx, see_block], dim=-1)[:, None]
+
+
+@dataclass
+class ContextCache:
+    """Per-layer K/V of the context features only; block K/V are never cached."""
+
+    keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+
+    def length(self) -> int:
+        return self.keys[0].shape[-2] if self.keys else 0
+
+    def read_and_append(self, layer: int, k_ctx: torch.Tensor, v_ctx: torch.Tensor):
+        """Store new context K/V for `layer`; return all context K/V: (b, g, C, d)."""
+        if layer == len(self.keys):
+            self.keys.append(k_ctx)
+            self.values.append(v_ctx)
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k_ctx], dim=-2)
+            self.values[layer] = torch.cat([self.values[layer], v_ctx], dim=-2)
+        return self.keys[layer], self.values[layer]
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        bias = getattr(config, "attention_bias", False)
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        layer_types = getattr(config, "layer_types", None) or [FULL_ATTENTION] * config.num_hidden_layers
+        self.layer_type = layer_types[layer_idx]
+        self.sliding_window = config.sliding_window if self.layer_type == SLIDING_ATTENTION else None
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, norm: RMSNorm | None, heads: int) -> torch.Tensor:
+        y = proj(x).view(*x.shape[:2], heads, self.head_dim)  # (b, L, heads, d)
+        if norm is not None:
+            y = norm(y)
+        return y.transpose(1, 2)  # (b, heads, L, d)
+
+    def forward(self, x, ctx, cos, sin, mask, cache: ContextCache | None):
+        """x: (b, Q, H) block; ctx: (b, C, H) fused context; cos/sin: (b, C + Q, d)."""
+        c = ctx.shape[1]
+        q = apply_rope(self._heads(x, self.q_proj, self.q_norm, self.num_heads), cos[:, c:], sin[:, c:])
+        k_ctx = apply_rope(self._heads(ctx, self.k_proj, self.k_norm, self.num_kv_heads), cos[:, :c], sin[:, :c])
+        k_blk = apply_rope(self._heads(x, self.k_proj, self.k_norm, self.num_kv_heads), cos[:, c:], sin[:, c:])
+        v_ctx = self._heads(ctx, self.v_proj, None, self.num_kv_heads)
+        v_blk = self._heads(x, self.v_proj, None, self.num_kv_heads)
+        if cache is not None:
+            k_ctx, v_ctx = cache.read_and_append(self.layer_idx, k_ctx, v_ctx)
+        k = torch.cat([k_ctx, k_blk], dim=2)  # (b, g, C + Q, d)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        if isinstance(mask, dict):
+            mask = mask[self.layer_type]
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a flex-attention BlockMask
+            from torch.nn.attention.flex_attention import flex_attention
+
+            out = flex_attention(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))  # (b, Q, H)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, ctx, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(PreTrainedModel):
+    config_class = DFlashConfig
+    base_model_prefix = ""
+    _no_split_modules = ["DecoderLayer"]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.target_layer_ids = [int(i) for i in dflash_field(config, "target_layer_ids")]
+        self.mask_token_id = dflash_field(config, "mask_token_id")
+        self.block_size = int(dflash_field(config, "block_size", 16))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.activation_checkpointing = False
+        self.post_init()
+
+    def _init_weights(self, module):
+        std = getattr(self.config, "initializer_range", 0.02)
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    @property
+    def layer_types(self) -> list[str]:
+        return [layer.self_attn.layer_type for layer in self.layers]
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        target_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask=None,
+        past_key_values: ContextCache | None = None,
+        use_cache: bool = False,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Drafter hidden states after the final norm: (b, Q, H).
+
+        noise_embedding: (b, Q, H) target-embedded block tokens. target_hidden: (b, C, n*H)
+        raw concatenated target features (new ones only when a cache is given).
+        position_ids: (b, C + Q), context positions then block positions. attention_mask:
+        None (everything visible), a dense bool / flex BlockMask, or a dict of them keyed
+        by layer type.
+        """
+        ctx = self.hidden_norm(self.fc(target_hidden))  # (b, C, H)
+        cos, sin = self.rotary_emb(position_ids, noise_embedding.dtype)  # (b, C + Q, d)
+        cache = past_key_values if use_cache else None
+        x = noise_embedding
+        for layer in self.layers:
+            if self.activation_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, ctx, cos, sin, attention_mask, None, use_reentrant=False)
+            else:
+                x = layer(x, ctx, cos, sin, attention_mask, cache)
+        return self.norm(x)
+
+    def inference_masks(self, start: int, width: int, device) -> dict | None:
+        """Masks for one block at `start` over a context cache of positions 0..start-1."""
+        if SLIDING_ATTENTION not in self.layer_types:
+            return None  # full-attention layers see the whole context and the whole block
+        anchors = torch.tensor([[start]], device=device)
+        sliding = visible_mask(anchors, start, width, sliding_window=self.config.sliding_window, causal_block=True)
+        return {FULL_ATTENTION: None, SLIDING_ATTENTION: sliding}
+
+    @torch.inference_mode()
+    def draft(self, target, block_ids, new_features, start: int, cache: ContextCache) -> torch.Tensor:
+        """One denoising step: logits for slots 1..L-1 of the block at `start`: (1, L-1, V)."""
+        width = block_ids.shape[1]
+        c = new_features.shape[1]
+        positions = torch.arange(start - c, start + width, device=block_ids.device)[None]
+        noise = target.get_input_embeddings()(block_ids)
+        hidden = self(noise, new_features, positions, self.inference_masks(start, width, block_ids.device), cache, True)
+        return target.get_output_embeddings()(hidden[:, 1:])
+
+    def spec_generate(
+        self,
+        target,
+        input_ids: torch.LongTensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids=None,
+        mask_token_id: int | None = None,
+        return_stats: bool = False,
+        generator: torch.Generator | None = None,
+    ):
+        """Speculative decoding with `target` (an HF causal LM); batch size 1. See `speculate`."""
+        self.eval()
+        result = speculate(
+            self, target, input_ids, max_new_tokens, Sampling(temperature, top_p, top_k),
+            stop_token_ids, mask_token_id, generator,
+        )
+        return result if return_stats else result.output_ids
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(
+                f"sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
+                f"temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution actually sampled from: temperature, then top-k, then top-p."""
+        scores = logits.float() / self.temperature
+        if 0 < self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if self.top_p < 1:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+
+@dataclass
+class SpecOutput:
+    output_ids: torch.LongTensor  # (1, prompt + new)
+    acceptance_lengths: list  # per verify step: accepted drafts + 1 (tokens committed)
+    num_new_tokens: int
+    prefill_s: float
+    decode_s: float
+
+
+def _features(hidden_states, layer_ids) -> torch.Tensor:
+    return torch.cat([hidden_states[i + EMBEDDING_OFFSET] for i in layer_ids], dim=-1)
+
+
+def _sync(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _verify(drafts, draft_probs, target_logits, sampling: Sampling, generator):
+    """Accepted draft count and the token that follows them.
+
+    drafts: (L-1,), draft_probs: (L-1, V) or None (greedy), target_logits: (L, V) where row
+    i is the target's prediction after the anchor and the first i drafts.
+    """
+    if sampling.greedy:
+        target_tokens = target_logits.argmax(-1)  # (L,)
+        agree = (drafts == target_tokens[:-1]).long()
+        accepted = int(agree.cumprod(0).sum())
+        return accepted, target_tokens[accepted]
+    p = sampling.probs(target_logits)  # (L, V)
+    for i, token in enumerate(drafts.tolist()):
+        ratio = p[i, token] / draft_probs[i, token]
+        if torch.rand((), generator=generator, device=p.device) >= ratio:
+            # Rejected: resample from the residual max(0, p - q), which keeps the output
+            # distribution exactly the target's.
+            residual = (p[i] - draft_probs[i]).clamp_min(0)
+            residual = residual if residual.sum() > 0 else p[i]
+            return i, torch.multinomial(residual / residual.sum(), 1, generator=generator)[0]
+    return len(drafts), torch.multinomial(p[-1], 1, generator=generator)[0]
+
+
+def _crop(cache, keep: int) -> None:
+    # A negative crop removes tokens in both transformers 4.57 and 5.x (5.x rejects positive).
+    remove = cache.get_seq_length() - keep
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def _first_token(logits, sampling: Sampling, generator) -> torch.Tensor:
+    if sampling.greedy:
+        return logits.argmax(-1)
+    return torch.multinomial(sampling.probs(logits), 1, generator=generator)[0]
+
+
+@torch.inference_mode()
+def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids, mask_token_id, generator):
+    """Draft a block with `model`, verify it with `target` in one forward, commit, repeat.
+
+    The drafter's cache holds only context K/V; the target's cache is cropped to the
+    committed tokens after every step. Each step's new context features are the target's
+    features of the tokens it just committed (the anchor and the accepted drafts).
+    """
+    from transformers import DynamicCache
+
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"spec_generate supports batch size 1, got input_ids of shape {tuple(input_ids.shape)}")
+    mask_id = model.mask_token_id if mask_token_id is None else mask_token_id
+    if mask_id is None:
+        raise ValueError("no mask_token_id: pass one or set dflash_config.mask_token_id in the drafter config")
+    stops = set(stop_token_ids or [])
+    device = input_ids.device
+    prompt_len = input_ids.shape[1]
+    t0 = _sync(device)
+    target_cache = DynamicCache()
+    out = target(input_ids, past_key_values=target_cache, use_cache=True, output_hidden_states=True)
+    tokens = input_ids[0].tolist() + [int(_first_token(out.logits[0, -1], sampling, generator))]
+    new_features = _features(out.hidden_states, model.target_layer_ids)  # (1, prompt, n*H)
+    draft_cache = ContextCache()
+    t1 = _sync(device)
+    lengths = []
+    while len(tokens) - prompt_len < max_new_tokens and tokens[-1] not in stops:
+        start = len(tokens) - 1  # the anchor: last committed token, not yet seen by the target
+        # a block of width L commits at most L tokens (L-1 drafts and the target's next)
+        width = min(model.block_size, max_new_tokens - (len(tokens) - prompt_len))
+        block = torch.full((1, width), mask_id, dtype=torch.long, device=device)
+        block[0, 0] = tokens[-1]
+        draft_probs = None
+        if width > 1:
+            logits = model.draft(target, block, new_features, start, draft_cache)[0]  # (L-1, V)
+            if sampling.greedy:
+                block[0, 1:] = logits.argmax(-1)
+            else:
+                draft_probs = sampling.probs(logits)
+                block[0, 1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
+        positions = torch.arange(start, start + width, device=device)[None]
+        out = target(block, position_ids=positions, past_key_values=target_cache, use_cache=True,
+                     output_hidden_states=True)
+        accepted, bonus = _verify(block[0, 1:], draft_probs, out.logits[0], sampling, generator)
+        committed = block[0, 1 : accepted + 1].tolist() + [int(bonus)]
+        for i, tok in enumerate(committed):
+            if tok in stops:
+                committed = committed[: i + 1]
+                break
+        tokens += committed
+        lengths.append(len(committed))
+        _crop(target_cache, len(tokens) - 1)
+        new_features = _features(out.hidden_states, model.target_layer_ids)[:, : accepted + 1]
+    t2 = _sync(device)
+    return SpecOutput(
+        output_ids=torch.tensor([tokens], dtype=torch.long, device=device),
+        acceptance_lengths=lengths,
+        num_new_tokens=len(tokens) - prompt_len,
+        prefill_s=t1 - t0,
+        decode_s=t2 - t1,
+    )

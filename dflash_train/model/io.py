@@ -1,0 +1,194 @@
+"""Drafter checkpoints in the contract's on-disk format (section 4), saved and loaded safely.
+
+An export directory holds `config.json`, `model.safetensors` (unprefixed names, no
+embedding, no LM head) and `dflash.py` (a verbatim copy of `dflash_train/model/dflash.py`,
+so `AutoModel.from_pretrained(dir, trust_remote_code=True)` runs our own code).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from dflash_train.model import dflash
+from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel, dflash_field, rope_parameters
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+CODE_NAME = "dflash.py"
+REQUIRED_KEYS = (
+    "architectures", "model_type", "auto_map", "block_size", "num_target_layers", "num_hidden_layers",
+    "dflash_config", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size",
+)
+# Keys that make a runtime read the checkpoint differently than our semantics.
+FORBIDDEN_KEYS = ("eagle_aux_hidden_state_layer_ids",)
+_NOT_CONFIG_FIELDS = ("model_type", "transformers_version", "architectures", "auto_map")
+
+
+def export_config(config) -> dict:
+    """The config.json dict: 4.x (`rope_theta`) and 5.x (`rope_parameters`) readers both work."""
+    out = config.to_dict()
+    rope = rope_parameters(config)
+    for key in FORBIDDEN_KEYS:
+        out.pop(key, None)
+    out.update(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+        block_size=int(dflash_field(config, "block_size", 16)),
+        num_target_layers=int(config.num_target_layers),
+        dflash_config={
+            "mask_token_id": int(dflash_field(config, "mask_token_id")),
+            "target_layer_ids": [int(i) for i in dflash_field(config, "target_layer_ids")],
+        },
+        rope_theta=rope["rope_theta"],
+        rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
+        rope_parameters=rope,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        layer_types=list(config.layer_types or ["full_attention"] * config.num_hidden_layers),
+    )
+    return out
+
+
+def _write_export(state: dict, config_dict: dict, tmp: Path) -> None:
+    (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    shutil.copyfile(dflash.__file__, tmp / CODE_NAME)
+
+
+def atomic_directory(out_dir: str | Path, write) -> Path:
+    """Run `write(tmp_dir)`, then move the finished directory into place in one rename.
+
+    A crash leaves either the previous directory or the new one, never a half-written one.
+    """
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    old = out.parent / f".{out.name}.old"
+    try:
+        write(tmp)
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def save_drafter(model: DFlashDraftModel, out_dir, extra_files: dict | None = None, state_dict=None) -> Path:
+    """Export a drafter (or a gathered `state_dict` for its config) in the contract format.
+
+    extra_files: {name: text} written beside (a README model card, a recipe, a manifest).
+    """
+    state = state_dict if state_dict is not None else model.state_dict()
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    config_dict = export_config(model.config)
+    check_weights(state, DFlashDraftModel(DFlashConfig(**_config_fields(config_dict))).state_dict(), out_dir)
+
+    def write(tmp: Path):
+        _write_export(state, config_dict, tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+
+    return atomic_directory(out_dir, write)
+
+
+def _config_fields(config_dict: dict) -> dict:
+    return {k: v for k, v in config_dict.items() if k not in _NOT_CONFIG_FIELDS}
+
+
+def read_config(path) -> DFlashConfig:
+    """Parse and check an export's config.json without touching the weights."""
+    file = Path(path) / CONFIG_NAME
+    if not file.is_file():
+        raise ValueError(f"{path}: no {CONFIG_NAME}; not a DFlash drafter export")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file}: not valid JSON ({err})") from None
+    missing = [k for k in REQUIRED_KEYS if k not in raw]
+    if missing:
+        raise ValueError(f"{file}: missing required key(s) {missing}")
+    nested = raw["dflash_config"]
+    for key in ("mask_token_id", "target_layer_ids"):
+        if key not in nested:
+            raise ValueError(f"{file}: missing required key dflash_config.{key}")
+    config = DFlashConfig(**_config_fields(raw))
+    validate_config(config)
+    return config
+
+
+def validate_config(config) -> None:
+    """Checks of a drafter config on its own: ids in range of what it claims to serve."""
+    layer_ids = list(dflash_field(config, "target_layer_ids"))
+    n_target = config.num_target_layers
+    bad = [i for i in layer_ids if not 0 <= int(i) < n_target]
+    if bad:
+        raise ValueError(f"target_layer_ids={layer_ids} but num_target_layers is {n_target}: {bad} out of range")
+    mask_id = dflash_field(config, "mask_token_id")
+    if mask_id is None or not 0 <= int(mask_id) < config.vocab_size:
+        raise ValueError(f"mask_token_id={mask_id} is outside the vocabulary (0..{config.vocab_size - 1})")
+    if int(dflash_field(config, "block_size", 16)) < 2:
+        raise ValueError(f"block_size={dflash_field(config, 'block_size')} must be at least 2")
+
+
+def validate_against_target(config, target) -> None:
+    """A drafter serves exactly one target: its geometry, vocabulary and layer ids must match."""
+    checks = [
+        ("hidden_size", config.hidden_size, target.hidden_size),
+        ("num_target_layers", config.num_target_layers, target.num_layers),
+    ]
+    for name, mine, theirs in checks:
+        if mine != theirs:
+            raise ValueError(f"drafter {name}={mine} but the target has {theirs}: this drafter is for another target")
+    layer_ids = list(dflash_field(config, "target_layer_ids"))
+    bad = [i for i in layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise ValueError(f"target_layer_ids={layer_ids} but the target has {target.num_layers} layers")
+    mask_id = int(dflash_field(config, "mask_token_id"))
+    if not 0 <= mask_id < target.vocab_rows:
+        raise ValueError(f"mask_token_id={mask_id} but the target's embedding has {target.vocab_rows} rows")
+    if config.vocab_size != target.vocab_rows and config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"drafter vocab_size={config.vocab_size} but the target has {target.vocab_rows} tokens")
+
+
+def check_weights(state: dict, expected: dict, where) -> None:
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{where}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    wrong = [(k, tuple(state[k].shape), tuple(v.shape)) for k, v in expected.items() if state[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"{where}: weight shapes do not match the config (name, found, expected): {wrong[:3]}")
+
+
+def load_drafter(path, target=None, dtype: torch.dtype | None = None, device="cpu") -> DFlashDraftModel:
+    """Load an export (safetensors only, never pickle), validated against `target` if given."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"drafter path {str(path)!r} is not a directory")
+    config = read_config(path)
+    if target is not None:
+        validate_against_target(config, target)
+    file = path / WEIGHTS_NAME
+    if not file.is_file():
+        raise ValueError(f"{path}: no {WEIGHTS_NAME}")
+    try:
+        state = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{file}: unreadable safetensors file (truncated or corrupt): {err}") from None
+    model = DFlashDraftModel(config)
+    check_weights(state, model.state_dict(), file)
+    model.load_state_dict(state, strict=True)
+    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    return model.eval()
