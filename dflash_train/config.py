@@ -1,0 +1,185 @@
+"""Typed configuration of a training run and its cross-field checks.
+
+Hydra composes the YAML recipes into a DictConfig; ``to_train_config`` merges it onto these
+dataclasses (so an unknown or misspelled key is an error that names it), turns it into
+plain objects and runs ``validate``, all before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dflash_train.contract import default_gamma
+
+ATTENTION_KINDS = ("flex", "dense")
+SCHEDULES = ("cosine", "constant")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class TargetConfig:
+    name: str = MISSING  # HF id, local directory, .gguf file or pkg:<package>/<file>
+    mask_token_id: int = MISSING
+    num_layers: int = MISSING  # lets layer ids be checked before the target is loaded
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
+
+
+@dataclass
+class DrafterConfig:
+    num_hidden_layers: int = 5
+    block_size: int = 16
+    num_features: int | None = None  # None: one feature layer per draft layer
+    target_layer_ids: list[int] | None = None  # None: the contract's default spread
+    attention: str = "flex"  # mask implementation: flex BlockMask or a dense boolean mask
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+
+@dataclass
+class DataConfig:
+    path: str = MISSING  # a dflash-datagen output directory (manifest.json + data/)
+    max_length: int = 3072
+    num_anchors: int = 512
+    packing: bool = False  # several conversations per row, document-aware masks
+    check_manifest: bool = True  # refuse data generated for another target or tokenizer
+    shuffle: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_ratio: float = 0.04
+    schedule: str = "cosine"
+    grad_clip: float = 1.0
+    micro_batch_size: int = 1
+    grad_accum_steps: int = 1
+
+
+@dataclass
+class LossConfig:
+    gamma: float | None = None  # None: the paper's value for the block size
+    chunk_size: int = 1024  # supervised slots per chunk of float32 logits
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 10  # optimizer steps between metric lines
+    wandb: str = "offline"
+    project: str = "dflash-train"
+    run_name: str | None = None
+    progress_bar: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500  # optimizer steps; 0 disables periodic checkpoints
+    keep_last: int = 3
+    resume: bool = True  # continue from the latest checkpoint under output_dir
+
+
+@dataclass
+class HubConfig:
+    repo_id: str | None = None
+    private: bool = True
+    eval_results: str | None = None  # a dflash-eval JSON whose table goes into the model card
+
+
+@dataclass
+class TrainConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+    # Owned by dflash_train.distributed (device, mixed precision, sharding); build_backend
+    # validates it.
+    backend: dict[str, Any] = field(default_factory=dict)
+    output_dir: str = MISSING
+    seed: int = 0
+    epochs: int = 6
+    max_steps: int | None = None  # stop early (smoke runs); the schedule still spans all epochs
+    max_nan_skips: int = 10  # abort after this many micro-batches with a non-finite loss
+    export: bool = True  # write the contract-format drafter to <output_dir>/export at the end
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """Merge a composed recipe onto the schema, convert and validate it."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+        out = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ValueError(f"bad training recipe: {e}") from e
+    validate(out)
+    return out
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}; expected one of {list(choices)}")
+
+
+def _check_positive(**values: float) -> None:
+    bad = {k: v for k, v in values.items() if v is None or v <= 0}
+    if bad:
+        raise ValueError(f"these settings must be positive: {bad}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks; each error names the offending values."""
+    d, o = cfg.drafter, cfg.optim
+    _check_choice("drafter.attention", d.attention, ATTENTION_KINDS)
+    _check_choice("optim.schedule", o.schedule, SCHEDULES)
+    _check_choice("logging.wandb", cfg.logging.wandb, WANDB_MODES)
+    _check_positive(
+        **{
+            "drafter.num_hidden_layers": d.num_hidden_layers,
+            "data.max_length": cfg.data.max_length,
+            "data.num_anchors": cfg.data.num_anchors,
+            "optim.lr": o.lr,
+            "optim.micro_batch_size": o.micro_batch_size,
+            "optim.grad_accum_steps": o.grad_accum_steps,
+            "loss.chunk_size": cfg.loss.chunk_size,
+            "epochs": cfg.epochs,
+            "logging.every": cfg.logging.every,
+            "checkpoint.keep_last": cfg.checkpoint.keep_last,
+            "target.num_layers": cfg.target.num_layers,
+        }
+    )
+    if d.block_size < 2:
+        raise ValueError(f"drafter.block_size={d.block_size}: a block needs the anchor and at least one draft slot")
+    if cfg.loss.gamma is None:
+        default_gamma(d.block_size)  # raises for block sizes without a paper value
+    elif cfg.loss.gamma <= 0:
+        raise ValueError(f"loss.gamma={cfg.loss.gamma} must be positive")
+    if cfg.data.max_length <= d.block_size:
+        raise ValueError(f"data.max_length={cfg.data.max_length} must exceed drafter.block_size={d.block_size}")
+    if not 0 <= o.warmup_ratio < 1:
+        raise ValueError(f"optim.warmup_ratio={o.warmup_ratio} must be in [0, 1)")
+    if o.grad_clip < 0:
+        raise ValueError(f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
+    if cfg.target.mask_token_id < 0:
+        raise ValueError(f"target.mask_token_id={cfg.target.mask_token_id} must be a token id >= 0")
+    ids = d.target_layer_ids
+    if ids is not None:
+        bad = [i for i in ids if not 0 <= i < cfg.target.num_layers]
+        if not ids or bad:
+            raise ValueError(
+                f"drafter.target_layer_ids={ids} but the target has {cfg.target.num_layers} layers "
+                f"(valid ids 0..{cfg.target.num_layers - 1})"
+            )
+        if d.num_features is not None and d.num_features != len(ids):
+            raise ValueError(f"drafter.num_features={d.num_features} but target_layer_ids has {len(ids)} entries")
+    if cfg.max_steps is not None and cfg.max_steps <= 0:
+        raise ValueError(f"max_steps={cfg.max_steps} must be positive or null")
+    if cfg.max_nan_skips < 0:
+        raise ValueError(f"max_nan_skips={cfg.max_nan_skips} must be >= 0")

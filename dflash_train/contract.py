@@ -1,0 +1,146 @@
+"""The DFlash training-data rules (contract section 2) as small pure functions.
+
+Every function here works on one sequence of length T (token ids ``x``, ``loss_mask``, and
+for packed rows ``doc_ids``) and is the single place its rule is written; the dataset,
+the loss and the tests all call these. Shapes: T sequence length, N anchors, B block size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+# Label value that cross-entropy ignores (the same convention as torch and HF).
+IGNORE_INDEX = -100
+# Slot 0 of a block holds the anchor token itself and is never supervised.
+ANCHOR_SLOT = 0
+# The paper's loss decay per block size: w_k = exp(-(k-1)/gamma).
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    if block_size not in DEFAULT_GAMMA:
+        raise ValueError(
+            f"no default loss gamma for block_size={block_size} (known: {sorted(DEFAULT_GAMMA)}); "
+            "set loss.gamma explicitly"
+        )
+    return DEFAULT_GAMMA[block_size]
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """(B,) float32 loss weight per block slot: 0 for the anchor, exp(-(k-1)/gamma) for k >= 1."""
+    if gamma <= 0:
+        raise ValueError(f"loss gamma must be positive, got {gamma}")
+    k = torch.arange(block_size, dtype=torch.float32)
+    weights = torch.exp(-(k - 1) / gamma)
+    weights[ANCHOR_SLOT] = 0.0
+    return weights
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit generator seed that depends on nothing but ``parts``.
+
+    Hashing (rather than e.g. seed + index) keeps the streams of neighbouring samples and
+    epochs unrelated; since nothing else enters, a resumed run, or a run on another number
+    of processes, draws exactly the same numbers.
+    """
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def anchor_seed(seed: int, epoch: int, sample_index: int) -> int:
+    """The seed of one sample's anchors in one epoch: fresh every epoch, fixed across resumes."""
+    return derive_seed("anchors", seed, epoch, sample_index)
+
+
+def anchor_candidates(loss_mask: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(M,) positions p with p + 1 < T and loss_mask[p + 1] == 1 (and p + 1 in p's document).
+
+    The first label of a block is x[p + 1], so an anchor is only worth drawing when that
+    token is trained on; a packed row never anchors on one conversation to predict the next.
+    """
+    nxt = loss_mask[1:].bool()  # (T-1,) is position p + 1 supervised
+    if doc_ids is not None:
+        nxt = nxt & (doc_ids[1:] == doc_ids[:-1])
+    return torch.nonzero(nxt, as_tuple=False).flatten()
+
+
+def sample_anchors(candidates: torch.Tensor, num_anchors: int, seed: int) -> torch.Tensor:
+    """(min(M, num_anchors),) distinct sorted anchors drawn from ``candidates`` with ``seed``."""
+    if num_anchors <= 0:
+        raise ValueError(f"num_anchors must be positive, got {num_anchors}")
+    if candidates.numel() <= num_anchors:
+        return candidates.clone()
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(candidates.numel(), generator=gen)[:num_anchors]
+    return candidates[pick].sort().values
+
+
+def block_offsets(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(N, B) sequence positions p + k covered by each block (may run past T)."""
+    return anchors[:, None] + torch.arange(block_size, device=anchors.device)
+
+
+def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
+    """(N, B) drafter inputs: [x[p], MASK, ..., MASK] for each anchor p."""
+    ids = torch.full((anchors.numel(), block_size), mask_token_id, dtype=input_ids.dtype)
+    ids[:, ANCHOR_SLOT] = input_ids[anchors]
+    return ids
+
+
+def block_position_ids(position_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(N, B) RoPE positions pos[p] + k: the positions the slots' tokens would have.
+
+    ``position_ids`` (T,) restart at 0 in every packed document, so a block is placed where
+    it would sit in its own conversation, exactly as at inference.
+    """
+    return position_ids[anchors][:, None] + torch.arange(block_size)
+
+
+def block_labels(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    block_size: int,
+    doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(N, B) same-position labels: slot k predicts x[p + k]; IGNORE_INDEX where not supervised.
+
+    Ignored: the anchor slot, positions >= T, positions with loss_mask == 0 and (packed
+    rows) positions in another document than the anchor.
+    """
+    T = input_ids.numel()
+    pos = block_offsets(anchors, block_size)  # (N, B)
+    inside = pos < T
+    safe = pos.clamp(max=T - 1)
+    valid = inside & loss_mask[safe].bool()
+    if doc_ids is not None:
+        valid &= doc_ids[safe] == doc_ids[anchors][:, None]
+    valid[:, ANCHOR_SLOT] = False
+    return torch.where(valid, input_ids[safe], torch.full_like(safe, IGNORE_INDEX))
+
+
+def expected_acceptance_length(position_accuracy: torch.Tensor) -> float:
+    """tau implied by per-slot accuracies a_1..a_{B-1}: 1 + sum_k prod_{j<=k} a_j.
+
+    A draft is accepted up to its first wrong slot and the target adds one token, so with
+    independent slots the expected committed length is the bonus token plus the chance that
+    each prefix is entirely right. Slots with no data (NaN) end the prefix.
+    """
+    acc = torch.nan_to_num(position_accuracy.double(), nan=0.0).clamp(0.0, 1.0)
+    return 1.0 + float(torch.cumprod(acc, dim=0).sum())
+
+
+def truncate(values: torch.Tensor, max_length: int) -> tuple[torch.Tensor, bool]:
+    """The first ``max_length`` entries and whether anything was cut."""
+    return values[:max_length], values.numel() > max_length
+
+
+def loss_weight_sum(labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The loss normaliser: sum of the slot weights (B,) over the supervised slots of ``labels``.
+
+    ``labels`` (..., N * B) holds whole blocks of B slots back to back.
+    """
+    blocks = labels.reshape(-1, weights.numel())  # (rows * N, B)
+    return ((blocks != IGNORE_INDEX).float() * weights.to(labels.device)).sum()

@@ -1,0 +1,41 @@
+"""dflash-train: compose the recipe, validate it, train, export.
+
+    dflash-train --config-name train_quickstart data.path=runs/quickstart/data
+    torchrun --nproc-per-node 8 -m dflash_train.train +experiment=qwen3_8b_8xh100 data.path=...
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from dflash_train.config import to_train_config
+from dflash_train.training.trainer import Trainer
+
+
+def run(cfg: DictConfig) -> Path | None:
+    """Train from a composed recipe; returns the export directory (on the main process)."""
+    trainer = Trainer(to_train_config(cfg))
+    try:
+        return trainer.fit()
+    finally:
+        trainer.backend.shutdown()
+
+
+@hydra.main(config_path="pkg://dflash_recipes", config_name="train", version_base=None)
+def main(cfg: DictConfig) -> None:
+    try:
+        export = run(cfg)
+    except ValueError as e:
+        # A user mistake (recipe, data, target): one readable line and a non-zero exit.
+        print(f"dflash-train: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if export is not None:
+        print(f"exported drafter to {export}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Metrics sinks of the main process: JSON lines, wandb and a tqdm progress bar.
+
+wandb runs offline unless the recipe says ``logging.wandb: online``; its own environment
+variables (WANDB_MODE, WANDB_API_KEY, ...) keep their usual meaning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dflash_train.config import LoggingConfig
+from dflash_train.contract import expected_acceptance_length
+from dflash_train.training.flops import peak_memory_gib
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep the line parseable
+    return value
+
+
+class MetricsLogger:
+    """Writes metric dicts; a no-op on every process but the main one."""
+
+    def __init__(self, cfg: LoggingConfig, output_dir: Path, total_steps: int, start_step: int,
+                 is_main: bool, run_config: dict):
+        self.enabled = is_main
+        self.bar = None
+        self.wandb_run = None
+        if not is_main:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(output_dir / METRICS_FILE, "a")
+        if cfg.progress_bar:
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        if cfg.wandb != "disabled":
+            self.wandb_run = _start_wandb(cfg, output_dir, run_config)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        line = {"step": step, "time": round(time.time(), 3), **{k: _jsonable(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['expected_tau']:.2f}", refresh=False)
+
+    def advance(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        self.file.close()
+
+
+def _start_wandb(cfg: LoggingConfig, output_dir: Path, run_config: dict):
+    try:
+        import wandb
+    except ImportError as e:
+        raise ValueError(
+            f"logging.wandb={cfg.wandb!r} needs wandb: pip install 'dflash-train[wandb]', "
+            "or set logging.wandb=disabled"
+        ) from e
+    return wandb.init(
+        project=cfg.project,
+        name=cfg.run_name,
+        dir=str(output_dir),
+        mode=cfg.wandb,
+        config=run_config,
+        # The run id follows the output directory, so a resumed run continues its history.
+        id=_run_id(output_dir),
+        resume="allow",
+    )
+
+
+def _run_id(output_dir: Path) -> str:
+    return hashlib.sha256(str(output_dir.resolve()).encode()).hexdigest()[:16]
+
+
+class MetricWindow:
+    """Sums of the globally reduced step statistics between two metric lines."""
+
+    def __init__(self, block_size: int, peak_flops: float | None):
+        self.block_size = block_size
+        self.peak_flops = peak_flops
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum = self.weight_sum = self.tokens = self.flops = self.seconds = 0.0
+        self.samples = 0
+        self.correct = [0.0] * self.block_size
+        self.count = [0.0] * self.block_size
+        self.grad_norm = float("nan")
+
+    def add(self, sums: dict, seconds: float, global_batch: int) -> None:
+        self.seconds += seconds
+        self.samples += global_batch
+        self.tokens += float(sums["tokens"])
+        self.flops += float(sums["flops"])
+        if not sums["finite"]:
+            return  # a skipped step teaches nothing: keep its NaN out of the averages
+        self.loss_sum += float(sums["loss_sum"])
+        self.weight_sum += float(sums["weight_sum"])
+        self.correct = [a + float(b) for a, b in zip(self.correct, sums["correct"])]
+        self.count = [a + float(b) for a, b in zip(self.count, sums["count"])]
+        self.grad_norm = sums["grad_norm"]
+
+    def position_accuracy(self) -> list[float]:
+        """Accuracy of slots 1..B-1 (slot 0 is the anchor and never predicted)."""
+        return [c / n if n else float("nan") for c, n in zip(self.correct[1:], self.count[1:])]
+
+    def summary(self, lr: float, nan_skipped: int, world_size: int, device) -> dict:
+        acc = self.position_accuracy()
+        out = {
+            "loss": self.loss_sum / self.weight_sum if self.weight_sum else float("nan"),
+            "expected_tau": expected_acceptance_length(torch.tensor(acc)),
+            **{f"acc_pos_{k}": a for k, a in enumerate(acc, start=1)},
+            "lr": lr,
+            "grad_norm": self.grad_norm,
+            "tokens_per_s": self.tokens / self.seconds,
+            "samples_per_s": self.samples / self.seconds,
+            "peak_memory_gib": peak_memory_gib(device),
+            "nan_skipped": nan_skipped,
+        }
+        if self.peak_flops:
+            out["mfu"] = self.flops / self.seconds / (self.peak_flops * world_size)
+        return out

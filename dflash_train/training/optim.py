@@ -1,0 +1,49 @@
+"""AdamW and the warmup + cosine schedule, as factories the distributed backend calls.
+
+The backend builds the optimizer after it has wrapped or sharded the model, so the trainer
+hands it functions rather than objects.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+from dflash_train.config import OptimConfig
+
+
+def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """Decay matrices only: norm gains (1-D) are scales around 1, pulling them to 0 hurts."""
+    params = [p for p in params if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def optimizer_factory(cfg: OptimConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    def build(params):
+        return torch.optim.AdamW(
+            param_groups(params, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
+        )
+
+    return build
+
+
+def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
+    return math.ceil(cfg.warmup_ratio * total_steps)
+
+
+def scheduler_factory(cfg: OptimConfig, total_steps: int) -> Callable[[torch.optim.Optimizer], object]:
+    """Linear warmup over ``warmup_ratio`` of the run, then cosine decay to 0 (or constant)."""
+    warmup = warmup_steps(cfg, total_steps)
+
+    def build(optimizer):
+        if cfg.schedule == "constant":
+            return get_constant_schedule_with_warmup(optimizer, warmup)
+        return get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
+
+    return build

@@ -1,0 +1,276 @@
+"""The training loop: frozen target features online, drafter forward/backward, DFlash loss.
+
+One optimizer step = ``grad_accum_steps`` micro-batches of ``micro_batch_size`` rows on each
+of ``world_size`` processes (the global batch). Everything distributed goes through the
+backend; this file never asks which one it has.
+
+Loss normalisation, identical for any world size: the loss of a step is
+    sum over all micro-batches of all ranks of sum_k w_k * CE_k  /  sum of w_k over valid slots,
+with the denominator all-reduced before the first backward. The backend divides each
+micro-batch loss by grad_accum_steps and averages gradients over ranks, so each micro-batch
+passes its weighted sum times grad_accum_steps * world_size / denominator.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from data_gen.writer import check_target, load_generated, read_manifest
+from dflash_train import contract
+from dflash_train.config import TrainConfig
+from dflash_train.data.collate import Batch, collate
+from dflash_train.data.dataset import StepSlice, TrainingData
+from dflash_train.data.packing import document_causal_mask
+from dflash_train.distributed.backend import build_backend
+from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
+from dflash_train.model.io import save_drafter
+from dflash_train.model.masks import build_training_masks
+from dflash_train.model.target import TargetModel, load_target, load_tokenizer, target_identity, tokenizer_hash
+from dflash_train.training import flops
+from dflash_train.training.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from dflash_train.training.logging import MetricsLogger, MetricWindow
+from dflash_train.training.loss import LossOutput, dflash_loss
+from dflash_train.training.optim import optimizer_factory, scheduler_factory
+
+log = logging.getLogger(__name__)
+EXPORT_DIR = "export"
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many steps with a NaN/inf loss: the run is diverging or the data is broken."""
+
+
+class Trainer:
+    """Builds data, target, drafter and optimizer from a validated TrainConfig; ``fit`` trains.
+
+    ``target`` and ``data`` may be passed in prebuilt (the benchmark uses random data and
+    a target built from a config); normally both come from the recipe.
+    """
+
+    def __init__(self, cfg: TrainConfig, *, target: TargetModel | None = None, data: TrainingData | None = None):
+        self.cfg = cfg
+        self.output_dir = Path(cfg.output_dir)
+        self.backend = build_backend(cfg.backend)
+        self._setup_data(data)  # before any model: bad data fails in seconds, not minutes
+        self._setup_model(target)
+        self._setup_optimizer()
+        self.state = TrainerState(global_batch=self.slice.global_batch)
+        self._order_cache: tuple[int, torch.Tensor] | None = None
+
+    # ----------------------------------------------------------------------------- setup
+    def _setup_data(self, data: TrainingData | None) -> None:
+        cfg, b = self.cfg, self.backend
+        self.manifest = None
+        if data is None:
+            self.manifest = read_manifest(cfg.data.path)
+            if cfg.data.check_manifest:
+                tok_hash = tokenizer_hash(load_tokenizer(cfg.target.name))
+                check_target(self.manifest, target_identity(cfg.target.name), tok_hash)
+            data = TrainingData(
+                load_generated(cfg.data.path), max_length=cfg.data.max_length, packing=cfg.data.packing,
+                seed=cfg.seed, shuffle=cfg.data.shuffle, num_anchors=cfg.data.num_anchors,
+                block_size=cfg.drafter.block_size, mask_token_id=cfg.target.mask_token_id,
+            )
+        self.data = data
+        self.slice = StepSlice(cfg.optim.micro_batch_size, cfg.optim.grad_accum_steps, b.world_size, b.rank)
+        self.steps_per_epoch = len(data) // self.slice.global_batch
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"{len(data)} training rows cannot fill one global batch of {self.slice.global_batch} "
+                f"(micro_batch_size * grad_accum_steps * world_size)"
+            )
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        self.last_step = min(self.total_steps, cfg.max_steps or self.total_steps)
+        if b.is_main and data.num_truncated:
+            log.warning("%d of %d sequences truncated to max_length=%d", data.num_truncated, len(data.ds), data.max_length)
+
+    def _setup_model(self, target: TargetModel | None) -> None:
+        cfg = self.cfg
+        if target is None:
+            target = load_target(cfg.target.name, dtype=cfg.target.dtype, device="cpu")
+        if target.num_layers != cfg.target.num_layers:
+            raise ValueError(f"target.num_layers={cfg.target.num_layers} but {cfg.target.name} has {target.num_layers}")
+        if not 0 <= cfg.target.mask_token_id < target.vocab_rows:
+            raise ValueError(f"target.mask_token_id={cfg.target.mask_token_id} is outside the embedding (0..{target.vocab_rows - 1})")
+        target.model = self.backend.prepare_target(target.model)
+        self.target = target
+        d = cfg.drafter
+        self.drafter_config = DFlashConfig.from_target(
+            target.config, mask_token_id=cfg.target.mask_token_id, num_hidden_layers=d.num_hidden_layers,
+            block_size=d.block_size, target_layer_ids=d.target_layer_ids, num_features=d.num_features,
+        )
+        torch.manual_seed(cfg.seed)  # the drafter's initial weights depend on the seed only
+        self.drafter = DFlashDraftModel(self.drafter_config)
+        self.drafter.activation_checkpointing = d.activation_checkpointing
+        if d.compile:
+            for layer in self.drafter.layers:
+                layer.compile()  # per layer: the flex-attention kernels need compiling too
+        self.layer_ids = self.drafter.target_layer_ids
+        self.slot_weights = contract.slot_weights(d.block_size, cfg.loss.gamma or contract.default_gamma(d.block_size))
+        # Compute dtype of the drafter's inputs: bf16 under the backend's mixed precision.
+        self.input_dtype = self.backend.mixed_dtype or torch.float32
+
+    def _setup_optimizer(self) -> None:
+        o = self.cfg.optim
+        self.backend.setup(
+            self.drafter, optimizer_factory(o), scheduler_factory(o, self.total_steps),
+            clip_grad_norm=o.grad_clip, grad_accum_steps=o.grad_accum_steps,
+        )
+
+    # ------------------------------------------------------------------------ one step
+    def micro_batches(self, step: int) -> list[Batch]:
+        """This process's micro-batches of global step ``step``."""
+        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            self._order_cache = (epoch, self.data.epoch_order(epoch))
+        order = self._order_cache[1]
+        return [
+            collate([self.data.example(r, epoch) for r in self.slice.rows(order, in_epoch, m)],
+                    self.cfg.target.mask_token_id).to(self.backend.device)
+            for m in range(self.slice.grad_accum_steps)
+        ]
+
+    def target_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Frozen-target features (b, T, n*H) and block-token embeddings (b, Q, H)."""
+        # Packed rows keep their conversations apart with a block-diagonal causal mask.
+        mask = batch.attention_mask if batch.doc_ids is None else document_causal_mask(batch.doc_ids)
+        with torch.inference_mode():
+            feats = self.target.features(batch.input_ids, self.layer_ids, attention_mask=mask,
+                                         position_ids=batch.position_ids)
+            noise = self.target.embed_tokens(batch.block_ids)
+        # copy=True turns inference tensors into ordinary ones that autograd may save.
+        return feats.to(self.input_dtype, copy=True), noise.to(self.input_dtype, copy=True)
+
+    def masks(self, batch: Batch) -> dict:
+        return build_training_masks(self.drafter_config, batch.anchors, batch.anchor_valid,
+                                    batch.input_ids.shape[1], batch.doc_ids, kind=self.cfg.drafter.attention)
+
+    def draft(self, batch: Batch, feats: torch.Tensor, noise: torch.Tensor, masks: dict) -> torch.Tensor:
+        position_ids = torch.cat([batch.position_ids, batch.block_position_ids], dim=1)  # (b, T + Q)
+        return self.backend.model(noise, feats, position_ids, attention_mask=masks)  # (b, Q, H)
+
+    def loss(self, batch: Batch, hidden: torch.Tensor) -> LossOutput:
+        return dflash_loss(hidden, batch.labels, self.target.lm_head, self.slot_weights, self.cfg.loss.chunk_size)
+
+    def micro_step(self, batch: Batch) -> LossOutput:
+        feats, noise = self.target_inputs(batch)
+        return self.loss(batch, self.draft(batch, feats, noise, self.masks(batch)))
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step; returns globally reduced sums for the metric window."""
+        batches = self.micro_batches(step)
+        weight_sum = sum(contract.loss_weight_sum(b.labels, self.slot_weights) for b in batches)
+        global_weight = self.backend.all_reduce_sum(weight_sum).clamp(min=1e-12)
+        scale = self.slice.grad_accum_steps * self.slice.world_size / global_weight
+        loss_sum = torch.zeros((), device=self.backend.device)
+        correct = count = 0
+        tokens = step_flops = 0.0
+        for m, batch in enumerate(batches):
+            out = self.micro_step(batch)
+            self.backend.backward(out.weighted_sum * scale, sync=m == len(batches) - 1)
+            loss_sum = loss_sum + out.weighted_sum.detach()
+            correct, count = correct + out.correct, count + out.count
+            tokens += batch.num_tokens
+            step_flops += self._flops(batch)
+        local = torch.tensor([tokens, step_flops], device=self.backend.device)
+        sums = torch.cat([loss_sum.reshape(1), local, correct, count]).double()
+        sums = self.backend.all_reduce_sum(sums)
+        finite = bool(torch.isfinite(sums[0]))
+        if finite:
+            grad_norm = self.backend.step()
+        else:
+            # Drop the poisoned gradients without touching weights, moments or schedule.
+            self.backend.optimizer.zero_grad(set_to_none=True)
+            grad_norm = float("nan")
+        b = self.drafter.block_size
+        return {"finite": finite, "loss_sum": sums[0], "weight_sum": global_weight.double(), "tokens": sums[1],
+                "flops": sums[2], "correct": sums[3:3 + b], "count": sums[3 + b:], "grad_norm": grad_norm}
+
+    def _flops(self, batch: Batch) -> float:
+        b, t = batch.input_ids.shape
+        run = max(self.layer_ids) + 1
+        shape = flops.StepShape(context_tokens=t, query_tokens=batch.block_ids.shape[1],
+                                supervised_slots=int((batch.labels != contract.IGNORE_INDEX).sum()),
+                                mean_anchor=float(batch.anchors.float().mean()))
+        cfg = self.target.config
+        return (flops.target_forward_flops(cfg, run, b * t, t) + b * flops.drafter_train_flops(self.drafter, shape)
+                + flops.loss_flops(cfg.hidden_size, self.target.vocab_rows, shape.supervised_slots))
+
+    # ---------------------------------------------------------------------------- fit
+    def resume(self) -> None:
+        path = latest_checkpoint(self.output_dir)
+        if path is None:
+            return
+        if not self.cfg.checkpoint.resume:
+            raise ValueError(f"{self.output_dir} already holds checkpoints (latest {path.name}) but "
+                             "checkpoint.resume=false; pick a new output_dir or allow resuming")
+        self.state = load_checkpoint(self.backend, path, self.slice.global_batch)
+        if self.backend.is_main:
+            log.info("resumed from %s (step %d, %d samples seen)", path, self.state.step, self.state.samples_seen)
+
+    def fit(self) -> Path | None:
+        """Train to the end (resuming if possible), export; returns the export directory on rank 0."""
+        self.resume()
+        cfg = self.cfg
+        logger = MetricsLogger(cfg.logging, self.output_dir, self.last_step, self.state.step,
+                               self.backend.is_main, _plain(cfg))
+        window = MetricWindow(self.drafter.block_size, flops.measure_matmul_flops(self.backend.device))
+        try:
+            while self.state.step < self.last_step:
+                start = time.perf_counter()
+                sums = self.train_step(self.state.step)
+                self.state.step += 1
+                self._count_nonfinite(sums["finite"])
+                window.add(sums, time.perf_counter() - start, self.slice.global_batch)
+                logger.advance()
+                step = self.state.step
+                if step % cfg.logging.every == 0 or step == self.last_step:
+                    logger.log(step, window.summary(self.backend.lr(), self.state.nan_skipped,
+                                                    self.slice.world_size, self.backend.device))
+                    window.reset()
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < self.last_step:
+                    self.save()
+            self.save()
+        finally:
+            logger.close()
+        return self.export(self.output_dir / EXPORT_DIR) if cfg.export else None
+
+    def _count_nonfinite(self, finite: bool) -> None:
+        if finite:
+            return
+        self.state.nan_skipped += 1
+        log.warning("step %d: non-finite loss, update skipped (%d so far)", self.state.step, self.state.nan_skipped)
+        if self.state.nan_skipped > self.cfg.max_nan_skips:
+            raise NonFiniteLossError(
+                f"{self.state.nan_skipped} steps had a non-finite loss (max_nan_skips={self.cfg.max_nan_skips}); "
+                "lower the learning rate or check the data"
+            )
+
+    def save(self) -> Path:
+        latest = latest_checkpoint(self.output_dir)
+        if latest is not None and latest.name.endswith(f"{self.state.step:08d}"):
+            return latest  # resumed at the very end: nothing new to write
+        return save_checkpoint(self.backend, self.output_dir, self.state, self.cfg, self.cfg.checkpoint.keep_last)
+
+    def export(self, out_dir: Path) -> Path | None:
+        """Collective: the drafter in the contract format, with recipe and data manifest beside."""
+        from dflash_train.export.hub import model_card_files
+
+        state = self.backend.full_state_dict()
+        path = None
+        if self.backend.is_main:
+            extra = model_card_files(_plain(self.cfg), self.manifest, eval_results=None)
+            path = save_drafter(self.drafter, out_dir, extra_files=extra, state_dict=state)
+        self.backend.barrier()
+        return path
+
+
+def _plain(cfg: TrainConfig) -> dict:
+    from omegaconf import OmegaConf
+
+    return json.loads(json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg))))

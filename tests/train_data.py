@@ -1,0 +1,60 @@
+"""Tiny but real training inputs for the trainer tests: dflash-datagen directories built from
+chat-templated conversations, and a small random target saved as a model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from data_gen import writer
+
+# Short assistant answers with repeated structure, so a drafter can learn them in a few steps.
+CONVERSATIONS = [
+    ("What is the capital of France?", "The capital of France is Paris. Paris is also the largest city in France."),
+    ("Count from one to ten.", "One, two, three, four, five, six, seven, eight, nine, ten."),
+    ("Name three primary colors.", "The three primary colors are red, blue and yellow."),
+    ("What is 2 + 2?", "2 + 2 = 4. Two plus two equals four."),
+    ("Say hello in French.", "Hello in French is bonjour. You can also say salut to friends."),
+    ("List the days of the week.", "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday."),
+    ("What color is the sky?", "On a clear day the sky is blue. At sunset it can turn orange and red."),
+    ("Write a Python function that adds two numbers.", "def add(a, b):\n    return a + b"),
+]
+
+
+def chat_row(tokenizer, question: str, answer: str, index: int) -> dict:
+    """One datagen row: the templated conversation with loss_mask 1 on the assistant reply."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                           add_generation_prompt=True)
+    full = tokenizer.apply_chat_template([{"role": "user", "content": question},
+                                          {"role": "assistant", "content": answer}], tokenize=False)
+    assert full.startswith(prompt)
+    p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+    assert ids[: len(p_ids)] == p_ids
+    return {"input_ids": ids, "loss_mask": [0] * len(p_ids) + [1] * (len(ids) - len(p_ids)),
+            "prompt_id": f"p{index}", "source": "test", "finish_reason": "stop", "prompt_len": len(p_ids),
+            "response_len": len(ids) - len(p_ids), "num_tokens": len(ids)}
+
+
+def write_datagen_dir(out_dir: Path, target_spec: str, tokenizer, repeat: int = 1,
+                      rows: list[dict] | None = None) -> Path:
+    """A finished dflash-datagen output (manifest + data/) for ``target_spec``."""
+    from dflash_train.model.target import target_identity, tokenizer_hash
+
+    if rows is None:
+        pairs = CONVERSATIONS * repeat
+        rows = [chat_row(tokenizer, q, a, i) for i, (q, a) in enumerate(pairs)]
+    manifest = {"format_version": writer.FORMAT_VERSION, "target": target_identity(target_spec),
+                "tokenizer_hash": tokenizer_hash(tokenizer), "counts": {"rows": len(rows)}}
+    writer.write_shard(Path(out_dir), 0, rows, {})
+    writer.consolidate(Path(out_dir), 1, manifest)
+    return out_dir
+
+
+def save_tiny_target(out_dir: Path, tokenizer, layers: int = 6, seed: int = 0) -> str:
+    """A random Llama with the tokenizer's vocabulary, saved as a local model directory."""
+    from tests.conftest import make_tiny_target
+
+    model = make_tiny_target("llama", vocab=len(tokenizer), layers=layers, seed=seed)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return str(out_dir)
