@@ -1,0 +1,77 @@
+"""`dflash-datagen`: regenerate training responses with the target (Hydra entry point).
+
+    dflash-datagen out_dir=data/sharegpt-smollm2                 # recipes/datagen.yaml
+    dflash-datagen --config-name datagen_quickstart              # a few hundred prompts, CPU
+
+Exit status: 0 when a dataset was produced, 1 when nothing usable was (no rows, backend
+unavailable, shards left to do), 2 on a configuration or input error.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from data_gen.backends import BackendUnavailable
+from data_gen.config import DatagenConfig
+from data_gen.pipeline import RunResult, run
+
+
+def format_summary(result: RunResult) -> str:
+    c = result.counts
+    lines = [f"dflash-datagen summary: {result.out_dir}",
+             f"  {'prompts (usable)':<28}{c['prompts']:>10}",
+             f"  {'rows written':<28}{c['rows']:>10}",
+             f"  {'tokens (prompt + response)':<28}{c['tokens']:>10}",
+             f"  {'response tokens':<28}{c['response_tokens']:>10}",
+             f"  {'generated this run':<28}{result.generated_tokens:>10}  "
+             f"({result.tokens_per_s:.1f} tok/s over {result.elapsed_s:.1f} s)"]
+    for reason, n in sorted(c["finish_reasons"].items()):
+        lines.append(f"  {'finish_reason=' + reason:<28}{n:>10}")
+    if c["retokenized"]:
+        lines.append(f"  {'retokenized responses':<28}{c['retokenized']:>10}  (server sent no token ids)")
+    for reason, n in sorted(c["ended_early"].items()):
+        lines.append(f"  {'conversation ended: ' + reason:<28}{n:>10}")
+    lines.append(f"  {'skipped prompts':<28}{sum(c['skipped'].values()):>10}")
+    for reason, n in sorted(c["skipped"].items()):
+        example = c["skipped_examples"].get(reason, [""])[0]
+        lines.append(f"    {reason:<26}{n:>10}  {example}"[:160])
+    if not result.complete:
+        lines.append("  INCOMPLETE: some shards are not committed; rerun the same command to finish")
+    return "\n".join(lines)
+
+
+def generate(cfg: DatagenConfig) -> int:
+    """Run and report; the exit status of the command."""
+    try:
+        result = run(cfg)
+    except BackendUnavailable as e:
+        print(f"dflash-datagen: {e}\nrerun the same command once the backend is up: committed shards are kept",
+              file=sys.stderr)
+        return 1
+    print(format_summary(result))
+    if not result.complete or result.counts["rows"] == 0:
+        print("dflash-datagen: no usable dataset was produced", file=sys.stderr)
+        return 1
+    return 0
+
+
+@hydra.main(config_path="pkg://dflash_recipes", config_name="datagen", version_base=None)
+def _main(raw: DictConfig) -> None:
+    try:
+        cfg = DatagenConfig.from_dict(OmegaConf.to_container(raw, resolve=True))
+        code = generate(cfg)
+    except ValueError as e:
+        print(f"dflash-datagen: error: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""`hf` backend: batched generation with the target loaded in-process.
+
+Prompts are sorted by length and batched (length bucketing keeps padding small), left
+padded, and generated with `model.generate`. On GPU the target runs in bf16 on the rank's
+own device; under torchrun each rank holds a full copy (data parallel).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+
+from data_gen.backends import Completion, derive_seed, trim_response
+from data_gen.config import BackendConfig, SamplingConfig
+from dflash_train.model.target import TargetModel, load_target
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    if device != "auto":
+        return device
+    return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+
+
+class HFBackend:
+    def __init__(self, target: TargetModel, cfg: BackendConfig, sampling: SamplingConfig,
+                 stop_ids: list[int], pad_id: int):
+        self.model = target.model
+        self.device = target.device
+        self.cfg, self.sampling = cfg, sampling
+        self.stop_ids, self.pad_id = stop_ids, pad_id
+        # A clean generation config: only the configured sampling applies, never the
+        # model's shipped defaults (which `generate` would merge into unset fields).
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=stop_ids, pad_token_id=pad_id, bos_token_id=self.model.generation_config.bos_token_id)
+        self.kwargs = dict(max_new_tokens=sampling.max_new_tokens, do_sample=not sampling.greedy, num_beams=1)
+        if not sampling.greedy:
+            self.kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p,
+                               top_k=sampling.top_k or None)
+
+    @classmethod
+    def load(cls, spec: str, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int], pad_id: int,
+             rank: int = 0, dtype: str = "auto", cache_dir: str | None = None) -> "HFBackend":
+        device = rank_device(cfg.device, rank)
+        return cls(load_target(spec, dtype=dtype, device=device, cache_dir=cache_dir), cfg, sampling, stop_ids, pad_id)
+
+    @torch.inference_mode()
+    def _batch(self, prompts: list[list[int]]) -> list[Completion]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):  # left padding: every row's next token is at the end
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), **self.kwargs)
+        return [trim_response(row[width:].tolist(), self.stop_ids) for row in out]
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[Completion]:
+        # Longest first: an out-of-memory batch fails at once, not at the end of a shard.
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        results: list[Completion | None] = [None] * len(prompts)
+        size = self.cfg.batch_size
+        for b, start in enumerate(range(0, len(order), size)):
+            chunk = order[start:start + size]
+            if not self.sampling.greedy:
+                torch.manual_seed(derive_seed(seed, b))
+            for i, completion in zip(chunk, self._batch([prompts[i] for i in chunk])):
+                results[i] = completion
+        return results

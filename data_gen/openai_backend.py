@@ -1,0 +1,106 @@
+"""`openai` backend: any OpenAI-compatible server (vLLM, SGLang) serving the target.
+
+Prompts go to `/v1/completions` as token ids (rendered and tokenized here, with the same
+tokenizer), so the server sees exactly the prompt the `hf` backend would. The response's
+token ids are taken from the server (`return_token_ids`, vLLM >= 0.10.2) when it sends
+them; otherwise the text is tokenized with the same tokenizer and the row is counted as
+`retokenized` (decode/encode is almost, not always, the identity).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from data_gen.backends import BackendUnavailable, Completion, Failure, derive_seed
+from data_gen.config import BackendConfig, SamplingConfig
+
+RETRYABLE_HTTP = (408, 429, 500, 502, 503, 504)
+
+
+class _Retryable(Exception):
+    pass
+
+
+class OpenAIBackend:
+    def __init__(self, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int], tokenizer,
+                 model_name: str):
+        self.cfg, self.sampling = cfg, sampling
+        self.stop_ids, self.tokenizer, self.model_name = stop_ids, tokenizer, model_name
+        self.base_url = cfg.base_url.rstrip("/")
+        self._check_server()
+
+    def _request(self, path: str, body: dict | None = None) -> dict:
+        """One HTTP call; raises _Retryable for what a later attempt may fix."""
+        headers = {"Content-Type": "application/json"}
+        if self.cfg.api_key:
+            headers["Authorization"] = f"Bearer {self.cfg.api_key}"
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            detail = f"HTTP {e.code} from {self.base_url + path}: {e.read()[:200]!r}"
+            if e.code in RETRYABLE_HTTP:
+                raise _Retryable(detail) from None
+            raise ValueError(detail) from None
+        except (urllib.error.URLError, socket.timeout, ConnectionError) as e:
+            raise _Retryable(f"cannot reach {self.base_url + path}: {getattr(e, 'reason', e)}") from None
+
+    def _with_retries(self, path: str, body: dict | None = None) -> dict:
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                return self._request(path, body)
+            except _Retryable:
+                if attempt == self.cfg.max_retries:
+                    raise
+                time.sleep(self.cfg.backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    def _check_server(self) -> None:
+        """Fail fast on a dead server or one that serves another model."""
+        try:
+            served = [m.get("id") for m in self._with_retries("/models").get("data", [])]
+        except _Retryable as e:
+            raise BackendUnavailable(f"openai backend: {e}") from None
+        if self.model_name not in served:
+            raise ValueError(f"backend.model={self.model_name!r} is not served by {self.base_url} "
+                             f"(it serves {served}); set backend.model to the served name")
+
+    def _body(self, prompt: list[int], seed: int) -> dict:
+        s = self.sampling
+        # Every sampling field is explicit: servers otherwise apply the model's defaults.
+        return {"model": self.model_name, "prompt": prompt, "max_tokens": s.max_new_tokens,
+                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1, "min_p": 0.0,
+                "repetition_penalty": 1.0, "seed": seed, "n": 1, "return_token_ids": True,
+                "skip_special_tokens": False}
+
+    def _one(self, prompt: list[int], seed: int) -> Completion | Failure:
+        try:
+            choice = self._with_retries("/completions", self._body(prompt, seed))["choices"][0]
+        except _Retryable as e:
+            return Failure(str(e), retryable=True)
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            return Failure(f"bad response: {e}", retryable=False)
+        reason = choice.get("finish_reason")
+        if reason not in ("stop", "length"):
+            return Failure(f"finish_reason={reason!r}", retryable=False)
+        ids = choice.get("token_ids")
+        exact = ids is not None
+        if not exact:
+            ids = self.tokenizer.encode(choice.get("text", ""), add_special_tokens=False)
+        ids = [int(t) for t in ids]
+        # Servers end on the stop token but may leave it out of the ids; the row needs it.
+        if reason == "stop" and (not ids or ids[-1] not in self.stop_ids):
+            ids.append(self.stop_ids[0])
+        return Completion(ids, reason, exact_ids=exact)
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[Completion | Failure]:
+        seeds = [derive_seed(seed, i) & 0x7FFFFFFF for i in range(len(prompts))]  # servers take int32 seeds
+        with ThreadPoolExecutor(max_workers=self.cfg.max_concurrency) as pool:
+            return list(pool.map(self._one, prompts, seeds))

@@ -1,0 +1,167 @@
+"""Conversation shaping with the target's own chat template, and the assistant loss mask.
+
+A training row is `prompt_ids + response_ids`: the prompt is the template rendering of the
+system prompt, the earlier turns (with the target's own earlier answers as the assistant
+messages: on-policy history) and the generation prompt; the response is the token ids the
+target generated for the last user turn, learned in full (mask 1, stop token included).
+
+Inside the prompt, the earlier assistant turns are learned too. Their tokens come from one
+of two exact sources:
+  * the template's `{% generation %}` markers, when it has them (HF's assistant mask);
+  * otherwise, the template itself: the turn is rendered twice with two different sentinel
+    contents, and the characters where the two renderings differ are where that turn's
+    content sits; the mask covers that content and the stop token that follows it. This
+    holds for templates that rewrite history (Qwen3 drops earlier reasoning) because the
+    sentinels go through the same template code as the real content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+# Differ in their first and last character, so the common prefix / suffix of the two
+# renderings ends exactly at the content boundaries.
+SENTINELS = ("<<dflash-a>>", "[[dflash-b]]")
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _common_suffix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[-1 - i] == b[-1 - i]:
+        i += 1
+    return i
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """Ids that end an assistant turn: the generation config's eos ids, then the tokenizer's."""
+    ids: list[int] = []
+    eos = getattr(generation_config, "eos_token_id", None)
+    for i in [*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id]:
+        if i is not None and i not in ids:
+            ids.append(int(i))
+    if not ids:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos token: cannot tell where a turn ends")
+    return ids
+
+
+class ChatShaper:
+    """Renders conversations with one tokenizer, template and thinking setting."""
+
+    def __init__(self, tokenizer, stop_ids: list[int], enable_thinking: bool | None = None,
+                 system_prompt: str | None = None, chat_template: str | None = None):
+        if chat_template is not None:
+            template = Path(chat_template).read_text(encoding="utf-8")
+            tokenizer.chat_template = template
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template: "
+                             "set template.chat_template to a Jinja file")
+        if not isinstance(template, str):
+            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has several named chat templates "
+                             f"{sorted(template)}: set template.chat_template to the one to use")
+        if enable_thinking is not None and "enable_thinking" not in template:
+            raise ValueError(f"template.enable_thinking={enable_thinking} but the chat template of "
+                             f"{tokenizer.name_or_path!r} has no enable_thinking switch: set it to null")
+        self.tokenizer = tokenizer
+        self.template = template
+        self.stop_ids = stop_ids
+        self.stop_strings = [tokenizer.convert_ids_to_tokens(i) for i in stop_ids]
+        self.enable_thinking = enable_thinking
+        self.system_prompt = system_prompt
+        self.uses_markers = bool(GENERATION_MARKER.search(template))
+
+    @property
+    def settings(self) -> dict:
+        return {
+            "enable_thinking": self.enable_thinking,
+            "system_prompt": self.system_prompt,
+            "chat_template_sha256": hashlib.sha256(self.template.encode()).hexdigest()[:16],
+            "mask_method": "generation_markers" if self.uses_markers else "sentinel_diff",
+            "stop_token_ids": self.stop_ids,
+        }
+
+    def messages(self, system: str | None, user_turns, answers: list[str]) -> list[dict]:
+        """Chat messages: system (configured one first), then user/assistant pairs."""
+        system = self.system_prompt if self.system_prompt is not None else system
+        msgs = [{"role": "system", "content": system}] if system is not None else []
+        for i, user in enumerate(user_turns):
+            msgs.append({"role": "user", "content": user})
+            if i < len(answers):
+                msgs.append({"role": "assistant", "content": answers[i]})
+        return msgs
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        kwargs = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def answer_text(self, response_ids: list[int]) -> str:
+        """An assistant message's content as the served chat would hold it: no stop token."""
+        if response_ids and response_ids[-1] in self.stop_ids:
+            response_ids = response_ids[:-1]
+        return self.tokenizer.decode(response_ids, skip_special_tokens=False)
+
+    def _learned_spans(self, messages: list[dict], text: str, add_generation_prompt: bool) -> list[tuple[int, int]]:
+        """Character spans of `text` holding what the target wrote for each assistant turn."""
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            a, b = (self.render([*messages[:i], {**m, "content": s}, *messages[i + 1:]], add_generation_prompt)
+                    for s in SENTINELS)
+            pre, suf = _common_prefix(a, b), _common_suffix(a, b)
+            # Everything after the content renders the same for any content.
+            end = len(text) - suf
+            generation_prompt = self.render(messages[:i], add_generation_prompt=True)
+            if text.startswith(generation_prompt):
+                # The turn continues the generation prompt: all of it is the target's output,
+                # including any reasoning the template shows (Qwen3, last turn).
+                start = len(generation_prompt)
+            elif text.startswith(a[:pre]):
+                # The template rewrites this turn in history (Qwen3 drops reasoning and the
+                # empty think block): only the content it keeps is the target's.
+                start = pre
+            else:
+                raise ValueError(f"chat template: assistant turn {i} renders unlike its generation prompt "
+                                 "and unlike a plain content slot; cannot build its loss mask")
+            if not text.endswith(a[len(a) - suf:]) or start > end:
+                raise ValueError(f"chat template: the text after assistant turn {i} depends on its content; "
+                                 "cannot build its loss mask")
+            # The stop token the target emitted after the content, when the template shows it.
+            stops = [(text.find(stop, end), stop) for stop in self.stop_strings]
+            stops = [(pos, stop) for pos, stop in stops if pos >= 0 and not text[end:pos].strip()]
+            if stops:
+                pos, stop = min(stops)
+                end = pos + len(stop)
+            spans.append((start, end))
+        return spans
+
+    def encode(self, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
+        """(input_ids, loss_mask) of a rendered conversation; mask 1 on assistant turns."""
+        if self.uses_markers:
+            kwargs = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+            out = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                add_generation_prompt=add_generation_prompt, **kwargs)
+            return list(out["input_ids"]), [int(x) for x in out["assistant_masks"]]
+        text = self.render(messages, add_generation_prompt)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        spans = self._learned_spans(messages, text, add_generation_prompt)
+        mask = [int(any(a <= s and e <= b for a, b in spans)) for s, e in enc["offset_mapping"]]
+        return list(enc["input_ids"]), mask
+
+    def prompt(self, system: str | None, user_turns, answers: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Prompt ids and mask for the turn after `answers` (the target's earlier responses)."""
+        texts = [self.answer_text(a) for a in answers]
+        return self.encode(self.messages(system, user_turns[: len(answers) + 1], texts), add_generation_prompt=True)

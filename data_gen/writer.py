@@ -1,0 +1,146 @@
+"""On-disk output of dflash-datagen, written so that a crash never leaves a half-truth.
+
+    <out>/run.json        settings fingerprint; a restart must match it
+    <out>/shards/         shard-NNNNN.parquet, each renamed into place once complete
+    <out>/data/           datasets.save_to_disk folder, consolidated from the shards at the end
+    <out>/manifest.json   written last: its presence means the output is complete
+
+A shard is the unit of work: it holds its rows and the prompts it skipped (in the Parquet
+metadata), so a restart skips committed shards and reports the same counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+FORMAT_VERSION = 1
+COLUMNS = ("input_ids", "loss_mask", "prompt_id", "source", "finish_reason", "prompt_len", "response_len",
+           "num_tokens")
+SCHEMA = pa.schema([
+    ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())), ("prompt_id", pa.string()),
+    ("source", pa.string()), ("finish_reason", pa.string()), ("prompt_len", pa.int32()),
+    ("response_len", pa.int32()), ("num_tokens", pa.int32()),
+])
+SHARD_META_KEY = b"dflash_datagen"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def shard_path(out_dir: Path, index: int) -> Path:
+    return Path(out_dir) / "shards" / f"shard-{index:05d}.parquet"
+
+
+def write_shard(out_dir: Path, index: int, rows: list[dict], meta: dict) -> None:
+    """Commit one shard: written beside its final name, fsynced, then renamed (atomic)."""
+    path = shard_path(out_dir, index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    table = table.replace_schema_metadata({SHARD_META_KEY: json.dumps(meta).encode()})
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_shard_meta(out_dir: Path, index: int) -> dict | None:
+    """The metadata of a committed shard, or None when it is not committed."""
+    path = shard_path(out_dir, index)
+    if not path.exists():
+        return None
+    return json.loads(pq.read_schema(path).metadata[SHARD_META_KEY])
+
+
+def check_run(out_dir: Path, fingerprint: dict) -> None:
+    """Record the run's settings, or check that a restart uses the same ones."""
+    path = Path(out_dir) / "run.json"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(fingerprint, indent=2, sort_keys=True))
+        return
+    previous = json.loads(path.read_text())
+    for key in sorted(set(previous) | set(fingerprint)):
+        if previous.get(key) != fingerprint.get(key):
+            raise ValueError(f"out_dir {str(out_dir)!r} holds a run with {key}={previous.get(key)!r}, this one has "
+                             f"{key}={fingerprint.get(key)!r}: use a new out_dir or the original settings")
+
+
+def consolidate(out_dir: Path, num_shards: int, manifest: dict) -> None:
+    """Join the committed shards in order into <out>/data, then write the manifest."""
+    import datasets
+
+    out_dir = Path(out_dir)
+    tables = [pq.read_table(shard_path(out_dir, i), memory_map=True) for i in range(num_shards)]
+    table = pa.concat_tables(tables).replace_schema_metadata(None)
+    tmp = Path(tempfile.mkdtemp(prefix=".data.tmp-", dir=out_dir))
+    try:
+        datasets.Dataset(table).save_to_disk(str(tmp))
+        shutil.rmtree(out_dir / "data", ignore_errors=True)
+        os.replace(tmp, out_dir / "data")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def read_manifest(out_dir) -> dict:
+    path = Path(out_dir) / "manifest.json"
+    if not path.exists():
+        what = "an unfinished dflash-datagen run (rerun the same command to finish it)" \
+            if (Path(out_dir) / "run.json").exists() else "not a dflash-datagen output"
+        raise ValueError(f"{str(out_dir)!r} has no manifest.json: {what}")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{str(path)!r}: format_version={manifest.get('format_version')!r}, "
+                         f"this code reads {FORMAT_VERSION}")
+    return manifest
+
+
+def load_generated(out_dir):
+    """The generated dataset of a finished run (a datasets.Dataset with COLUMNS)."""
+    import datasets
+
+    manifest = read_manifest(out_dir)
+    data_dir = Path(out_dir) / "data"
+    if not data_dir.is_dir():
+        raise ValueError(f"{str(out_dir)!r} has a manifest but no data/ folder: the output is damaged")
+    data = datasets.load_from_disk(str(data_dir))
+    missing = [c for c in COLUMNS if c not in data.column_names]
+    if missing or len(data) != manifest["counts"]["rows"]:
+        raise ValueError(f"{str(data_dir)!r}: columns {data.column_names} / {len(data)} rows do not match the "
+                         f"manifest ({manifest['counts']['rows']} rows, missing columns {missing})")
+    return data
+
+
+def check_target(manifest: dict, identity: dict, tokenizer_hash: str) -> None:
+    """Refuse data generated by another target or tokenizer than the one being trained."""
+    ours = {"spec": identity.get("spec"), "revision": identity.get("revision"), "tokenizer_hash": tokenizer_hash}
+    theirs = {"spec": manifest["target"].get("spec"), "revision": manifest["target"].get("revision"),
+              "tokenizer_hash": manifest.get("tokenizer_hash")}
+    for key in ours:
+        if ours[key] != theirs[key]:
+            raise ValueError(f"the data was generated with {key}={theirs[key]!r} but the target has "
+                             f"{key}={ours[key]!r}: regenerate the data for this target")
