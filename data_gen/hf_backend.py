@@ -7,6 +7,8 @@ own device; under torchrun each rank holds a full copy (data parallel).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import GenerationConfig
 
@@ -24,14 +26,15 @@ def rank_device(device: str, local_rank: int) -> str:
 class HFBackend:
     def __init__(self, target: TargetModel, cfg: BackendConfig, sampling: SamplingConfig,
                  stop_ids: list[int], pad_id: int):
-        self.model = target.model
+        # A shallow copy shares the weights but gets a clean generation config: only the
+        # configured sampling applies, never the model's shipped defaults (which `generate`
+        # merges into every unset field), and the caller's model is left untouched.
+        self.model = copy.copy(target.model)
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=stop_ids, pad_token_id=pad_id, bos_token_id=target.model.generation_config.bos_token_id)
         self.device = target.device
         self.cfg, self.sampling = cfg, sampling
         self.stop_ids, self.pad_id = stop_ids, pad_id
-        # A clean generation config: only the configured sampling applies, never the
-        # model's shipped defaults (which `generate` would merge into unset fields).
-        self.model.generation_config = GenerationConfig(
-            eos_token_id=stop_ids, pad_token_id=pad_id, bos_token_id=self.model.generation_config.bos_token_id)
         self.kwargs = dict(max_new_tokens=sampling.max_new_tokens, do_sample=not sampling.greedy, num_beams=1)
         if not sampling.greedy:
             self.kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p,

@@ -83,8 +83,9 @@ def _conversation(turns, where: str) -> tuple[str | None, list[str]]:
     for i, m in enumerate(turns):
         if not isinstance(m, dict):
             raise _Skip("malformed", f"{where}: message {i} is not an object")
-        role = m.get("role", m.get("from"))
-        content = m.get("content", m.get("value"))
+        # `or`, not a get() default: Arrow gives mixed-form lists every key, unset ones None.
+        role = m.get("role") or m.get("from")
+        content = m.get("content") if m.get("content") is not None else m.get("value")
         if not isinstance(content, str):
             raise _Skip("malformed", f"{where}: message {i} has no string content")
         if role == "system" and i == 0:
@@ -100,8 +101,8 @@ def _conversation(turns, where: str) -> tuple[str | None, list[str]]:
     return system, users
 
 
-def _sharegpt(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, object]]:
-    """(where, messages) per record of a ShareGPT JSON array, which may be cut mid-record."""
+def _sharegpt(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, str, object]]:
+    """(where, "messages", messages) per record of a ShareGPT JSON array, which may be cut mid-record."""
     path = resolve_path(src.path)
     text = path.read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
@@ -117,11 +118,11 @@ def _sharegpt(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, object]]
             return
         pos = between.match(text, pos).end()
         where = f"{path.name} record {index} (id {record.get('id') if isinstance(record, dict) else None!r})"
-        yield where, record.get("conversations") if isinstance(record, dict) else None
+        yield where, "messages", record.get("conversations") if isinstance(record, dict) else None
         index += 1
 
 
-def _jsonl(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, object]]:
+def _jsonl(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, str, object]]:
     path = resolve_path(src.path)
     if not path.is_file():
         raise ValueError(f"source {src.name!r}: no such file {str(path)!r}")
@@ -138,10 +139,11 @@ def _jsonl(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, object]]:
             if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
                 skips.add("malformed", f"{where}: expected an object with exactly one of 'prompt' or 'messages'")
                 continue
-            yield where, record.get("prompt", record.get("messages"))
+            field = "prompt" if "prompt" in record else "messages"
+            yield where, field, record[field]
 
 
-def _hf(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, object]]:
+def _hf(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, str, object]]:
     import datasets
 
     path = src.path
@@ -157,8 +159,9 @@ def _hf(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, object]]:
     column = src.prompt_column or src.messages_column
     if column not in data.column_names:
         raise ValueError(f"source {src.name!r}: no column {column!r} in {path}; it has {data.column_names}")
+    field = "prompt" if src.prompt_column else "messages"
     for i, value in enumerate(data[column]):
-        yield f"{src.name} row {i}", value
+        yield f"{src.name} row {i}", field, value
 
 
 READERS = {"sharegpt": _sharegpt, "jsonl": _jsonl, "hf": _hf}
@@ -179,12 +182,14 @@ def iter_prompts(sources: list[SourceConfig], exclude: set[str], max_turns: int 
     """Usable prompts of all sources in order: well-formed, non-empty, unique, not eval."""
     seen: set[str] = set()
     for src in sources:
-        for where, value in READERS[src.kind](src, skips):
+        for where, field, value in READERS[src.kind](src, skips):
             try:
-                if isinstance(value, str):
+                if field == "messages":
+                    system, users = _conversation(value, where)
+                elif isinstance(value, str):
                     system, users = None, [value]
                 else:
-                    system, users = _conversation(value, where)
+                    raise _Skip("malformed", f"{where}: the prompt is a {type(value).__name__}, not a string")
             except _Skip as s:
                 skips.add(s.reason, str(s))
                 continue

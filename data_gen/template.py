@@ -60,10 +60,14 @@ class ChatShaper:
 
     def __init__(self, tokenizer, stop_ids: list[int], enable_thinking: bool | None = None,
                  system_prompt: str | None = None, chat_template: str | None = None):
+        # An override is passed to every call, never set on the (possibly shared) tokenizer.
         if chat_template is not None:
-            template = Path(chat_template).read_text(encoding="utf-8")
-            tokenizer.chat_template = template
-        template = getattr(tokenizer, "chat_template", None)
+            path = Path(chat_template)
+            if not path.is_file():
+                raise ValueError(f"template.chat_template={chat_template!r}: no such file")
+            template = path.read_text(encoding="utf-8")
+        else:
+            template = getattr(tokenizer, "chat_template", None)
         if not template:
             raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template: "
                              "set template.chat_template to a Jinja file")
@@ -102,9 +106,14 @@ class ChatShaper:
         return msgs
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        kwargs = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self._kwargs())
+
+    def _kwargs(self) -> dict:
+        kwargs = {"chat_template": self.template}
+        if self.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.enable_thinking
+        return kwargs
 
     def answer_text(self, response_ids: list[int]) -> str:
         """An assistant message's content as the served chat would hold it: no stop token."""
@@ -150,10 +159,9 @@ class ChatShaper:
     def encode(self, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
         """(input_ids, loss_mask) of a rendered conversation; mask 1 on assistant turns."""
         if self.uses_markers:
-            kwargs = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
             out = self.tokenizer.apply_chat_template(
                 messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-                add_generation_prompt=add_generation_prompt, **kwargs)
+                add_generation_prompt=add_generation_prompt, **self._kwargs())
             return list(out["input_ids"]), [int(x) for x in out["assistant_masks"]]
         text = self.render(messages, add_generation_prompt)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

