@@ -1,0 +1,153 @@
+"""PyTorch-native backends: one process (`single`), DDP and FSDP2.
+
+They share the step (torch clip + optimizer + scheduler) and the checkpoint code: torch's
+`get_state_dict`/`set_state_dict` with `full_state_dict=True` turn plain, DDP-wrapped and
+FSDP2-sharded models alike into full tensors keyed by the unwrapped parameter names, which
+is what makes a checkpoint portable across backends and world sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from dflash_train.distributed.backend import Backend, OptimizerFactory, SchedulerFactory, shardable_blocks
+
+# Gathers full tensors to rank 0 on CPU: the GPU never holds the whole unsharded state.
+_FULL_TO_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Every rank passes the full state dict it read (memory-mapped); each keeps its own shard.
+_LOAD_FULL = StateDictOptions(full_state_dict=True)
+
+
+class _TorchBackend(Backend):
+    """Shared by single, DDP and FSDP2; subclasses wrap the model and control grad sync."""
+
+    def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory,
+              scheduler_factory: SchedulerFactory | None, clip_grad_norm: float | None,
+              grad_accum_steps: int) -> None:
+        if grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps={grad_accum_steps} must be >= 1")
+        self.grad_accum_steps = grad_accum_steps
+        self.clip_grad_norm = clip_grad_norm or math.inf
+        self._model = self._wrap(model)
+        self._params = [p for p in self._model.parameters() if p.requires_grad]
+        self.optimizer = optimizer_factory(self._params)
+        self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory is not None else None
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        return _compute_in(model.to(self.device), self.mixed_dtype)
+
+    def backward(self, loss: torch.Tensor, sync: bool) -> None:
+        (loss / self.grad_accum_steps).backward()
+
+    def step(self) -> float:
+        # max_norm=inf when clipping is off still returns the norm and scales by exactly 1
+        norm = torch.nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def skip_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def save_state(self, directory: str | os.PathLike) -> None:
+        model_sd, optim_sd = get_state_dict(self._model, self.optimizer, options=_FULL_TO_CPU)
+        self._write_state(directory, model_sd, optim_sd)
+
+    def load_state(self, directory: str | os.PathLike) -> None:
+        model_sd, optim_sd, scheduler_sd = self._read_state(directory)
+        set_state_dict(self._model, self.optimizer, model_state_dict=model_sd,
+                       optim_state_dict=optim_sd, options=_LOAD_FULL)
+        self._load_scheduler(scheduler_sd)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        state = get_model_state_dict(self._model, options=_FULL_TO_CPU)
+        return state if self.is_main else None
+
+
+def _compute_in(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """bf16 compute over fp32 master weights via autocast, the single/DDP counterpart of
+    FSDP2's MixedPrecisionPolicy and DeepSpeed's bf16 mode. Patching `forward` on the
+    instance keeps parameter names (and so checkpoints) unchanged."""
+    if dtype is not None:
+        device_type = next(model.parameters()).device.type
+        model.forward = torch.autocast(device_type, dtype=dtype)(model.forward)
+    return model
+
+
+class SingleBackend(_TorchBackend):
+    """One process, no torch.distributed; the checkpoint helpers work without a group."""
+
+
+class DDPBackend(_TorchBackend):
+    """Replicated model; gradients all-reduced once per update.
+
+    DDP decides whether a backward all-reduces when the FORWARD runs, but the interface
+    learns `sync` only at backward time. So the backend arms the next forward from its own
+    micro-step count, and if an update ends earlier than `grad_accum_steps` (a short last
+    window) it all-reduces by hand. An extra all-reduce mid-window would be harmless:
+    averaging is linear, so averaged and local gradients still sum to the same mean.
+    """
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        model = super()._wrap(model)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids)
+        self._micro_step = 0
+        ddp.require_backward_grad_sync = self.grad_accum_steps == 1
+        return ddp
+
+    def backward(self, loss: torch.Tensor, sync: bool) -> None:
+        reduced_in_backward = self._model.require_backward_grad_sync
+        super().backward(loss, sync)
+        if sync and not reduced_in_backward:
+            self._average_grads_by_hand()
+        self._micro_step = 0 if sync else self._micro_step + 1
+        self._model.require_backward_grad_sync = self._micro_step == self.grad_accum_steps - 1
+
+    def _average_grads_by_hand(self) -> None:
+        for param in self._params:
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+                param.grad.div_(self.world_size)
+
+
+class FSDP2Backend(_TorchBackend):
+    """Parameters, gradients and optimizer state sharded per block (`fully_shard`)."""
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        mesh = dist.device_mesh.init_device_mesh(self.device.type, (self.world_size,))
+        # fp32 gradient reduction even under bf16 compute: summing bf16 grads over many
+        # ranks loses precision
+        precision = MixedPrecisionPolicy(param_dtype=self.mixed_dtype, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy() if self.cfg.cpu_offload else OffloadPolicy()
+        if not self.cfg.cpu_offload:
+            model = model.to(self.device)
+        options = dict(mesh=mesh, mp_policy=precision, offload_policy=offload,
+                       reshard_after_forward=self.cfg.reshard_after_forward)
+        for block in shardable_blocks(model):
+            fully_shard(block, **options)
+        return fully_shard(model, **options)
+
+    def backward(self, loss: torch.Tensor, sync: bool) -> None:
+        # FSDP2 reads this flag in its post-backward hooks, so setting it here is in time
+        self._model.set_requires_gradient_sync(sync)
+        super().backward(loss, sync)

@@ -1,0 +1,134 @@
+"""A tiny, seeded training run on one backend: the worker the distributed tests launch
+with torchrun, plus the `launch` helper that starts it.
+
+Global batch: every update consumes WORLD_SIZE * accum micro-batches, micro-batch `m` of
+update `s` being a fixed function of (s, m); rank r takes micro-batches r*accum ...
+(r+1)*accum - 1. One process with accum * N micro-steps therefore sees the same global
+batch as N processes with accum each, and must follow the same loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+WORKER = Path(__file__).resolve()
+DIM, OUT, ROWS = 8, 4, 3
+
+
+class TinyNet(nn.Module):
+    """Linear in, two residual blocks in a ModuleList (what FSDP2 shards per block), a
+    LayerNorm (1-D params) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h))
+
+
+def micro_batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10_000 * step + index)
+    return torch.randn(ROWS, DIM, generator=gen), torch.randn(ROWS, OUT, generator=gen)
+
+
+def optimizer_factory(params):
+    return torch.optim.AdamW(params, lr=3e-2, weight_decay=0.1)
+
+
+def scheduler_factory(optimizer):
+    # warmup then decay, so a resumed run that lost the scheduler position would diverge
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3) * 0.8 ** s)
+
+
+def _skip_deepspeed_shm_op() -> None:
+    """On CPU DeepSpeed JIT-compiles a shared-memory all-reduce (C++, about 70 s on first
+    use, a compiler needed). It is a CPU-only speedup that GPU runs never load; the tests
+    use plain gloo instead."""
+    try:
+        importlib.import_module("deepspeed.comm.torch")
+    except ImportError:
+        return
+    # via sys.modules: the attribute deepspeed.comm.torch is the torch package itself
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def train(backend_name: str, accum: int, steps: int, first_step: int = 0, micro: int | None = None,
+          clip: float = 0.5, load: str | None = None, save: str | None = None) -> dict | None:
+    """Runs updates `first_step ... first_step + steps - 1`; each update takes `micro` micro-steps
+    (default `accum`; fewer exercises an update that ends early). Returns the loss curve,
+    grad norms, learning rates and final weights on rank 0, None elsewhere."""
+    from dflash_train.distributed.backend import build_backend
+
+    micro = micro or accum
+    torch.manual_seed(0)
+    backend = build_backend({"name": backend_name, "device": "cpu"})
+    backend.setup(TinyNet(), optimizer_factory, scheduler_factory, clip, accum)
+    if load:
+        backend.load_state(load)
+    losses, norms, lrs = [], [], []
+    for step in range(first_step, first_step + steps):
+        total = torch.zeros(())
+        for i in range(micro):
+            x, y = micro_batch(step, backend.rank * micro + i)
+            loss = nn.functional.mse_loss(backend.model(x), y)
+            backend.backward(loss, sync=i == micro - 1)
+            total += loss.detach()
+        norms.append(backend.step())
+        losses.append(backend.all_reduce_mean(total / micro).item())
+        lrs.append(backend.lr())
+    if save:
+        backend.save_state(save)
+    weights = backend.full_state_dict()
+    record = {"loss": losses, "grad_norm": norms, "lr": lrs, "weights": weights} if backend.is_main else None
+    backend.shutdown()
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--backend_name", required=True)
+    for name in ("accum", "steps", "first_step", "micro"):
+        parser.add_argument(f"--{name}", type=int)
+    parser.add_argument("--clip", type=float, default=0.5)
+    parser.add_argument("--load")
+    parser.add_argument("--save")
+    args = vars(parser.parse_args())
+    out = args.pop("out")
+    _skip_deepspeed_shm_op()
+    record = train(**{k: v for k, v in args.items() if v is not None})
+    if record is not None:
+        torch.save(record, out)
+
+
+def launch(nproc: int, out: Path, **kwargs) -> dict:
+    """Runs the worker under torchrun (free port via --standalone); returns rank 0's record."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(WORKER), "--out", str(out)]
+    for key, value in kwargs.items():
+        cmd += [f"--{key}", str(value)]
+    # CPU and gloo even on a GPU box; DS_ACCELERATOR is DeepSpeed's own switch.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return torch.load(out, weights_only=False)
+
+
+if __name__ == "__main__":
+    main()
