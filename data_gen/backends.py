@@ -57,11 +57,15 @@ def trim_response(ids: list[int], stop_ids: list[int]) -> Completion:
 
 
 def build_backend(cfg: BackendConfig, sampling: SamplingConfig, target_spec: str, stop_ids: list[int],
-                  pad_id: int, tokenizer, rank: int = 0, dtype: str = "auto", cache_dir: str | None = None):
+                  pad_id: int, tokenizer, local_rank: int = 0, dtype: str = "auto", cache_dir: str | None = None,
+                  target=None):
+    """The configured backend; `target` reuses an already loaded TargetModel (hf only)."""
     if cfg.kind == "hf":
         from data_gen.hf_backend import HFBackend
 
-        return HFBackend.load(target_spec, cfg, sampling, stop_ids, pad_id, rank=rank, dtype=dtype,
+        if target is not None:
+            return HFBackend(target, cfg, sampling, stop_ids, pad_id)
+        return HFBackend.load(target_spec, cfg, sampling, stop_ids, pad_id, local_rank=local_rank, dtype=dtype,
                               cache_dir=cache_dir)
     from data_gen.openai_backend import OpenAIBackend
 

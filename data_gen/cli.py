@@ -43,10 +43,10 @@ def format_summary(result: RunResult) -> str:
     return "\n".join(lines)
 
 
-def generate(cfg: DatagenConfig) -> int:
+def generate(cfg: DatagenConfig, **run_kwargs) -> int:
     """Run and report; the exit status of the command."""
     try:
-        result = run(cfg)
+        result = run(cfg, **run_kwargs)
     except BackendUnavailable as e:
         print(f"dflash-datagen: {e}\nrerun the same command once the backend is up: committed shards are kept",
               file=sys.stderr)

@@ -123,6 +123,9 @@ class BackendConfig:
     # rank's GPU when there is one, else CPU).
     batch_size: int = 16
     device: str = "auto"
+    # hf on CPU: torch intra-op threads (None: torch's default). 1 is much faster on a
+    # machine shared with other jobs, where spinning thread pools stall each other.
+    cpu_threads: int | None = None
     # openai: an OpenAI-compatible server (vLLM, SGLang) serving the same target.
     base_url: str | None = None
     model: str | None = None
@@ -140,6 +143,9 @@ class BackendConfig:
         if self.batch_size < 1 or self.max_concurrency < 1 or self.max_retries < 0:
             raise ValueError(f"backend: batch_size={self.batch_size} and max_concurrency={self.max_concurrency} "
                              f"must be >= 1, max_retries={self.max_retries} >= 0")
+        _check_type("backend.cpu_threads", self.cpu_threads, (int,), allow_none=True)
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"backend.cpu_threads={self.cpu_threads}: must be >= 1 or null (torch default)")
         if self.timeout_s <= 0 or self.backoff_s < 0:
             raise ValueError(f"backend: timeout_s={self.timeout_s} must be > 0 and backoff_s={self.backoff_s} >= 0")
         if self.kind == "openai" and not self.base_url:

@@ -33,6 +33,8 @@ class HFBackend:
         self.model.generation_config = GenerationConfig(
             eos_token_id=stop_ids, pad_token_id=pad_id, bos_token_id=target.model.generation_config.bos_token_id)
         self.device = target.device
+        if self.device.type == "cpu" and cfg.cpu_threads is not None:
+            torch.set_num_threads(cfg.cpu_threads)
         self.cfg, self.sampling = cfg, sampling
         self.stop_ids, self.pad_id = stop_ids, pad_id
         self.kwargs = dict(max_new_tokens=sampling.max_new_tokens, do_sample=not sampling.greedy, num_beams=1)
@@ -42,8 +44,8 @@ class HFBackend:
 
     @classmethod
     def load(cls, spec: str, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int], pad_id: int,
-             rank: int = 0, dtype: str = "auto", cache_dir: str | None = None) -> "HFBackend":
-        device = rank_device(cfg.device, rank)
+             local_rank: int = 0, dtype: str = "auto", cache_dir: str | None = None) -> "HFBackend":
+        device = rank_device(cfg.device, local_rank)
         return cls(load_target(spec, dtype=dtype, device=device, cache_dir=cache_dir), cfg, sampling, stop_ids, pad_id)
 
     @torch.inference_mode()

@@ -187,8 +187,10 @@ def _counts(prompts, load_skips: SkipLog, metas: list[dict]) -> dict:
             "skipped_examples": skips.examples}
 
 
-def run(cfg: DatagenConfig, backend=None, tokenizer=None, progress: bool = True) -> RunResult:
-    """Generate (or finish generating) the dataset of `cfg` into cfg.out_dir."""
+def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) -> RunResult:
+    """Generate (or finish generating) the dataset of `cfg` into cfg.out_dir.
+
+    `target` and `tokenizer` reuse an already loaded target (tests, notebooks)."""
     rank, world, local_rank = _dist()
     out = Path(cfg.out_dir)
     tokenizer, identity, tok_hash, shaper, prompts, load_skips = setup(cfg, tokenizer)
@@ -205,9 +207,8 @@ def run(cfg: DatagenConfig, backend=None, tokenizer=None, progress: bool = True)
     mine = [k for k in range(rank, num_shards, world) if writer.read_shard_meta(out, k) is None]
     started, generated = time.perf_counter(), 0
     if mine:
-        if backend is None:
-            backend = build_backend(cfg.backend, cfg.sampling, cfg.target.name, shaper.stop_ids,
-                                    _pad_id(tokenizer, shaper), tokenizer, local_rank, cfg.target.dtype, cfg.cache_dir)
+        backend = build_backend(cfg.backend, cfg.sampling, cfg.target.name, shaper.stop_ids, _pad_id(tokenizer, shaper),
+                                tokenizer, local_rank, cfg.target.dtype, cfg.cache_dir, target)
         started = time.perf_counter()
         bar = tqdm(total=sum(len(prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]) for k in mine),
                    unit="prompt", disable=not progress or rank != 0, desc=f"rank {rank}")

@@ -1,0 +1,63 @@
+"""The on-disk contract of dflash-datagen outputs: shards, consolidation, manifest checks."""
+
+import json
+
+import pytest
+
+from data_gen import writer
+
+
+def row(pid, n_prompt, n_response):
+    ids = list(range(n_prompt + n_response))
+    return {"input_ids": ids, "loss_mask": [0] * n_prompt + [1] * n_response, "prompt_id": pid, "source": "s",
+            "finish_reason": "stop", "prompt_len": n_prompt, "response_len": n_response,
+            "num_tokens": n_prompt + n_response}
+
+
+def manifest(rows):
+    return {"format_version": writer.FORMAT_VERSION, "target": {"spec": "t", "revision": "r1"},
+            "tokenizer_hash": "h1", "template": {}, "sampling": {}, "counts": {"rows": rows}}
+
+
+def test_shards_consolidate_in_order(tmp_path):
+    writer.write_shard(tmp_path, 1, [row("c", 2, 1)], {"shard": 1})
+    writer.write_shard(tmp_path, 0, [row("a", 3, 2), row("b", 1, 1)], {"shard": 0})
+    assert writer.read_shard_meta(tmp_path, 1) == {"shard": 1}
+    assert writer.read_shard_meta(tmp_path, 2) is None
+    assert not list((tmp_path / "shards").glob(".*")), "no temporary files left behind"
+    writer.consolidate(tmp_path, 2, manifest(3))
+    data = writer.load_generated(tmp_path)
+    assert data["prompt_id"] == ["a", "b", "c"]
+    assert data[0] == row("a", 3, 2)
+    assert writer.read_manifest(tmp_path)["counts"]["rows"] == 3
+
+
+def test_missing_and_partial_outputs_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="no manifest.json: not a dflash-datagen output"):
+        writer.load_generated(tmp_path)
+    writer.check_run(tmp_path, {"seed": 0})
+    writer.write_shard(tmp_path, 0, [row("a", 1, 1)], {})
+    with pytest.raises(ValueError, match="an unfinished dflash-datagen run"):
+        writer.load_generated(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest(1)))
+    with pytest.raises(ValueError, match="has a manifest but no data/ folder"):
+        writer.load_generated(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({**manifest(1), "format_version": 99}))
+    with pytest.raises(ValueError, match="format_version=99"):
+        writer.read_manifest(tmp_path)
+
+
+def test_restart_with_other_settings_is_refused(tmp_path):
+    writer.check_run(tmp_path, {"seed": 0, "shard_size": 4})
+    writer.check_run(tmp_path, {"seed": 0, "shard_size": 4})
+    with pytest.raises(ValueError, match="holds a run with seed=0, this one has seed=1"):
+        writer.check_run(tmp_path, {"seed": 1, "shard_size": 4})
+
+
+def test_check_target():
+    m = manifest(1)
+    writer.check_target(m, {"spec": "t", "revision": "r1", "name_or_path": "/anywhere"}, "h1")
+    with pytest.raises(ValueError, match="generated with revision='r1' but the target has revision='r2'"):
+        writer.check_target(m, {"spec": "t", "revision": "r2"}, "h1")
+    with pytest.raises(ValueError, match="tokenizer_hash='h1' but the target has tokenizer_hash='h2'"):
+        writer.check_target(m, {"spec": "t", "revision": "r1"}, "h2")
