@@ -241,6 +241,10 @@ class Backend(ABC):
             # fit one GPU never sits there whole.
             for block in reversed(shardable_blocks(module)):  # nested blocks before parents
                 fully_shard(block, mesh=mesh)
+                # Each block is its own FSDP root (no wrap around the whole target, which
+                # the trainer does not always call), and FSDP2 keeps a root's gathered
+                # params after forward for the backward that a frozen target never runs.
+                block.register_forward_hook(lambda block, args, output: block.reshard())
         return module.to(self.device)
 
     @abstractmethod

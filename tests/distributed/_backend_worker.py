@@ -99,19 +99,53 @@ def train(backend_name: str, accum: int, steps: int, first_step: int = 0, micro:
     return record
 
 
+def tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=61, max_position_embeddings=64)
+    return LlamaForCausalLM(config).eval()
+
+
+def target_outputs(shard_target: bool) -> dict | None:
+    """A tiny HF target through `prepare_target` (FSDP2-sharded blocks or replicated),
+    used the way the trainer uses it: features with an early stop, direct calls of the
+    embedding and the LM head, in inference mode. Rank 0 returns them with the outputs
+    of an untouched copy and whether the decoder layers were really sharded."""
+    from torch.distributed.tensor import DTensor
+
+    from dflash_train.distributed.backend import build_backend
+    from dflash_train.model.target import TargetModel, decoder_layers
+
+    backend = build_backend({"name": "ddp", "device": "cpu", "shard_target": shard_target})
+    reference, target = TargetModel(tiny_llama()), TargetModel(backend.prepare_target(tiny_llama()))
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(1))
+    out: dict[str, dict] = {"got": {}, "want": {}}
+    with torch.inference_mode():
+        for key, model in (("got", target), ("want", reference)):
+            out[key]["early_stop"] = model.features(ids, [0, 2])
+            out[key]["all_layers"] = model.features(ids, [1, 3])
+            out[key]["logits"] = model.lm_head(model.embed_tokens(ids))
+    out["sharded"] = all(isinstance(p, DTensor) for p in decoder_layers(target.model).parameters())
+    backend.shutdown()
+    return out if backend.is_main else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--backend_name", required=True)
+    parser.add_argument("--shard_target", type=int)
+    parser.add_argument("--backend_name")
     for name in ("accum", "steps", "first_step", "micro"):
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--clip", type=float, default=0.5)
     parser.add_argument("--load")
     parser.add_argument("--save")
-    args = vars(parser.parse_args())
+    args = {k: v for k, v in vars(parser.parse_args()).items() if v is not None}
     out = args.pop("out")
     _skip_deepspeed_shm_op()
-    record = train(**{k: v for k, v in args.items() if v is not None})
+    record = target_outputs(bool(args["shard_target"])) if "shard_target" in args else train(**args)
     if record is not None:
         torch.save(record, out)
 
