@@ -1,6 +1,6 @@
 """``dflash-eval``: acceptance length, lossless check and speedup of a drafter on benchmarks.
 
-    dflash-eval drafter=DIR datasets=[mtbench,humaneval] limit=20 max_new_tokens=256
+    dflash-eval drafter_path=DIR datasets=[mtbench,humaneval] limit=20 max_new_tokens=256
 
 Config: ``recipes/eval.yaml``. For each dataset every prompt goes through the target's
 chat template, is decoded speculatively and plainly, and the two are compared. Writes
@@ -61,16 +61,19 @@ def _setup_drafter(cfg: DictConfig, target):
     from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 
     dtype = target.model.dtype
-    if cfg.drafter != RANDOM_DRAFTER:
+    if cfg.drafter_path != RANDOM_DRAFTER:
         from dflash_train.model.io import load_drafter
 
-        return load_drafter(cfg.drafter, target=target, dtype=dtype, device=cfg.device)
+        return load_drafter(cfg.drafter_path, target=target, dtype=dtype, device=cfg.device)
     torch.manual_seed(cfg.seed)  # the fresh drafter's weights are part of the run's identity
+    d = cfg.drafter
     config = DFlashConfig.from_target(
         target.config,
         mask_token_id=cfg.target.mask_token_id,
-        num_hidden_layers=cfg.random_drafter.num_hidden_layers,
-        block_size=cfg.random_drafter.block_size,
+        num_hidden_layers=d.num_hidden_layers,
+        block_size=d.block_size,
+        num_features=d.num_features,
+        target_layer_ids=None if d.target_layer_ids is None else list(d.target_layer_ids),
     )
     return DFlashDraftModel(config).to(device=cfg.device, dtype=dtype).eval()
 
@@ -111,10 +114,10 @@ def format_table(summaries: dict[str, dict]) -> str:
 
 
 def _check_config(cfg: DictConfig) -> None:
-    if OmegaConf.is_missing(cfg, "drafter") or not cfg.drafter:
-        raise ValueError(f"set drafter=<drafter directory> or drafter={RANDOM_DRAFTER}")
-    if cfg.drafter != RANDOM_DRAFTER and not Path(cfg.drafter).is_dir():
-        raise ValueError(f"drafter {cfg.drafter!r} is not a directory (give a saved drafter or 'random')")
+    if OmegaConf.is_missing(cfg, "drafter_path") or not cfg.drafter_path:
+        raise ValueError(f"set drafter_path=<drafter directory> or drafter_path={RANDOM_DRAFTER}")
+    if cfg.drafter_path != RANDOM_DRAFTER and not Path(cfg.drafter_path).is_dir():
+        raise ValueError(f"drafter_path {cfg.drafter_path!r} is not a directory (give a saved drafter or 'random')")
     if cfg.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.temperature < 0:
@@ -149,7 +152,7 @@ def evaluate(cfg: DictConfig, datasets, target, drafter, stops: list[int]) -> di
     first, first_ids = next(iter(datasets.values()))[1][0]
     compare_prompt(drafter, target.model, first.id, first_ids, WARMUP_TOKENS, stops, cfg.temperature, cfg.seed)
 
-    report = {"target": cfg.target.name, "drafter": cfg.drafter, "block_size": block_size,
+    report = {"target": cfg.target.name, "drafter": cfg.drafter_path, "block_size": block_size,
               "config": OmegaConf.to_container(cfg, resolve=True), "datasets": {}}
     summaries = {}
     for label, (name, prompts) in datasets.items():
@@ -166,7 +169,7 @@ def evaluate(cfg: DictConfig, datasets, target, drafter, stops: list[int]) -> di
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot_acceptance(summaries, out / "acceptance.png", title=f"{Path(str(cfg.drafter)).name} on {cfg.target.name}")
+    plot_acceptance(summaries, out / "acceptance.png", title=f"{Path(cfg.drafter_path).name} on {cfg.target.name}")
     print(format_table(summaries))
     print(f"wrote {out / 'results.json'} and {out / 'acceptance.png'}")
     return report

@@ -12,17 +12,20 @@ def _cfg(*overrides):
 
 
 def test_eval_recipe_composes_with_required_drafter():
-    cfg = _cfg("drafter=random", "target=qwen3_8b")
+    cfg = _cfg("drafter_path=random", "target=qwen3_8b")
     assert cfg.target.mask_token_id == 151669 and cfg.dtype == "auto"
     assert list(cfg.datasets) == ["mtbench", "humaneval"]
-    with pytest.raises(ValueError, match="set drafter=<drafter directory> or drafter=random"):
+    # A fresh drafter takes its shape from the same drafter group training uses.
+    assert (cfg.drafter.num_hidden_layers, cfg.drafter.block_size) == (5, 16)
+    assert _cfg("drafter_path=random", "drafter=b8").drafter.block_size == 8
+    with pytest.raises(ValueError, match="set drafter_path=<drafter directory> or drafter_path=random"):
         _check_config(_cfg())
-    with pytest.raises(ValueError, match="drafter '/no/such/dir' is not a directory"):
-        _check_config(_cfg("drafter=/no/such/dir"))
+    with pytest.raises(ValueError, match="drafter_path '/no/such/dir' is not a directory"):
+        _check_config(_cfg("drafter_path=/no/such/dir"))
 
 
 def test_dataset_entries_labels_and_limits():
-    cfg = _cfg("drafter=random", "limit=5",
+    cfg = _cfg("drafter_path=random", "limit=5",
                'datasets=[mtbench,data/gsm8k.jsonl,{name:"hf:openai/gsm8k:test",label:gsm,limit:2,column:question}]')
     assert _dataset_entries(cfg) == [
         {"name": "mtbench", "label": "mtbench", "limit": 5},
@@ -30,9 +33,9 @@ def test_dataset_entries_labels_and_limits():
         {"name": "hf:openai/gsm8k:test", "label": "gsm", "limit": 2, "column": "question"},
     ]
     with pytest.raises(ValueError, match=r"labels must be unique, got \['mtbench', 'mtbench'\]"):
-        _dataset_entries(_cfg("drafter=random", "datasets=[mtbench,mtbench]"))
+        _dataset_entries(_cfg("drafter_path=random", "datasets=[mtbench,mtbench]"))
     with pytest.raises(ValueError, match=r"datasets entry \{'name': 'x', 'colum': 'q'\}"):
-        _dataset_entries(_cfg("drafter=random", "datasets=[{name:x,colum:q}]"))
+        _dataset_entries(_cfg("drafter_path=random", "datasets=[{name:x,colum:q}]"))
 
 
 class _Tok:
