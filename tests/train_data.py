@@ -3,6 +3,7 @@ chat-templated conversations, and a small random target saved as a model directo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from data_gen import writer
@@ -45,8 +46,17 @@ def write_datagen_dir(out_dir: Path, target_spec: str, tokenizer, repeat: int = 
         rows = [chat_row(tokenizer, q, a, i) for i, (q, a) in enumerate(pairs)]
     manifest = {"format_version": writer.FORMAT_VERSION, "target": target_identity(target_spec),
                 "tokenizer_hash": tokenizer_hash(tokenizer), "counts": {"rows": len(rows)}}
-    writer.write_shard(Path(out_dir), 0, rows, {})
-    writer.consolidate(Path(out_dir), 1, manifest)
+    out_dir = Path(out_dir)
+    if rows:
+        writer.write_shard(out_dir, 0, rows, {})
+        writer.consolidate(out_dir, 1, manifest)
+    else:  # consolidate cannot save an empty table (datasets needs num_shards=1 for that)
+        import datasets
+        import pyarrow as pa
+
+        empty = datasets.Dataset(pa.Table.from_pylist([], schema=writer.SCHEMA))
+        empty.save_to_disk(str(out_dir / "data"), num_shards=1)
+        writer.atomic_write_text(out_dir / "manifest.json", json.dumps(manifest))
     return out_dir
 
 
@@ -58,3 +68,24 @@ def save_tiny_target(out_dir: Path, tokenizer, layers: int = 6, seed: int = 0) -
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return str(out_dir)
+
+
+def tiny_train_config(target_dir: str, data_dir: Path, output_dir: Path, **overrides):
+    """A validated TrainConfig for the tiny target: 1 drafter layer, blocks of 4, CPU, dense masks."""
+    from omegaconf import OmegaConf
+
+    from dflash_train.config import to_train_config
+
+    base = {
+        "target": {"name": target_dir, "mask_token_id": 16, "num_layers": 6},
+        "drafter": {"num_hidden_layers": 1, "block_size": 8, "attention": "dense", "compile": False},
+        "data": {"path": str(data_dir), "num_anchors": 6, "max_length": 64},
+        "optim": {"lr": 3e-3, "micro_batch_size": 2, "grad_accum_steps": 2},
+        "logging": {"every": 1, "wandb": "disabled", "progress_bar": False},
+        "checkpoint": {"every": 0},
+        "backend": {"name": "single", "device": "cpu"},
+        "epochs": 2,
+        "export": False,
+        "output_dir": str(output_dir),
+    }
+    return to_train_config(OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(overrides)))

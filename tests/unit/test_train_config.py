@@ -1,0 +1,52 @@
+"""Recipe validation: unknown keys and bad values are ValueErrors that name them."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from dflash_train.config import to_train_config
+
+BASE = {"target": {"name": "t", "mask_token_id": 1, "num_layers": 30}, "data": {"path": "d"}, "output_dir": "o"}
+
+
+def _cfg(**patch):
+    return OmegaConf.merge(OmegaConf.create(BASE), OmegaConf.create(patch))
+
+
+def test_defaults_are_the_paper_settings():
+    c = to_train_config(_cfg())
+    assert (c.optim.lr, c.optim.warmup_ratio, c.optim.grad_clip, c.data.max_length, c.data.num_anchors) == (
+        6e-4, 0.04, 1.0, 3072, 512)
+    assert (c.drafter.num_hidden_layers, c.drafter.block_size, c.epochs) == (5, 16, 6)
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ValueError, match="data.num_anchor"):
+        to_train_config(_cfg(data={"num_anchor": 3}))
+
+
+def test_missing_required_value_is_named():
+    with pytest.raises(ValueError, match="output_dir"):
+        to_train_config(OmegaConf.create({k: v for k, v in BASE.items() if k != "output_dir"}))
+
+
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        ({"drafter": {"target_layer_ids": [3, 40]}}, r"target_layer_ids=\[3, 40\] but the target has 30 layers"),
+        ({"drafter": {"block_size": 12}}, "block_size=12"),
+        ({"drafter": {"attention": "sdpa"}}, "drafter.attention='sdpa'"),
+        ({"optim": {"warmup_ratio": 1.5}}, "warmup_ratio=1.5"),
+        ({"optim": {"micro_batch_size": 0}}, "optim.micro_batch_size"),
+        ({"data": {"max_length": 8}}, "max_length=8 must exceed drafter.block_size=16"),
+        ({"logging": {"wandb": "maybe"}}, "logging.wandb='maybe'"),
+        ({"target": {"mask_token_id": -1}}, "mask_token_id=-1"),
+        ({"drafter": {"target_layer_ids": [1, 2], "num_features": 3}}, "num_features=3"),
+    ],
+)
+def test_bad_values_are_reported_with_the_values(patch, message):
+    with pytest.raises(ValueError, match=message):
+        to_train_config(_cfg(**patch))
+
+
+def test_block_size_without_paper_gamma_works_with_explicit_gamma():
+    assert to_train_config(_cfg(drafter={"block_size": 12}, loss={"gamma": 6.0})).loss.gamma == 6.0

@@ -1,0 +1,118 @@
+"""The training loop on a tiny random target: golden numbers, resume, NaN handling, bad input."""
+
+import json
+
+import pytest
+import torch
+
+from dflash_train.model.target import load_tokenizer
+from dflash_train.training import trainer as trainer_mod
+from dflash_train.training.checkpoint import list_checkpoints
+from dflash_train.training.logging import METRICS_FILE
+from dflash_train.training.trainer import NonFiniteLossError, Trainer
+from tests.conftest import SMOLLM2
+from tests.train_data import save_tiny_target, tiny_train_config, write_datagen_dir
+
+# Loss of the first three steps on the tiny target (seed 0); 8 rows, global batch 4.
+GOLDEN_LOSSES = [10.8241842, 10.8074494, 10.6321191]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    tok = load_tokenizer(SMOLLM2)
+    target = save_tiny_target(root / "target", tok)
+    data = write_datagen_dir(root / "data", target, tok)
+    return {"root": root, "tok": tok, "target": target, "data": data}
+
+
+def _cfg(tiny, out, **kw):
+    return tiny_train_config(tiny["target"], tiny["data"], out, **kw)
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
+
+
+def _weights(trainer):
+    return {k: v.detach().clone() for k, v in trainer.drafter.state_dict().items()}
+
+
+def test_golden_first_steps(tiny, tmp_path):
+    Trainer(_cfg(tiny, tmp_path, max_steps=3)).fit()
+    losses = [m["loss"] for m in _metrics(tmp_path)]
+    assert losses == pytest.approx(GOLDEN_LOSSES, rel=1e-4)
+
+
+def test_resume_continues_to_the_same_weights(tiny, tmp_path):
+    straight = Trainer(_cfg(tiny, tmp_path / "a", max_steps=4))
+    straight.fit()
+    first = Trainer(_cfg(tiny, tmp_path / "b", max_steps=2))
+    first.fit()
+    resumed = Trainer(_cfg(tiny, tmp_path / "b", max_steps=4))
+    resumed.resume()
+    assert resumed.state.step == 2
+    resumed.fit()
+    for k, v in _weights(straight).items():
+        assert torch.equal(v, _weights(resumed)[k]), k
+
+
+def test_keep_last_checkpoints(tiny, tmp_path):
+    Trainer(_cfg(tiny, tmp_path, max_steps=4, checkpoint={"every": 1, "keep_last": 2})).fit()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_resume_with_another_global_batch_is_refused(tiny, tmp_path):
+    Trainer(_cfg(tiny, tmp_path, max_steps=1)).fit()
+    with pytest.raises(ValueError, match="global batch 4 but this run has 2"):
+        Trainer(_cfg(tiny, tmp_path, optim={"grad_accum_steps": 1})).resume()
+
+
+def test_nan_loss_is_skipped_and_counted_then_aborts(tiny, tmp_path, monkeypatch):
+    real_loss = Trainer.loss
+    calls = {"n": 0}
+
+    def sometimes_nan(self, batch, hidden):
+        out = real_loss(self, batch, hidden)
+        calls["n"] += 1
+        if calls["n"] in (3, 4):  # both micro-batches of step 2
+            out.weighted_sum = out.weighted_sum * float("nan")
+        return out
+
+    monkeypatch.setattr(Trainer, "loss", sometimes_nan)
+    t = Trainer(_cfg(tiny, tmp_path, max_steps=3, max_nan_skips=1))
+    t.fit()
+    assert t.state.nan_skipped == 1
+    lines = _metrics(tmp_path)
+    assert [m["nan_skipped"] for m in lines] == [0, 1, 1]
+    assert all(torch.isfinite(p).all() for p in t.drafter.parameters())
+
+    monkeypatch.setattr(Trainer, "loss", lambda self, b, h: _nan(real_loss(self, b, h)))
+    with pytest.raises(NonFiniteLossError, match="max_nan_skips=1"):
+        Trainer(_cfg(tiny, tmp_path / "always", max_nan_skips=1)).fit()
+
+
+def _nan(out):
+    out.weighted_sum = out.weighted_sum * float("nan")
+    return out
+
+
+def test_data_for_another_target_fails_before_loading_a_model(tiny, tmp_path, monkeypatch):
+    other = save_tiny_target(tmp_path / "other", tiny["tok"], layers=4)
+    data = write_datagen_dir(tmp_path / "data", other, tiny["tok"])
+    monkeypatch.setattr(trainer_mod, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(ValueError, match="regenerate the data"):
+        Trainer(tiny_train_config(tiny["target"], data, tmp_path / "run"))
+
+
+def test_empty_dataset_fails_before_loading_a_model(tiny, tmp_path, monkeypatch):
+    data = write_datagen_dir(tmp_path / "data", tiny["target"], tiny["tok"], rows=[])
+    monkeypatch.setattr(trainer_mod, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(ValueError, match="empty"):
+        Trainer(tiny_train_config(tiny["target"], data, tmp_path / "run"))
+
+
+def test_too_few_rows_for_the_global_batch(tiny, tmp_path):
+    with pytest.raises(ValueError, match="cannot fill one global batch of 16"):
+        Trainer(_cfg(tiny, tmp_path, optim={"micro_batch_size": 4, "grad_accum_steps": 4}))
