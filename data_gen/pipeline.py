@@ -200,6 +200,7 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
     fingerprint = _fingerprint(cfg, identity, tok_hash, shaper, prompts)
     if rank == 0:
         writer.check_run(out, fingerprint)
+        writer.remove_stale_temps(out)
     _barrier(world)
     if rank != 0:
         writer.check_run(out, fingerprint)

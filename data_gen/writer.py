@@ -67,6 +67,12 @@ def write_shard(out_dir: Path, index: int, rows: list[dict], meta: dict) -> None
     _fsync_dir(path.parent)
 
 
+def remove_stale_temps(out_dir: Path) -> None:
+    """Drop half-written shards of a killed run (call before any rank starts writing)."""
+    for tmp in (Path(out_dir) / "shards").glob(".shard-*.tmp-*"):
+        tmp.unlink(missing_ok=True)
+
+
 def read_shard_meta(out_dir: Path, index: int) -> dict | None:
     """The metadata of a committed shard, or None when it is not committed."""
     path = shard_path(out_dir, index)

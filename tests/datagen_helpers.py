@@ -1,0 +1,33 @@
+"""Shared by the dflash-datagen subprocess tests: one set of overrides drives both the
+console command and the in-process reference run, so the two are the same config."""
+
+import json
+import sys
+
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from data_gen.config import DatagenConfig
+
+QUESTIONS = ["What is {a}+{b}? Answer with one number.", "Is {a} bigger than {b}? Answer yes or no."]
+
+
+def write_prompts(path, n: int) -> None:
+    prompts = [QUESTIONS[i % 2].format(a=i + 2, b=3 * i + 1) for i in range(n)]
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
+
+
+def overrides(out_dir, prompts_file, shard_size: int, batch_size: int, max_new_tokens: int = 6) -> list[str]:
+    return [f"out_dir={out_dir}", "exclude_eval=[]", f"sources=[{{kind: jsonl, path: {prompts_file}}}]",
+            f"shard_size={shard_size}", f"backend.batch_size={batch_size}", "backend.cpu_threads=1",
+            f"sampling.max_new_tokens={max_new_tokens}"]
+
+
+def cli(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "data_gen.cli", *args]
+
+
+def compose_config(args: list[str]) -> DatagenConfig:
+    with initialize_config_module("dflash_recipes", version_base=None):
+        raw = compose("datagen", overrides=args)
+    return DatagenConfig.from_dict(OmegaConf.to_container(raw, resolve=True))

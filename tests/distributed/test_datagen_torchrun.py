@@ -1,0 +1,41 @@
+"""Data parallel dflash-datagen: two torchrun ranks (gloo, CPU) write disjoint shards whose
+union is exactly the single-process result."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from data_gen.pipeline import run
+from data_gen.writer import load_generated, read_shard_meta
+from tests.datagen_helpers import compose_config, overrides, write_prompts
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+NUM_PROMPTS, SHARD = 8, 2
+
+
+def test_two_ranks_equal_one_process(tmp_path, smollm2, smollm2_tokenizer):
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, NUM_PROMPTS)
+    # batch_size == shard size: each shard is one left-padded batch, on any number of ranks.
+    args = overrides(tmp_path / "ddp", prompts, shard_size=SHARD, batch_size=SHARD)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "data_gen.cli", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    metas = [read_shard_meta(tmp_path / "ddp", k) for k in range(NUM_PROMPTS // SHARD)]
+    by_rank = {r: [m["shard"] for m in metas if m["rank"] == r] for r in (0, 1)}
+    assert by_rank == {0: [0, 2], 1: [1, 3]}
+    ids = {r: {p for m in metas if m["rank"] == r for p in m["prompt_ids"]} for r in (0, 1)}
+    assert not ids[0] & ids[1] and len(ids[0] | ids[1]) == NUM_PROMPTS
+
+    single = compose_config(overrides(tmp_path / "single", prompts, shard_size=SHARD, batch_size=SHARD))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks' backend.cpu_threads=1
+    try:
+        run(single, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert load_generated(tmp_path / "ddp")[:] == load_generated(tmp_path / "single")[:]
