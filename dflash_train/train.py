@@ -1,7 +1,7 @@
 """dflash-train: compose the recipe, validate it, train, export.
 
-    dflash-train --config-name train_quickstart data.path=runs/quickstart/data
-    torchrun --nproc-per-node 8 -m dflash_train.train +experiment=qwen3_8b_8xh100 data.path=...
+    dflash-train --config-name train_quickstart
+    launch/torchrun.sh --gpus 8 -- +experiment=qwen3_8b_8xh100 data.path=... output_dir=...
 """
 
 from __future__ import annotations

@@ -184,8 +184,7 @@ class Trainer:
         if finite:
             grad_norm = self.backend.step()
         else:
-            # Drop the poisoned gradients without touching weights, moments or schedule.
-            self.backend.optimizer.zero_grad(set_to_none=True)
+            self.backend.skip_step()  # weights, moments and schedule stay as they were
             grad_norm = float("nan")
         b = self.drafter.block_size
         return {"finite": finite, "loss_sum": sums[0], "weight_sum": global_weight.double(), "tokens": sums[1],
