@@ -1,7 +1,9 @@
 """Acceptance metrics, the plain-decoding baseline, and one speculative-vs-plain comparison.
 
 Acceptance length of one verify step = accepted drafts + 1 (the target's own token is
-always committed), so it lies in 1..B for block size B; tau is its mean.
+always committed), so it lies in 1..B for block size B; tau is its mean. The last step of
+a generation can be cut short by max_new_tokens or a stop token; it counts with what it
+committed, as the runtimes count it.
 """
 
 from __future__ import annotations

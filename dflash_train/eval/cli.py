@@ -4,7 +4,9 @@
 
 Config: ``recipes/eval.yaml``. For each dataset every prompt goes through the target's
 chat template, is decoded speculatively and plainly, and the two are compared. Writes
-``results.json`` and ``acceptance.png`` under ``output_dir`` and prints a table.
+``results.json`` and ``acceptance.png`` under ``output_dir`` and prints a table. Tokens/s
+is new tokens over the wall time of whole generations (prefill included), summed over the
+dataset's prompts; speedup is the ratio of the two rates.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from dflash_train.eval.acceptance import compare_prompt, summarize
-from dflash_train.eval.benchmarks import Prompt, load_benchmark
+from dflash_train.eval.benchmarks import BUILTIN, HF_SCHEME, Prompt, load_benchmark
 from dflash_train.eval.plot import plot_acceptance
 
 RANDOM_DRAFTER = "random"
@@ -38,7 +40,8 @@ def _dataset_entries(cfg: DictConfig) -> list[dict]:
         if entry is None or not isinstance(entry.get("name"), str) or set(entry) - DATASET_KEYS:
             raise ValueError(f"datasets entry {item!r}: expected a name or a mapping with keys {sorted(DATASET_KEYS)}")
         name = entry["name"]
-        default_label = Path(name).name.split(".")[0] if name.endswith((".jsonl", ".gz")) else name
+        is_file = name not in BUILTIN and not name.startswith(HF_SCHEME)
+        default_label = Path(name).name.split(".")[0] if is_file else name
         entry.setdefault("label", default_label)
         entry.setdefault("limit", cfg.limit)
         entries.append(entry)
