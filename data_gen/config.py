@@ -61,8 +61,8 @@ class SourceConfig:
             raise ValueError(f"{where}.path is required for kind={self.kind!r}")
         if self.kind == "hf":
             if (self.prompt_column is None) == (self.messages_column is None):
-                raise ValueError(f"{where}: set exactly one of prompt_column or messages_column for an hf source "
-                                 f"(got prompt_column={self.prompt_column!r}, messages_column={self.messages_column!r})")
+                raise ValueError(f"{where}: set exactly one of prompt_column or messages_column for an hf source (got "
+                                 f"prompt_column={self.prompt_column!r}, messages_column={self.messages_column!r})")
         elif self.prompt_column is not None or self.messages_column is not None:
             raise ValueError(f"{where}: prompt_column/messages_column apply only to kind 'hf', not {self.kind!r}")
         self.name = self.name or self.kind

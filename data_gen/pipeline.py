@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -119,6 +120,14 @@ def _next_prompt(shaper: ChatShaper, conv: _Conversation, max_len: int):
     return (ids, mask) if len(ids) <= max_len else "too_long"
 
 
+def _row(conv: _Conversation) -> dict:
+    """The training row of a conversation: its last prompt plus the target's last answer."""
+    ids, mask, response, finish = conv.row
+    return {"input_ids": ids + response, "loss_mask": mask + [1] * len(response), "prompt_id": conv.prompt.prompt_id,
+            "source": conv.prompt.source, "finish_reason": finish, "prompt_len": len(ids),
+            "response_len": len(response), "num_tokens": len(ids) + len(response)}
+
+
 def generate_shard(cfg: DatagenConfig, shaper: ChatShaper, backend, prompts: list[Prompt], index: int):
     """Rows and metadata of one shard; raises BackendUnavailable on retryable failures."""
     convs = [_Conversation(p) for p in prompts]
@@ -151,40 +160,27 @@ def generate_shard(cfg: DatagenConfig, shaper: ChatShaper, backend, prompts: lis
             c.row = (ids, mask, r.ids, r.finish_reason)
             # A cut-off answer is not a history the target would continue from.
             c.ended = r.finish_reason != "stop"
-    rows = []
-    for c in convs:
-        if c.row is None:
-            continue
-        ids, mask, response, finish = c.row
-        rows.append({"input_ids": ids + response, "loss_mask": mask + [1] * len(response),
-                     "prompt_id": c.prompt.prompt_id, "source": c.prompt.source, "finish_reason": finish,
-                     "prompt_len": len(ids), "response_len": len(response), "num_tokens": len(ids) + len(response)})
-    meta = {"shard": index, "prompt_ids": [p.prompt_id for p in prompts], "generated_tokens": tokens, "retokenized": retokenized,
-            "skipped": dict(skips.counts), "skipped_examples": skips.examples, "ended_early": dict(ended.counts),
-            "finish_reasons": _tally(r["finish_reason"] for r in rows), "rows": len(rows),
-            "tokens": sum(r["num_tokens"] for r in rows), "response_tokens": sum(r["response_len"] for r in rows)}
+    rows = [_row(c) for c in convs if c.row is not None]
+    meta = {"shard": index, "prompt_ids": [p.prompt_id for p in prompts], "generated_tokens": tokens,
+            "retokenized": retokenized, "skipped": dict(skips.counts), "skipped_examples": skips.examples,
+            "ended_early": dict(ended.counts), "finish_reasons": dict(Counter(r["finish_reason"] for r in rows)),
+            "rows": len(rows), "tokens": sum(r["num_tokens"] for r in rows),
+            "response_tokens": sum(r["response_len"] for r in rows)}
     return rows, meta
 
 
-def _tally(values) -> dict:
-    out: dict = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return out
-
-
 def _counts(prompts, load_skips: SkipLog, metas: list[dict]) -> dict:
+    """Run totals: load-time skips (recounted each run) plus what every shard recorded."""
     skips = SkipLog()
     skips.merge(load_skips.counts, load_skips.examples)
+    finish, ended = Counter(), Counter()
     for m in metas:
         skips.merge(m["skipped"], m["skipped_examples"])
-    total = lambda key: sum(m[key] for m in metas)  # noqa: E731
-    merged = lambda key: _tally(k for m in metas for k, n in m[key].items() for _ in range(n))  # noqa: E731
-    return {"prompts": len(prompts), "rows": total("rows"), "tokens": total("tokens"),
-            "response_tokens": total("response_tokens"), "retokenized": total("retokenized"),
-            "finish_reasons": merged("finish_reasons"),
-            "ended_early": merged("ended_early"), "skipped": dict(skips.counts),
-            "skipped_examples": skips.examples}
+        finish.update(m["finish_reasons"])
+        ended.update(m["ended_early"])
+    counts = {key: sum(m[key] for m in metas) for key in ("rows", "tokens", "response_tokens", "retokenized")}
+    return {"prompts": len(prompts), **counts, "finish_reasons": dict(finish), "ended_early": dict(ended),
+            "skipped": dict(skips.counts), "skipped_examples": skips.examples}
 
 
 def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) -> RunResult:

@@ -83,7 +83,8 @@ def test_rows_equal_target_generate(hf_run, smollm2, smollm2_tokenizer):
                 break
         assert r["input_ids"] == ids + answers[-1]
         assert r["loss_mask"] == mask + [1] * len(answers[-1])
-        assert (r["prompt_len"], r["response_len"], r["num_tokens"]) == (len(ids), len(answers[-1]), len(ids) + len(answers[-1]))
+        lengths = (len(ids), len(answers[-1]), len(ids) + len(answers[-1]))
+        assert (r["prompt_len"], r["response_len"], r["num_tokens"]) == lengths
         assert r["finish_reason"] == ("stop" if answers[-1][-1] == 2 else "length") and r["source"] == "mine"
     two_turn = data[2]
     assert two_turn["input_ids"].count(1) == 5, "system, user, assistant, user, assistant headers"

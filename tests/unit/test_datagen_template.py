@@ -79,8 +79,8 @@ def test_qwen3_thinking_on(smollm2_tokenizer):
     tok = smollm2_tokenizer
     got = shaper(tok, "qwen3.jinja", thinking=True).encode(
         chat("Legs of a cat?", THINK_1, "Two cats?", THINK_2), add_generation_prompt=False)
-    assert got == expected(tok, [(u("Legs of a cat?"), 0), ("A cat has 4 legs.<|im_end|>", 1), ("\n" + u("Two cats?"), 0),
-                                 (THINK_2 + "<|im_end|>", 1), ("\n", 0)])
+    assert got == expected(tok, [(u("Legs of a cat?"), 0), ("A cat has 4 legs.<|im_end|>", 1),
+                                 ("\n" + u("Two cats?"), 0), (THINK_2 + "<|im_end|>", 1), ("\n", 0)])
 
 
 def test_qwen3_thinking_off(smollm2_tokenizer):
