@@ -23,6 +23,7 @@ from typing import Any
 import deepspeed
 import torch
 from deepspeed.utils import (
+    lazy_init_hp_params_optimizer_state,
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
     safe_set_full_fp32_param,
@@ -114,7 +115,20 @@ class DeepSpeedBackend(Backend):
             return list(zero.fp32_partitioned_groups_flat)
         return list(zero.single_partition_of_fp32_groups)
 
+    def _link_optimizer_state(self) -> None:
+        """Points every ZeRO-2 parameter at its slice of the flat optimizer state, which
+        `safe_{get,set}_full_optimizer_state` read and write. DeepSpeed links them once,
+        right after stepping the FIRST param group, so the parameters of later groups
+        (the trainer's no-decay group) would stay unlinked. ZeRO-3 needs no links."""
+        if self.stage != 2:
+            return
+        zero = self._engine.optimizer
+        for params, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
+            if self.optimizer.state.get(flat):
+                lazy_init_hp_params_optimizer_state(params, flat, self.optimizer.state)
+
     def _gather_full(self, with_optimizer: bool) -> tuple[dict, dict]:
+        self._link_optimizer_state()
         flat = self._flat_partitions()[0]
         flat_state = self.optimizer.state.get(flat, {})
         # Adam's exp_avg/exp_avg_sq are partitioned like the weights; its `step` is one
@@ -152,6 +166,7 @@ class DeepSpeedBackend(Backend):
         state = optim_sd["state"]
         if state and not self.optimizer.state:
             self._materialize_optimizer_state(next(iter(state.values())))
+        self._link_optimizer_state()
         for name, tensor in entries.items():
             value = model_sd[name].to(self.device)
             # the module copy (bf16 under mixed precision; partitioned under ZeRO-3) ...
@@ -172,10 +187,6 @@ class DeepSpeedBackend(Backend):
         for flat in self._flat_partitions():
             self.optimizer.state[flat] = {
                 k: torch.zeros_like(flat) if v.dim() > 0 else v.clone() for k, v in template.items()}
-        if self.stage == 2:
-            # ZeRO-2 links each parameter to its slice of the flat state lazily, in its
-            # first step; link now so safe_set_full_optimizer_state finds the slices.
-            self._engine.optimizer._lazy_init_hp_params_optimizer_state()
 
     def _load_scalar_state_and_groups(self, state: dict, param_groups: list[dict]) -> None:
         if state:

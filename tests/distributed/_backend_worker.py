@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 WORKER = Path(__file__).resolve()
+REPO_ROOT = WORKER.parents[2]
 DIM, OUT, ROWS = 8, 4, 3
 
 
@@ -47,7 +48,11 @@ def micro_batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def optimizer_factory(params):
-    return torch.optim.AdamW(params, lr=3e-2, weight_decay=0.1)
+    # two groups, like the trainer's (no decay on 1-D params): DeepSpeed flattens per group
+    params = list(params)
+    groups = [{"params": [p for p in params if p.ndim >= 2]},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=3e-2, weight_decay=0.1)
 
 
 def scheduler_factory(optimizer):
@@ -55,7 +60,7 @@ def scheduler_factory(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3) * 0.8 ** s)
 
 
-def _skip_deepspeed_shm_op() -> None:
+def skip_deepspeed_shm_op() -> None:
     """On CPU DeepSpeed JIT-compiles a shared-memory all-reduce (C++, about 70 s on first
     use, a compiler needed). It is a CPU-only speedup that GPU runs never load; the tests
     use plain gloo instead."""
@@ -144,21 +149,24 @@ def main() -> None:
     parser.add_argument("--save")
     args = {k: v for k, v in vars(parser.parse_args()).items() if v is not None}
     out = args.pop("out")
-    _skip_deepspeed_shm_op()
+    skip_deepspeed_shm_op()
     record = target_outputs(bool(args["shard_target"])) if "shard_target" in args else train(**args)
     if record is not None:
         torch.save(record, out)
 
 
-def launch(nproc: int, out: Path, **kwargs) -> dict:
-    """Runs the worker under torchrun (free port via --standalone); returns rank 0's record."""
+def launch(nproc: int, out: Path, script: Path = WORKER, **kwargs) -> dict:
+    """Runs `script --out OUT --KEY VALUE ...` under torchrun (free port via --standalone);
+    returns what rank 0 saved to OUT."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), "--out", str(out)]
+           str(script), "--out", str(out)]
     for key, value in kwargs.items():
         cmd += [f"--{key}", str(value)]
-    # CPU and gloo even on a GPU box; DS_ACCELERATOR is DeepSpeed's own switch.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    # CPU and gloo even on a GPU box (DS_ACCELERATOR is DeepSpeed's own switch); the repo
+    # root on the path for the `tests` package.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return torch.load(out, weights_only=False)

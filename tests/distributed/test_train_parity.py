@@ -1,0 +1,64 @@
+"""The real trainer on 2 gloo processes (DDP, FSDP2, ZeRO-2, ZeRO-3) follows the loss curve
+of one process with the same global batch, and one process resumes its checkpoint.
+
+Global batch 4 rows: one process accumulates 4 micro-batches of 1 row, each of the two
+processes 2. Tolerance: float32 on CPU, where only the summation order of gradients over
+micro-batches and ranks differs; measured differences are about 1e-7 relative, the
+bounds below leave room for the drift a few AdamW steps add.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed._backend_worker import launch
+from tests.distributed._train_worker import run
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).with_name("_train_worker.py")
+FIRST, TOTAL = 2, 4  # the 2-process run stops (and checkpoints) after FIRST steps
+COMPARED = ("loss", "grad_norm", "lr")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from dflash_train.model.target import load_tokenizer
+    from tests.conftest import SMOLLM2
+    from tests.train_data import save_tiny_target, write_datagen_dir
+
+    root = tmp_path_factory.mktemp("tiny_parity")
+    tok = load_tokenizer(SMOLLM2)
+    target = save_tiny_target(root / "target", tok)
+    data = write_datagen_dir(root / "data", target, tok)
+    reference = run(target, str(data), root / "reference", "single", micro_batch_size=1, grad_accum_steps=4,
+                    max_steps=TOTAL)
+    return {"target": target, "data": str(data), "reference": reference}
+
+
+def _assert_same_steps(got: list[dict], want: list[dict]) -> None:
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for key in COMPARED:
+        torch.testing.assert_close(torch.tensor([m[key] for m in got], dtype=torch.float64),
+                                   torch.tensor([m[key] for m in want], dtype=torch.float64),
+                                   rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "zero2", "zero3"])
+def test_trainer_on_two_processes_matches_one_and_resumes_on_one(backend, tiny, tmp_path):
+    if backend.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    want = tiny["reference"]["metrics"]
+    two = launch(2, tmp_path / "two.pt", script=WORKER, target=tiny["target"], data=tiny["data"],
+                 output_dir=tmp_path / "run", backend=backend, micro_batch_size=1, grad_accum_steps=2,
+                 max_steps=FIRST)
+    _assert_same_steps(two["metrics"], want[:FIRST])
+    # the same output_dir: one process on the single backend resumes the 2-process checkpoint
+    one = run(tiny["target"], tiny["data"], tmp_path / "run", "single", micro_batch_size=1, grad_accum_steps=4,
+              max_steps=TOTAL)
+    _assert_same_steps(one["metrics"][FIRST:], want[FIRST:])
+    torch.testing.assert_close(one["weights"], tiny["reference"]["weights"], rtol=1e-4, atol=1e-6)
