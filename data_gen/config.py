@@ -154,12 +154,17 @@ class BackendConfig:
 
 @dataclass
 class TargetConfig:
-    """The `target` recipe group; data generation reads `name` and `dtype` only."""
+    """What data generation reads of the `target` recipe group. The group is shared with
+    training, which owns its other keys (mask_token_id, num_layers, ...)."""
 
     name: str
     dtype: str = "auto"
-    mask_token_id: int | None = None
-    num_layers: int | None = None
+
+    @classmethod
+    def from_group(cls, group) -> "TargetConfig":
+        if not isinstance(group, dict) or not group.get("name"):
+            raise ValueError(f"target={group!r}: expected a target group with a `name` (e.g. target=smollm2_135m)")
+        return cls(name=group["name"], dtype=group.get("dtype", "auto"))
 
 
 @dataclass
@@ -186,7 +191,7 @@ class DatagenConfig:
         data.pop("hydra", None)
         if data.get("out_dir") in (None, "", "???"):
             raise ValueError("out_dir is required: add out_dir=PATH to the command")
-        data["target"] = _build(TargetConfig, data.get("target"), "target")
+        data["target"] = TargetConfig.from_group(data.get("target"))
         data["template"] = _build(TemplateConfig, data.get("template", {}), "template")
         data["sampling"] = _build(SamplingConfig, data.get("sampling", {}), "sampling")
         data["backend"] = _build(BackendConfig, data.get("backend", {}), "backend")

@@ -112,6 +112,7 @@ def base_config(**overrides):
     ({"template": {"max_turns": 0}}, "template.max_turns=0"),
     ({"template": {"thinking": True}}, r"template: unknown keys \['thinking'\]"),
     ({"num_prompts": 0}, "num_prompts=0"),
+    ({"target": {"dtype": "auto"}}, "expected a target group with a `name`"),
 ])
 def test_config_errors_name_the_value(overrides, message):
     with pytest.raises(ValueError, match=message):
