@@ -62,6 +62,17 @@ def deepspeed_config(stage: int, world_size: int, grad_accum_steps: int, clip_gr
     }
 
 
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """`value` with its floating-point tensors (also inside lists, tuples, dicts) in `dtype`."""
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
 class DeepSpeedBackend(Backend):
     def setup(self, model: nn.Module, optimizer_factory: OptimizerFactory,
               scheduler_factory: SchedulerFactory | None, clip_grad_norm: float | None,
@@ -75,8 +86,15 @@ class DeepSpeedBackend(Backend):
         names = {id(p): name for name, p in model.named_parameters()}
         self._names_by_group = [[names[id(p)] for p in group["params"]] for group in self.optimizer.param_groups]
         self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory is not None else None
+        bf16 = self.mixed_dtype == torch.bfloat16
         config = deepspeed_config(self.stage, self.world_size, grad_accum_steps, clip_grad_norm,
-                                  bf16=self.mixed_dtype == torch.bfloat16, cpu_offload=self.cfg.cpu_offload)
+                                  bf16=bf16, cpu_offload=self.cfg.cpu_offload)
+        if bf16:
+            # DeepSpeed's bf16 module takes bf16 inputs; cast float inputs like FSDP2's
+            # MixedPrecisionPolicy does, so callers pass the same tensors to every backend.
+            model.register_forward_pre_hook(
+                lambda module, args, kwargs: (_cast_floats(args, torch.bfloat16), _cast_floats(kwargs, torch.bfloat16)),
+                with_kwargs=True)
         # DeepSpeed steps the client scheduler itself at each accumulation boundary.
         self._engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=config,

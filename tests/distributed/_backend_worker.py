@@ -73,7 +73,7 @@ def skip_deepspeed_shm_op() -> None:
 
 
 def train(backend_name: str, accum: int, steps: int, first_step: int = 0, micro: int | None = None,
-          clip: float = 0.5, load: str | None = None, save: str | None = None) -> dict | None:
+          clip: float = 0.5, load: str | None = None, save: str | None = None, device: str = "cpu") -> dict | None:
     """Runs updates `first_step ... first_step + steps - 1`; each update takes `micro` micro-steps
     (default `accum`; fewer exercises an update that ends early). Returns the loss curve,
     grad norms, learning rates and final weights on rank 0, None elsewhere."""
@@ -81,16 +81,16 @@ def train(backend_name: str, accum: int, steps: int, first_step: int = 0, micro:
 
     micro = micro or accum
     torch.manual_seed(0)
-    backend = build_backend({"name": backend_name, "device": "cpu"})
+    backend = build_backend({"name": backend_name, "device": device})
     backend.setup(TinyNet(), optimizer_factory, scheduler_factory, clip, accum)
     if load:
         backend.load_state(load)
     losses, norms, lrs = [], [], []
     for step in range(first_step, first_step + steps):
-        total = torch.zeros(())
+        total = torch.zeros((), device=backend.device)
         for i in range(micro):
-            x, y = micro_batch(step, backend.rank * micro + i)
-            loss = nn.functional.mse_loss(backend.model(x), y)
+            x, y = (t.to(backend.device) for t in micro_batch(step, backend.rank * micro + i))
+            loss = nn.functional.mse_loss(backend.model(x).float(), y)
             backend.backward(loss, sync=i == micro - 1)
             total += loss.detach()
         norms.append(backend.step())
@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=0.5)
     parser.add_argument("--load")
     parser.add_argument("--save")
+    parser.add_argument("--device")
     args = {k: v for k, v in vars(parser.parse_args()).items() if v is not None}
     out = args.pop("out")
     skip_deepspeed_shm_op()
@@ -155,17 +156,19 @@ def main() -> None:
         torch.save(record, out)
 
 
-def launch(nproc: int, out: Path, script: Path = WORKER, **kwargs) -> dict:
+def launch(nproc: int, out: Path, script: Path = WORKER, cuda: bool = False, **kwargs) -> dict:
     """Runs `script --out OUT --KEY VALUE ...` under torchrun (free port via --standalone);
-    returns what rank 0 saved to OUT."""
+    returns what rank 0 saved to OUT. Without `cuda` the processes see no GPU."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), "--out", str(out)]
     for key, value in kwargs.items():
         cmd += [f"--{key}", str(value)]
-    # CPU and gloo even on a GPU box (DS_ACCELERATOR is DeepSpeed's own switch); the repo
-    # root on the path for the `tests` package.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+    # the repo root on the path for the `tests` package; CPU and gloo even on a GPU box
+    # unless `cuda` (DS_ACCELERATOR is DeepSpeed's own switch)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    if not cuda:
+        env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

@@ -57,10 +57,13 @@ def test_two_processes_match_one_and_resume_across_world_sizes(backend, referenc
     torch.testing.assert_close(record["weights"], reference["weights"], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# DDP (which arms its all-reduce at forward time) and DeepSpeed (whose own micro-step
+# counter the backend overrides) are the two that need code for this; FSDP2 reads the flag
+# at backward time.
+@pytest.mark.parametrize("backend", ["ddp", "zero2"])
 def test_update_that_ends_before_grad_accum_steps(backend, tmp_path):
     """A short last window (sync=True after fewer than grad_accum_steps micro-steps) must
-    still average gradients over ranks: DDP armed no all-reduce for that forward."""
+    still average gradients over ranks."""
     _needs(backend)
     accum, micro = 3, 2
     record = launch(2, tmp_path / "a.pt", backend_name=backend, accum=accum, micro=micro, steps=2)
