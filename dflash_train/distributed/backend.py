@@ -100,8 +100,7 @@ def validate_config(cfg: BackendConfig) -> None:
     _check_choice("name", cfg.name, BACKEND_NAMES)
     _check_choice("dist_backend", cfg.dist_backend, ("auto", "nccl", "gloo"))
     _check_choice("mixed_precision", cfg.mixed_precision, ("auto", "bf16", "none"))
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"backend.device={cfg.device!r} is not one of ['auto', 'cpu', 'cuda']")
+    _check_choice("device", cfg.device, ("auto", "cpu", "cuda"))
     if cfg.device == "cpu" and cfg.dist_backend == "nccl":
         raise ValueError("backend.dist_backend='nccl' needs CUDA but backend.device='cpu'")
     if cfg.cpu_offload and cfg.name not in ("fsdp2", "zero2", "zero3"):

@@ -22,6 +22,7 @@ from typing import Any
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import (
     lazy_init_hp_params_optimizer_state,
     safe_get_full_fp32_param,
@@ -80,6 +81,10 @@ class DeepSpeedBackend(Backend):
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps={grad_accum_steps} must be >= 1")
         self.stage = ZERO_STAGES[self.cfg.name]
+        accelerator = get_accelerator().device_name()
+        if accelerator != self.device.type:
+            raise ValueError(f"backend.device resolved to {self.device} but DeepSpeed chose the {accelerator!r} "
+                             f"accelerator; set DS_ACCELERATOR={self.device.type} (DeepSpeed's own variable)")
         self.optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
         # DeepSpeed swaps each group's params for flat fp32 partitions; remember which
         # named parameters every group was built with, for the checkpoint's param_groups.
