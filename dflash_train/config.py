@@ -123,6 +123,11 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     return out
 
 
+def as_dict(cfg: TrainConfig) -> dict:
+    """Plain nested dict of a config (for wandb, model cards and checkpoints)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r}; expected one of {list(choices)}")

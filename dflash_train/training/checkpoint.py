@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from dflash_train.config import TrainConfig, as_dict
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
@@ -76,7 +78,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(backend, output_dir: str | Path, state: TrainerState, config, keep_last: int) -> Path:
+def save_checkpoint(backend, output_dir: str | Path, state: TrainerState, config: TrainConfig, keep_last: int) -> Path:
     """Collective: every process calls it. Returns the final directory."""
     root = checkpoint_root(output_dir)
     final = root / step_dir_name(state.step)
@@ -89,7 +91,7 @@ def save_checkpoint(backend, output_dir: str | Path, state: TrainerState, config
     torch.save(_rng_state(), tmp / f"rng_rank{backend.rank}.pt")
     if backend.is_main:
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
-        (tmp / CONFIG_FILE).write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+        (tmp / CONFIG_FILE).write_text(OmegaConf.to_yaml(as_dict(config)))
     backend.barrier()
     if backend.is_main:
         shutil.rmtree(final, ignore_errors=True)

@@ -22,11 +22,11 @@ import torch
 
 from data_gen.writer import check_target, load_generated, read_manifest
 from dflash_train import contract
-from dflash_train.config import TrainConfig
+from dflash_train.config import TrainConfig, as_dict
 from dflash_train.data.collate import Batch, collate
 from dflash_train.data.dataset import StepSlice, TrainingData
 from dflash_train.data.packing import document_causal_mask
-from dflash_train.distributed.backend import build_backend
+from dflash_train.distributed.backend import Backend, build_backend
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 from dflash_train.model.io import save_drafter
 from dflash_train.model.masks import build_training_masks
@@ -39,6 +39,16 @@ from dflash_train.training.optim import optimizer_factory, scheduler_factory
 
 log = logging.getLogger(__name__)
 EXPORT_DIR = "export"
+MANIFEST_COPY = "data_manifest.json"
+
+
+def drafter_config(cfg: TrainConfig, target_hf_config) -> DFlashConfig:
+    """The drafter's config for a recipe: attention geometry and RoPE follow the target."""
+    d = cfg.drafter
+    return DFlashConfig.from_target(
+        target_hf_config, mask_token_id=cfg.target.mask_token_id, num_hidden_layers=d.num_hidden_layers,
+        block_size=d.block_size, target_layer_ids=d.target_layer_ids, num_features=d.num_features,
+    )
 
 
 class NonFiniteLossError(RuntimeError):
@@ -48,14 +58,16 @@ class NonFiniteLossError(RuntimeError):
 class Trainer:
     """Builds data, target, drafter and optimizer from a validated TrainConfig; ``fit`` trains.
 
-    ``target`` and ``data`` may be passed in prebuilt (the benchmark uses random data and
-    a target built from a config); normally both come from the recipe.
+    ``backend``, ``target`` and ``data`` may be passed in prebuilt (the benchmark builds a
+    random target straight on the backend's device and uses random data); normally all
+    three come from the recipe.
     """
 
-    def __init__(self, cfg: TrainConfig, *, target: TargetModel | None = None, data: TrainingData | None = None):
+    def __init__(self, cfg: TrainConfig, *, backend: Backend | None = None, target: TargetModel | None = None,
+                 data: TrainingData | None = None):
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
-        self.backend = build_backend(cfg.backend)
+        self.backend = backend or build_backend(cfg.backend)
         self._setup_data(data)  # before any model: bad data fails in seconds, not minutes
         self._setup_model(target)
         self._setup_optimizer()
@@ -100,10 +112,7 @@ class Trainer:
         target.model = self.backend.prepare_target(target.model)
         self.target = target
         d = cfg.drafter
-        self.drafter_config = DFlashConfig.from_target(
-            target.config, mask_token_id=cfg.target.mask_token_id, num_hidden_layers=d.num_hidden_layers,
-            block_size=d.block_size, target_layer_ids=d.target_layer_ids, num_features=d.num_features,
-        )
+        self.drafter_config = drafter_config(cfg, target.config)
         torch.manual_seed(cfg.seed)  # the drafter's initial weights depend on the seed only
         self.drafter = DFlashDraftModel(self.drafter_config)
         self.drafter.activation_checkpointing = d.activation_checkpointing
@@ -216,8 +225,12 @@ class Trainer:
         """Train to the end (resuming if possible), export; returns the export directory on rank 0."""
         self.resume()
         cfg = self.cfg
+        if self.backend.is_main and self.manifest is not None:
+            # Kept beside the checkpoints: dflash-export writes it into the model card.
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / MANIFEST_COPY).write_text(json.dumps(self.manifest, indent=2, sort_keys=True))
         logger = MetricsLogger(cfg.logging, self.output_dir, self.last_step, self.state.step,
-                               self.backend.is_main, _plain(cfg))
+                               self.backend.is_main, as_dict(cfg))
         window = MetricWindow(self.drafter.block_size, flops.measure_matmul_flops(self.backend.device))
         try:
             while self.state.step < self.last_step:
@@ -263,13 +276,7 @@ class Trainer:
         state = self.backend.full_state_dict()
         path = None
         if self.backend.is_main:
-            extra = model_card_files(_plain(self.cfg), self.manifest, eval_results=None)
+            extra = model_card_files(as_dict(self.cfg), self.manifest, eval_results=self.cfg.hub.eval_results)
             path = save_drafter(self.drafter, out_dir, extra_files=extra, state_dict=state)
         self.backend.barrier()
         return path
-
-
-def _plain(cfg: TrainConfig) -> dict:
-    from omegaconf import OmegaConf
-
-    return json.loads(json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg))))

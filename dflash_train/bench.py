@@ -1,0 +1,224 @@
+"""Training throughput benchmark: N steps of a recipe's geometry on random data.
+
+    python -m dflash_train.bench +experiment=qwen3_8b_8xh100 --random-target --target-layers 36
+    python -m dflash_train.bench --config-name train_quickstart --steps 3
+
+Prints samples/s and tokens/s of the real training step, a per-phase breakdown (target
+forward, mask build, drafter forward+backward, loss, optimizer) timed with device syncs,
+MFU against this GPU's measured bf16 matmul rate, and peak memory. Rows are full length
+(``data.max_length`` tokens, every position supervised, so every row has ``num_anchors``
+blocks): the worst case a recipe allows.
+
+With ``--random-target`` the target is built from its config alone, randomly initialised
+straight on the device (meta-device construction through accelerate, no weights read):
+timing does not depend on the weights, and an 8B target starts in seconds. The configs of
+the paper's targets are built in, so this works offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_module
+
+from dflash_train.config import to_train_config
+from dflash_train.data.dataset import TrainingData
+from dflash_train.distributed.backend import build_backend
+from dflash_train.model.target import TargetModel, load_target, resolve_target
+from dflash_train.training import flops
+from dflash_train.training.trainer import Trainer
+
+# Public architecture configs of the paper's targets, so a random-weight benchmark needs no hub.
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+              rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, hidden_act="silu")
+GEOMETRIES = {
+    "Qwen/Qwen3-8B": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                          tie_word_embeddings=False),
+    "Qwen/Qwen3-4B": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                          tie_word_embeddings=True),
+    "meta-llama/Llama-3.1-8B-Instruct": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=131072, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-7B-Instruct": dict(
+        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=32768, tie_word_embeddings=False),
+}
+PHASES = ("target_forward", "mask_build", "drafter_fwd_bwd", "loss", "optimizer")
+
+
+def target_config(name: str, num_layers: int | None):
+    from transformers import AutoConfig
+
+    if name in GEOMETRIES:
+        fields = dict(GEOMETRIES[name])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        config = AutoConfig.from_pretrained(resolve_target(name))
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+    return config
+
+
+def random_target(config, device: torch.device, dtype: torch.dtype) -> TargetModel:
+    """A randomly initialised target built on the meta device, then materialised on ``device``."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.tie_weights()
+    return TargetModel(model)
+
+
+def random_data(cfg, rows: int, vocab: int) -> TrainingData:
+    import datasets
+
+    gen = torch.Generator().manual_seed(0)
+    length = cfg.data.max_length
+    ids = torch.randint(0, vocab, (rows, length), generator=gen).tolist()
+    ds = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * length] * rows})
+    return TrainingData(ds, max_length=length, packing=False, seed=cfg.seed, shuffle=False,
+                        num_anchors=cfg.data.num_anchors, block_size=cfg.drafter.block_size,
+                        mask_token_id=cfg.target.mask_token_id)
+
+
+def _sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def phase_times(trainer: Trainer, step: int) -> dict[str, float]:
+    """One optimizer step cut into phases, each closed by a device sync (seconds)."""
+    dev = trainer.backend.device
+    out = dict.fromkeys(PHASES, 0.0)
+    batches = trainer.micro_batches(step)
+    for m, batch in enumerate(batches):
+        t0 = _sync(dev)
+        feats, noise = trainer.target_inputs(batch)
+        t1 = _sync(dev)
+        masks = trainer.masks(batch)
+        t2 = _sync(dev)
+        hidden = trainer.draft(batch, feats, noise, masks)
+        t3 = _sync(dev)
+        loss = trainer.loss(batch, hidden)
+        t4 = _sync(dev)
+        trainer.backend.backward(loss.weighted_sum / loss.weight_sum.clamp(min=1.0), sync=m == len(batches) - 1)
+        t5 = _sync(dev)
+        out["target_forward"] += t1 - t0
+        out["mask_build"] += t2 - t1
+        out["drafter_fwd_bwd"] += (t3 - t2) + (t5 - t4)
+        out["loss"] += t4 - t3
+    t6 = _sync(dev)
+    trainer.backend.step()
+    out["optimizer"] = _sync(dev) - t6
+    return out
+
+
+def run(trainer: Trainer, steps: int, warmup: int) -> dict:
+    dev = trainer.backend.device
+    for s in range(warmup):  # compile, allocator growth, kernel autotuning
+        trainer.train_step(s)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    start = _sync(dev)
+    sums = [trainer.train_step(warmup + s) for s in range(steps)]
+    seconds = _sync(dev) - start
+    phases = [phase_times(trainer, warmup + steps + s) for s in range(steps)]
+    batch = trainer.slice.global_batch
+    tokens = sum(float(s["tokens"]) for s in sums)
+    peak = flops.measure_matmul_flops(dev)
+    result = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "world_size": trainer.slice.world_size,
+        "global_batch": batch,
+        "seq_len": trainer.data.max_length,
+        "queries_per_row": trainer.cfg.data.num_anchors * trainer.drafter.block_size,
+        "step_s": seconds / steps,
+        "samples_per_s": batch * steps / seconds,
+        "tokens_per_s": tokens / seconds,
+        "phase_ms": {k: 1000 * sum(p[k] for p in phases) / steps for k in PHASES},
+        "peak_memory_gib": flops.peak_memory_gib(dev),
+        "drafter_params_m": sum(p.numel() for p in trainer.drafter.parameters()) / 1e6,
+    }
+    if peak:
+        step_flops = sum(float(s["flops"]) for s in sums) / steps
+        result.update(matmul_tflops=peak / 1e12, step_tflop=step_flops / 1e12,
+                      mfu=step_flops / (seconds / steps) / (peak * trainer.slice.world_size))
+    return result
+
+
+def format_result(r: dict) -> str:
+    lines = [
+        f"device {r['device']} x{r['world_size']}  global batch {r['global_batch']} rows of {r['seq_len']} tokens, "
+        f"{r['queries_per_row']} block queries per row, drafter {r['drafter_params_m']:.1f}M params",
+        f"step {r['step_s'] * 1000:.1f} ms  {r['samples_per_s']:.2f} samples/s  {r['tokens_per_s']:.0f} tokens/s"
+        f"  peak memory {r['peak_memory_gib']:.2f} GiB",
+    ]
+    if "mfu" in r:
+        lines.append(f"MFU {100 * r['mfu']:.1f}% of the measured {r['matmul_tflops']:.0f} TFLOP/s bf16 matmul "
+                     f"({r['step_tflop']:.1f} TFLOP per step)")
+    total = sum(r["phase_ms"].values())
+    lines.append("phase breakdown (synced):")
+    lines += [f"  {k:<16} {v:9.1f} ms  {100 * v / total:5.1f}%" for k, v in r["phase_ms"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the training recipe")
+    parser.add_argument("--config-name", default="train")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--random-target", action="store_true", help="random weights from the target's config")
+    parser.add_argument("--target-layers", type=int, default=None, help="build the random target with this many layers")
+    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    args = parser.parse_args(argv)
+    if args.target_layers is not None and not args.random_target:
+        parser.error("--target-layers needs --random-target")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with initialize_config_module("dflash_recipes", version_base=None):
+            raw = compose(config_name=args.config_name, overrides=[
+                "data.path=random", f"output_dir={tmp}", "export=false", "checkpoint.every=0",
+                "logging.wandb=disabled", "logging.progress_bar=false", *args.overrides])
+        backend = build_backend(raw.backend)
+        if args.random_target:
+            config = target_config(raw.target.name, args.target_layers)
+            raw.target.num_layers = config.num_hidden_layers
+            dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
+            target = random_target(config, backend.device, dtype)
+        else:
+            target = load_target(raw.target.name, dtype=raw.target.dtype)
+        cfg = to_train_config(raw)
+        global_batch = cfg.optim.micro_batch_size * cfg.optim.grad_accum_steps * backend.world_size
+        data = random_data(cfg, global_batch * (args.warmup + 2 * args.steps), target.vocab_rows)
+        trainer = Trainer(cfg, backend=backend, target=target, data=data)
+        try:
+            result = run(trainer, args.steps, args.warmup)
+        finally:
+            trainer.backend.shutdown()
+    if trainer.backend.is_main:
+        print(format_result(result))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""dflash-export: re-export a training checkpoint in the contract format, optionally push it.
+
+    dflash-export runs/qwen3-8b-dflash-b16                      # latest checkpoint -> <run>/export
+    dflash-export runs/x/checkpoints/step_00002000 --out drafter-2k
+    dflash-export runs/x --push --repo-id me/qwen3-8b-dflash --eval-results eval_results/results.json
+
+The checkpoint's own recipe (config.yaml) rebuilds the drafter config from the target's
+config alone (no target weights are loaded). Repo id and privacy default to the recipe's
+``hub`` section; the Hub token comes from huggingface_hub's environment or login only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from dflash_train.config import as_dict, to_train_config
+from dflash_train.distributed.backend import STATE_FILES
+from dflash_train.export.hub import model_card_files, push_to_hub
+from dflash_train.model.dflash import DFlashDraftModel
+from dflash_train.model.io import save_drafter
+from dflash_train.model.target import resolve_target
+from dflash_train.training.checkpoint import CONFIG_FILE, STATE_FILE, latest_checkpoint
+from dflash_train.training.trainer import EXPORT_DIR, MANIFEST_COPY, drafter_config
+
+
+def find_checkpoint(path: Path) -> Path:
+    """``path`` itself when it is a checkpoint, else the latest checkpoint of a run directory."""
+    if (path / STATE_FILE).is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ValueError(f"{path} is neither a checkpoint (no {STATE_FILE}) nor a run directory with checkpoints/")
+    return latest
+
+
+def export_checkpoint(ckpt: Path, out: Path, eval_results: str | None = None) -> tuple[Path, dict]:
+    """Write the drafter of ``ckpt`` to ``out``; returns the export directory and the run config."""
+    from transformers import AutoConfig
+
+    cfg = to_train_config(OmegaConf.load(ckpt / CONFIG_FILE))
+    config = drafter_config(cfg, AutoConfig.from_pretrained(resolve_target(cfg.target.name)))
+    with torch.device("meta"):  # only the config is needed; the weights come from the checkpoint
+        shell = DFlashDraftModel(config)
+    state = torch.load(ckpt / STATE_FILES["model"], map_location="cpu", weights_only=True)
+    run_dir = ckpt.parent.parent
+    manifest_file = run_dir / MANIFEST_COPY
+    manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else None
+    extra = model_card_files(as_dict(cfg), manifest, eval_results or cfg.hub.eval_results)
+    return save_drafter(shell, out, extra_files=extra, state_dict=state), as_dict(cfg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dflash-export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", type=Path, help="a run's output_dir or one checkpoint directory")
+    parser.add_argument("--out", type=Path, default=None, help=f"export directory (default: <run>/{EXPORT_DIR})")
+    parser.add_argument("--eval-results", default=None, help="a dflash-eval results.json for the model card")
+    parser.add_argument("--push", action="store_true", help="upload the export to the Hugging Face Hub")
+    parser.add_argument("--repo-id", default=None, help="default: the recipe's hub.repo_id")
+    parser.add_argument("--private", action=argparse.BooleanOptionalAction, default=None,
+                        help="default: the recipe's hub.private")
+    args = parser.parse_args(argv)
+    try:
+        ckpt = find_checkpoint(args.path)
+        out = args.out or ckpt.parent.parent / EXPORT_DIR
+        export, cfg = export_checkpoint(ckpt, out, args.eval_results)
+        print(f"exported {ckpt} to {export}")
+        if args.push:
+            repo_id = args.repo_id or cfg["hub"]["repo_id"]
+            private = cfg["hub"]["private"] if args.private is None else args.private
+            print(f"pushed to {repo_id}: {push_to_hub(export, repo_id, private)}")
+    except ValueError as e:
+        print(f"dflash-export: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

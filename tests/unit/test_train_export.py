@@ -1,0 +1,84 @@
+"""Export at the end of training, dflash-export from a checkpoint, model card, Hub push (faked)."""
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from dflash_train.export import cli, hub
+from dflash_train.model.io import load_drafter
+from dflash_train.model.target import load_tokenizer
+from dflash_train.training.trainer import Trainer
+from tests.conftest import SMOLLM2
+from tests.train_data import save_tiny_target, tiny_train_config, write_datagen_dir
+
+TOKEN = "hf_sentinel_token_never_written"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_TOKEN", TOKEN)
+    tok = load_tokenizer(SMOLLM2)
+    target = save_tiny_target(root / "target", tok)
+    data = write_datagen_dir(root / "data", target, tok)
+    out = root / "run"
+    Trainer(tiny_train_config(target, data, out, max_steps=2, export=True)).fit()
+    mp.undo()
+    return out
+
+
+def _results(path):
+    row = {"num_prompts": 3, "tau": 2.5, "greedy_agreement": 1.0, "spec_tok_s": 10.0, "plain_tok_s": 5.0,
+           "speedup": 2.0, "prompts": []}
+    path.write_text(json.dumps({"datasets": {"mtbench": row}}))
+    return path
+
+
+def test_training_exports_a_loadable_drafter_with_card(run):
+    export = run / "export"
+    drafter = load_drafter(export)
+    assert drafter.block_size == 8
+    card = (export / hub.CARD).read_text()
+    assert "DFlash drafter for" in card and "num_speculative_tokens\": 7" in card
+    assert json.loads((export / hub.MANIFEST).read_text())["format_version"] == 1
+    assert "optim:" in (export / hub.RECIPE).read_text()
+
+
+def test_reexport_from_checkpoint_is_identical(run, tmp_path):
+    cli.main([str(run), "--out", str(tmp_path / "again"), "--eval-results", str(_results(tmp_path / "r.json"))])
+    a, b = load_file(run / "export" / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    card = (tmp_path / "again" / hub.CARD).read_text()
+    assert "mtbench" in card and "2.50" in card  # the dflash-eval table
+
+
+def test_push_uses_recipe_repo_and_never_the_token(run, tmp_path, monkeypatch):
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, private, repo_type, exist_ok):
+            calls.append(("create", repo_id, private))
+
+        def upload_folder(self, repo_id, folder_path, repo_type, commit_message):
+            calls.append(("upload", repo_id, sorted(p.name for p in __import__("pathlib").Path(folder_path).iterdir())))
+            return "commit-url"
+
+    monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
+    cli.main([str(run), "--out", str(tmp_path / "push"), "--push", "--repo-id", "me/drafter", "--no-private"])
+    assert calls[0] == ("create", "me/drafter", False)
+    assert {"README.md", "config.json", "model.safetensors", "dflash.py"} <= set(calls[1][2])
+    for f in [*run.rglob("*"), *(tmp_path / "push").rglob("*")]:
+        if f.is_file():
+            assert TOKEN.encode() not in f.read_bytes(), f
+
+
+def test_push_without_repo_id_is_an_error(run, tmp_path):
+    with pytest.raises(SystemExit):
+        cli.main([str(run), "--out", str(tmp_path / "x"), "--push"])
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(SystemExit):
+        cli.main([str(tmp_path)])
