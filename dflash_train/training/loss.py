@@ -69,7 +69,9 @@ def dflash_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, 
     slot = torch.arange(labels.shape[1], device=labels.device) % block_size  # (Q,)
     slot = slot.expand_as(labels)  # (b, Q)
     valid = labels != IGNORE_INDEX
-    h, y, k = hidden[valid], labels[valid], slot[valid]  # (M, H), (M,), (M,)
+    # The head runs in its own dtype (bf16 for a GPU target), whatever the drafter computed in.
+    h = hidden[valid].to(lm_head.weight.dtype)  # (M, H)
+    y, k = labels[valid], slot[valid]  # (M,), (M,)
     w = weights.to(hidden.device, torch.float32)[k]  # (M,)
     total, hit = _LinearCrossEntropy.apply(h, lm_head.weight, getattr(lm_head, "bias", None), y, w, chunk_size)
     count = torch.bincount(k, minlength=block_size).float()
