@@ -1,0 +1,86 @@
+"""Contract section 3 with the real SmolLM2 target: speculative greedy decoding is lossless."""
+
+import pytest
+import torch
+
+from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
+from tests.conftest import SMOLLM2_MASK_ID
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Explain photosynthesis in two sentences.",
+    "List three prime numbers greater than 10.",
+    "How do I make a cup of tea?",
+]
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer):
+    return [smollm2_tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                  return_tensors="pt", return_dict=True)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2, prompts):
+    return [_generate(smollm2.model, ids, NEW_TOKENS, eos=None) for ids in prompts]
+
+
+def _generate(model, ids, new, eos):
+    # SmolLM2's pad id equals <|im_end|>, which the chat prompt contains: without an explicit
+    # all-ones attention mask, generate() would mask those prompt tokens out.
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                          eos_token_id=eos)
+
+
+def _random_drafter(target):
+    torch.manual_seed(0)
+    return DFlashDraftModel(DFlashConfig.from_target(target.config, mask_token_id=SMOLLM2_MASK_ID)).eval()
+
+
+class OracleDrafter(DFlashDraftModel):
+    """Drafts the target's own greedy continuation: every block is correct (tau near B)."""
+
+    def set_answer(self, ids: torch.Tensor):
+        self.answer = ids[0]
+
+    def draft(self, target, block_ids, new_features, start, cache):
+        width = block_ids.shape[1]
+        wanted = self.answer[start + 1 : start + width]
+        logits = torch.zeros(1, width - 1, target.config.vocab_size)
+        logits[0, torch.arange(wanted.numel()), wanted] = 1.0
+        return logits
+
+
+def test_random_drafter_is_lossless_with_tau_near_one(smollm2, prompts, plain):
+    drafter = _random_drafter(smollm2.model)
+    taus = []
+    for ids, expected in zip(prompts, plain):
+        out = drafter.spec_generate(smollm2.model, ids, NEW_TOKENS, return_stats=True)
+        assert torch.equal(out.output_ids, expected)
+        assert sum(out.acceptance_lengths) == NEW_TOKENS - 1  # the first token comes from the prefill
+        taus.append(sum(out.acceptance_lengths) / len(out.acceptance_lengths))
+    assert 1.0 <= sum(taus) / len(taus) < 1.2
+
+
+def test_forced_correct_drafter_is_lossless_with_tau_near_block_size(smollm2, prompts, plain):
+    drafter = OracleDrafter(DFlashConfig.from_target(smollm2.config, mask_token_id=SMOLLM2_MASK_ID)).eval()
+    for ids, expected in zip(prompts, plain):
+        drafter.set_answer(expected)
+        out = drafter.spec_generate(smollm2.model, ids, NEW_TOKENS, return_stats=True)
+        assert torch.equal(out.output_ids, expected)
+        # 39 tokens after the prefill: blocks of 16, 16, then the 7 that remain
+        assert out.acceptance_lengths == [16, 16, 7]
+
+
+def test_stop_tokens_end_generation_like_plain_decoding(smollm2, smollm2_tokenizer, prompts):
+    drafter = _random_drafter(smollm2.model)
+    eos = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = prompts[0]
+    expected = _generate(smollm2.model, ids, 200, eos)
+    assert expected[0, -1] == eos and expected.shape[1] - ids.shape[1] < 200  # it really stops early
+    got = drafter.spec_generate(smollm2.model, ids, 200, stop_token_ids=[eos])
+    assert torch.equal(got, expected)
