@@ -1,0 +1,91 @@
+"""The whole pipeline on the embedded SmolLM2 target, CPU only: `dflash-quickstart`.
+
+Four stages, each the project's own console script with its quickstart recipe:
+  1. dflash-datagen  regenerate a few hundred ShareGPT answers with the target itself
+  2. dflash-train    train a small drafter on them and export it
+  3. dflash-eval     a fresh drafter of the same shape (the tau ~ 1 baseline)
+  4. dflash-eval     the trained drafter
+A stage whose output is complete is reused, so running the command again is cheap and an
+interrupted run continues where it stopped (data generation and training resume inside
+their stage too). Per-stage Hydra overrides: `dflash-quickstart --train optim.lr=1e-3`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DATA_DIR = "data/quickstart-smollm2"
+RUN_DIR = "runs/quickstart-smollm2"
+EVAL_ARGS = ["datasets=[mtbench,humaneval]", "limit=10", "max_new_tokens=64"]
+
+
+def _script(name: str) -> str:
+    """A console script installed beside this interpreter (the venv's bin/)."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        raise SystemExit(f"dflash-quickstart: {path} not found; install the project first (make setup)")
+    return str(path)
+
+
+def _stages(run_dir: Path, extra: dict[str, list[str]]) -> list[tuple[str, Path, list[str]]]:
+    """(name, file that marks the stage done, command)."""
+    export = run_dir / "export"
+    return [
+        ("datagen", Path(DATA_DIR) / "manifest.json",
+         [_script("dflash-datagen"), "--config-name", "datagen_quickstart", f"out_dir={DATA_DIR}", *extra["datagen"]]),
+        ("train", export / "model.safetensors",
+         [_script("dflash-train"), "--config-name", "train_quickstart", f"output_dir={run_dir}",
+          f"data.path={DATA_DIR}", *extra["train"]]),
+        ("eval-fresh", run_dir / "eval_fresh" / "results.json",
+         [_script("dflash-eval"), "drafter_path=random", "drafter=cpu_small", f"output_dir={run_dir / 'eval_fresh'}",
+          *EVAL_ARGS, *extra["eval"]]),
+        ("eval-trained", run_dir / "eval" / "results.json",
+         [_script("dflash-eval"), f"drafter_path={export}", f"output_dir={run_dir / 'eval'}", *EVAL_ARGS,
+          *extra["eval"]]),
+    ]
+
+
+def _table(run_dir: Path) -> str:
+    fresh = json.loads((run_dir / "eval_fresh" / "results.json").read_text())["datasets"]
+    trained = json.loads((run_dir / "eval" / "results.json").read_text())["datasets"]
+    rows = [f"{'dataset':<10} {'prompts':>7} {'tau fresh':>9} {'tau trained':>11} {'agreement':>9} {'speedup':>7}"]
+    for name, t in trained.items():
+        agree = t["greedy_agreement"]
+        rows.append(f"{name:<10} {t['num_prompts']:>7} {fresh[name]['tau']:>9.2f} {t['tau']:>11.2f} "
+                    f"{'-' if agree is None else f'{100 * agree:.0f}%':>9} {t['speedup']:>6.2f}x")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", type=Path, default=Path(RUN_DIR), help="training output and eval results")
+    for stage in ("datagen", "train", "eval"):
+        parser.add_argument(f"--{stage}", nargs="*", default=[], metavar="KEY=VALUE",
+                            help=f"Hydra overrides for dflash-{stage}")
+    args = parser.parse_args(argv)
+    extra = {"datagen": args.datagen, "train": args.train, "eval": args.eval}
+    start = time.perf_counter()
+    for i, (name, done, command) in enumerate(_stages(args.run_dir, extra), 1):
+        if done.exists():
+            print(f"[{i}/4] {name}: done already ({done}), reused", flush=True)
+            continue
+        print(f"[{i}/4] {name}: {' '.join(Path(command[0]).name if j == 0 else c for j, c in enumerate(command))}",
+              flush=True)
+        t0 = time.perf_counter()
+        if subprocess.run(command).returncode != 0:
+            raise SystemExit(f"dflash-quickstart: stage {name} failed; fix the error above and run again "
+                             f"(finished stages are reused)")
+        print(f"[{i}/4] {name}: finished in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"\nDFlash drafter for SmolLM2-135M-Instruct ({time.perf_counter() - start:.0f} s in all)")
+    print(_table(args.run_dir))
+    print(f"\nexported drafter: {args.run_dir / 'export'}")
+    print(f"acceptance plots: {args.run_dir / 'eval' / 'acceptance.png'}, {args.run_dir / 'eval_fresh' / 'acceptance.png'}")
+
+
+if __name__ == "__main__":
+    main()
