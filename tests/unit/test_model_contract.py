@@ -14,7 +14,13 @@ from dflash_train.model.masks import build_block_mask, build_training_masks, ref
 from dflash_train.model.target import TargetModel
 from tests.conftest import make_tiny_target
 
-torch.set_grad_enabled(False)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    # per test, not at import: a module-level switch would leak into every later test
+    with torch.no_grad():
+        yield
 
 
 def test_default_layer_ids_match_the_contract():
