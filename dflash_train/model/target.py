@@ -13,7 +13,6 @@ reused from there (dequantizing takes 10-40 s per load).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -24,10 +23,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash_train.resources import PKG_SCHEME, resolve_path
+
 # hidden_states[0] of an HF causal LM is the embedding output, so the output of decoder
 # layer i sits at hidden_states[i + EMBEDDING_OFFSET].
 EMBEDDING_OFFSET = 1
-PKG_SCHEME = "pkg:"
 
 
 def default_cache_dir() -> Path:
@@ -35,20 +35,11 @@ def default_cache_dir() -> Path:
     return Path(root) / "dflash_train"
 
 
-def _resolve_pkg(spec: str) -> Path:
-    package, _, rel = spec[len(PKG_SCHEME):].partition("/")
-    found = importlib.util.find_spec(package)
-    if found is None or not found.submodule_search_locations:
-        raise ValueError(f"target {spec!r}: package {package!r} is not installed")
-    path = Path(list(found.submodule_search_locations)[0]) / rel
-    if not path.exists():
-        raise ValueError(f"target {spec!r}: {path} does not exist in package {package!r}")
-    return path
-
-
 def _find_gguf(spec: str) -> Path | None:
     """The GGUF file a spec names, or None when it names a regular HF model."""
-    path = _resolve_pkg(spec) if spec.startswith(PKG_SCHEME) else Path(spec)
+    path = resolve_path(spec, f"target {spec!r}")
+    if spec.startswith(PKG_SCHEME) and not path.exists():
+        raise ValueError(f"target {spec!r}: {path} does not exist")
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir() and not (path / "config.json").exists():

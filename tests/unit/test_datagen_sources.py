@@ -9,7 +9,8 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from data_gen.config import DatagenConfig, SourceConfig
-from data_gen.sources import SkipLog, eval_hashes, iter_prompts, resolve_path
+from data_gen.sources import SkipLog, eval_hashes, iter_prompts
+from dflash_train.resources import resolve_path
 from dflash_train.eval.benchmarks import load_benchmark, prompt_hash
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -44,7 +45,7 @@ def test_sharegpt_truncated_json_human_first_dedup(tmp_path):
 def test_real_sharegpt_file_parses_record_by_record():
     src = SourceConfig(kind="sharegpt")
     src.validate("test")  # fills in the packaged file
-    assert resolve_path(src.path).is_file()
+    assert resolve_path(src.path, "source").is_file()
     skips = SkipLog()
     first = [p for _, p in zip(range(50), iter_prompts([src], set(), 1, skips))]
     assert len(first) == 50 and len({p.prompt_id for p in first}) == 50
