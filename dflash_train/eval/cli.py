@@ -171,8 +171,11 @@ def evaluate(cfg: DictConfig, datasets, target, drafter, stops: list[int]) -> di
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     plot_acceptance(summaries, out / "acceptance.png", title=f"{Path(cfg.drafter_path).name} on {cfg.target.name}")
+    # written last and renamed into place: a results.json on disk is always complete
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(out / "results.json")
     print(format_table(summaries))
     print(f"wrote {out / 'results.json'} and {out / 'acceptance.png'}")
     return report
