@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import yaml
+from omegaconf import OmegaConf
 
 CARD = "README.md"
 RECIPE = "recipe.yaml"
@@ -66,7 +66,7 @@ def model_card(recipe: dict, manifest: dict | None, table: str | None) -> str:
 def model_card_files(recipe: dict, manifest: dict | None, eval_results: str | Path | None) -> dict[str, str]:
     """{file name: text} written beside an exported drafter."""
     table = eval_table(eval_results) if eval_results else None
-    files = {CARD: model_card(recipe, manifest, table), RECIPE: yaml.safe_dump(recipe, sort_keys=False)}
+    files = {CARD: model_card(recipe, manifest, table), RECIPE: OmegaConf.to_yaml(recipe)}
     if manifest:
         files[MANIFEST] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     return files
