@@ -132,9 +132,10 @@ def expected_acceptance_length(position_accuracy: torch.Tensor) -> float:
     return 1.0 + float(torch.cumprod(acc, dim=0).sum())
 
 
-def truncate(values: torch.Tensor, max_length: int) -> tuple[torch.Tensor, bool]:
-    """The first ``max_length`` entries and whether anything was cut."""
-    return values[:max_length], values.numel() > max_length
+def truncate(values: torch.Tensor, max_length: int) -> torch.Tensor:
+    """The first ``max_length`` entries: a long conversation keeps its beginning, the context
+    every later token was generated from."""
+    return values[:max_length]
 
 
 def loss_weight_sum(labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -96,8 +96,8 @@ class TrainingData:
 
     def _conversation(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         row = self.ds[index]
-        ids, _ = contract.truncate(torch.tensor(row["input_ids"], dtype=torch.long), self.max_length)
-        mask, _ = contract.truncate(torch.tensor(row["loss_mask"], dtype=torch.long), self.max_length)
+        ids = contract.truncate(torch.tensor(row["input_ids"], dtype=torch.long), self.max_length)
+        mask = contract.truncate(torch.tensor(row["loss_mask"], dtype=torch.long), self.max_length)
         return ids, mask
 
     def example(self, row: int, epoch: int) -> dict:

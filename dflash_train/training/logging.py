@@ -7,6 +7,7 @@ variables (WANDB_MODE, WANDB_API_KEY, ...) keep their usual meaning.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import time
@@ -70,14 +71,18 @@ class MetricsLogger:
         self.file.close()
 
 
-def _start_wandb(cfg: LoggingConfig, output_dir: Path, run_config: dict):
-    try:
-        import wandb
-    except ImportError as e:
+def check_sinks(cfg: LoggingConfig) -> None:
+    """Fail before any model is loaded when a configured sink cannot work."""
+    if cfg.wandb != "disabled" and importlib.util.find_spec("wandb") is None:
         raise ValueError(
             f"logging.wandb={cfg.wandb!r} needs wandb: pip install 'dflash-train[wandb]', "
             "or set logging.wandb=disabled"
-        ) from e
+        )
+
+
+def _start_wandb(cfg: LoggingConfig, output_dir: Path, run_config: dict):
+    import wandb
+
     return wandb.init(
         project=cfg.project,
         name=cfg.run_name,

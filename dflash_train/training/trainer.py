@@ -33,7 +33,7 @@ from dflash_train.model.masks import build_training_masks
 from dflash_train.model.target import TargetModel, load_target, load_tokenizer, target_identity, tokenizer_hash
 from dflash_train.training import flops
 from dflash_train.training.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from dflash_train.training.logging import MetricsLogger, MetricWindow
+from dflash_train.training.logging import MetricsLogger, MetricWindow, check_sinks
 from dflash_train.training.loss import LossOutput, dflash_loss
 from dflash_train.training.optim import optimizer_factory, scheduler_factory
 
@@ -68,6 +68,8 @@ class Trainer:
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         self.backend = backend or build_backend(cfg.backend)
+        if self.backend.is_main:
+            check_sinks(cfg.logging)
         self._setup_data(data)  # before any model: bad data fails in seconds, not minutes
         self._setup_model(target)
         self._setup_optimizer()

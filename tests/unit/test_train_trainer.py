@@ -1,6 +1,9 @@
 """The training loop on a tiny random target: golden numbers, resume, NaN handling, bad input."""
 
+import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -116,3 +119,20 @@ def test_empty_dataset_fails_before_loading_a_model(tiny, tmp_path, monkeypatch)
 def test_too_few_rows_for_the_global_batch(tiny, tmp_path):
     with pytest.raises(ValueError, match="cannot fill one global batch of 16"):
         Trainer(_cfg(tiny, tmp_path, optim={"micro_batch_size": 4, "grad_accum_steps": 4}))
+
+
+def test_missing_wandb_fails_before_loading_a_model(tiny, tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(trainer_mod, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(ValueError, match="needs wandb"):
+        Trainer(_cfg(tiny, tmp_path, logging={"wandb": "offline"}))
+
+
+def test_cli_reports_an_unknown_recipe_key_in_one_line(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_train.train", "+data.num_anchor=3", "data.path=x", f"output_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 2
+    assert "dflash-train: error: bad training recipe: Key 'num_anchor' not in 'DataConfig'" in done.stderr
