@@ -35,7 +35,7 @@ quickstart: setup
 	$(VENV)/bin/dflash-quickstart
 
 test: setup-test
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PY) -m pytest -q -m "not gpu" --durations=15 tests
 
 test-gpu: setup-test
 	$(PY) -m pytest -q -m gpu tests
