@@ -79,7 +79,6 @@ class TrainingData:
         self.example_kwargs = dict(num_anchors=num_anchors, block_size=block_size, mask_token_id=mask_token_id)
         lengths = row_lengths(ds)
         self.num_truncated = sum(n > max_length for n in lengths)
-        self.num_tokens = sum(min(n, max_length) for n in lengths)
         # Packing is fixed once from the dataset order, so a row id names the same
         # conversations in every epoch and after a resume; epochs shuffle whole rows.
         self.groups = pack_by_length(lengths, max_length) if packing else [[i] for i in range(len(lengths))]
