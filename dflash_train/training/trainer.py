@@ -32,7 +32,13 @@ from dflash_train.model.io import save_drafter
 from dflash_train.model.masks import build_training_masks
 from dflash_train.model.target import TargetModel, load_target, load_tokenizer, target_identity, tokenizer_hash
 from dflash_train.training import flops
-from dflash_train.training.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from dflash_train.training.checkpoint import (
+    TrainerState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    step_dir_name,
+)
 from dflash_train.training.logging import MetricsLogger, MetricWindow, check_sinks
 from dflash_train.training.loss import LossOutput, dflash_loss
 from dflash_train.training.optim import optimizer_factory, scheduler_factory
@@ -267,7 +273,7 @@ class Trainer:
 
     def save(self) -> Path:
         latest = latest_checkpoint(self.output_dir)
-        if latest is not None and latest.name.endswith(f"{self.state.step:08d}"):
+        if latest is not None and latest.name == step_dir_name(self.state.step):
             return latest  # resumed at the very end: nothing new to write
         return save_checkpoint(self.backend, self.output_dir, self.state, self.cfg, self.cfg.checkpoint.keep_last)
 
