@@ -136,3 +136,13 @@ def test_cli_reports_an_unknown_recipe_key_in_one_line(tmp_path):
     )
     assert done.returncode == 2
     assert "dflash-train: error: bad training recipe: Key 'num_anchor' not in 'DataConfig'" in done.stderr
+
+
+def test_packed_rows_train(tiny, tmp_path):
+    t = Trainer(_cfg(tiny, tmp_path, max_steps=2, data={"packing": True, "max_length": 128},
+                     optim={"micro_batch_size": 1, "grad_accum_steps": 1}))
+    assert len(t.data) < 8  # several conversations per row
+    batch = t.micro_batches(0)[0]
+    assert batch.doc_ids is not None and batch.doc_ids.max() > 0
+    t.fit()
+    assert all(m["loss"] > 0 for m in _metrics(tmp_path))
