@@ -82,7 +82,8 @@ def block_offsets(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     return anchors[:, None] + torch.arange(block_size, device=anchors.device)
 
 
-def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
+def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                    mask_token_id: int) -> torch.Tensor:
     """(N, B) drafter inputs: [x[p], MASK, ..., MASK] for each anchor p."""
     ids = torch.full((anchors.numel(), block_size), mask_token_id, dtype=input_ids.dtype)
     ids[:, ANCHOR_SLOT] = input_ids[anchors]

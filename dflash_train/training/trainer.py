@@ -107,7 +107,8 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * cfg.epochs
         self.last_step = min(self.total_steps, cfg.max_steps or self.total_steps)
         if b.is_main and data.num_truncated:
-            log.warning("%d of %d sequences truncated to max_length=%d", data.num_truncated, len(data.ds), data.max_length)
+            log.warning("%d of %d sequences truncated to max_length=%d",
+                        data.num_truncated, len(data.ds), data.max_length)
 
     def _setup_model(self, target: TargetModel | None) -> None:
         cfg = self.cfg
@@ -116,7 +117,8 @@ class Trainer:
         if target.num_layers != cfg.target.num_layers:
             raise ValueError(f"target.num_layers={cfg.target.num_layers} but {cfg.target.name} has {target.num_layers}")
         if not 0 <= cfg.target.mask_token_id < target.vocab_rows:
-            raise ValueError(f"target.mask_token_id={cfg.target.mask_token_id} is outside the embedding (0..{target.vocab_rows - 1})")
+            raise ValueError(f"target.mask_token_id={cfg.target.mask_token_id} is outside the embedding "
+                             f"(0..{target.vocab_rows - 1})")
         target.model = self.backend.prepare_target(target.model)
         self.target = target
         d = cfg.drafter
