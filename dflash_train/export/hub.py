@@ -49,7 +49,7 @@ def model_card(recipe: dict, manifest: dict | None, table: str | None) -> str:
         "",
         "## Acceptance (dflash-eval)",
         "```",
-        table or "not evaluated yet: run dflash-eval drafter=DIR and re-export with hub.eval_results=<results.json>",
+        table or "not evaluated yet: run dflash-eval drafter_path=DIR and re-export with hub.eval_results=<results.json>",
         "```",
         "",
         "## Training data",
