@@ -253,6 +253,10 @@ class Backend(ABC):
 
     def shutdown(self) -> None:
         if self._owns_group and dist.is_initialized():
+            # Every rank reaches here before any tears the group down: a rank that destroys
+            # it while a peer still has gloo work in flight aborts both ("terminate called
+            # without an active exception"), seen with ZeRO-2 on CPU.
+            dist.barrier()
             dist.destroy_process_group()
             self._owns_group = False
 
