@@ -88,7 +88,6 @@ def build_block_mask(anchors, context_len, block_size, doc_ids=None, sliding_win
     """A flex-attention BlockMask equal to `visible_mask` with the same arguments."""
     b, n = anchors.shape
     q_len = n * block_size
-    slot = torch.arange(block_size, device=anchors.device)
 
     def mask_mod(bi, _h, q, kv):
         blk, s = q // block_size, q % block_size
@@ -99,7 +98,7 @@ def build_block_mask(anchors, context_len, block_size, doc_ids=None, sliding_win
         if doc_ids is not None:
             see_ctx = see_ctx & (doc_ids[bi, ctx_idx] == doc_ids[bi, torch.clamp(anchor, max=context_len - 1)])
         kb = torch.clamp(kv - context_len, min=0)
-        ks = slot[kb % block_size]
+        ks = kb % block_size
         see_blk = (kb // block_size == blk) & ((ks <= s) if causal_block else True)
         if sliding_window is not None:
             see_ctx = see_ctx & (anchor + s - kv < sliding_window)
