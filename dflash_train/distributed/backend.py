@@ -195,7 +195,9 @@ class Backend(ABC):
 
     @abstractmethod
     def step(self) -> float:
-        """Clips, steps optimizer and scheduler, zeroes grads; returns the pre-clip norm."""
+        """Clips, steps optimizer and scheduler, zeroes grads; returns the pre-clip norm.
+        A non-finite norm means the update was skipped like `skip_step` does: gradients
+        dropped, weights, optimizer state and schedule untouched."""
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

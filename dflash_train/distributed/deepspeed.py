@@ -114,6 +114,8 @@ class DeepSpeedBackend(Backend):
 
     def step(self) -> float:
         self._engine.step()
+        if not self._engine.was_step_applied():
+            return math.nan  # DeepSpeed found a non-finite gradient norm and skipped the update
         norm = self._engine.get_global_grad_norm()
         return math.nan if norm is None else float(norm)
 

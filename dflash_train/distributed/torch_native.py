@@ -57,11 +57,15 @@ class _TorchBackend(Backend):
         norm = torch.nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
+        norm = float(norm)  # the global norm: the same on every rank
+        if not math.isfinite(norm):
+            self.skip_step()  # an inf/NaN gradient would poison weights and Adam moments
+            return norm
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     def skip_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -201,7 +202,8 @@ class Trainer:
         sums = self.backend.all_reduce_sum(sums)
         finite = bool(torch.isfinite(sums[0]))
         if finite:
-            grad_norm = self.backend.step()
+            grad_norm = self.backend.step()  # non-finite: a finite loss with inf/NaN gradients, skipped too
+            finite = math.isfinite(grad_norm)
         else:
             self.backend.skip_step()  # weights, moments and schedule stay as they were
             grad_norm = float("nan")
@@ -266,10 +268,10 @@ class Trainer:
         if finite:
             return
         self.state.nan_skipped += 1
-        log.warning("step %d: non-finite loss, update skipped (%d so far)", self.state.step, self.state.nan_skipped)
+        log.warning("step %d: non-finite loss or gradients, update skipped (%d so far)", self.state.step, self.state.nan_skipped)
         if self.state.nan_skipped > self.cfg.max_nan_skips:
             raise NonFiniteLossError(
-                f"{self.state.nan_skipped} steps had a non-finite loss (max_nan_skips={self.cfg.max_nan_skips}); "
+                f"{self.state.nan_skipped} steps had a non-finite loss or gradients (max_nan_skips={self.cfg.max_nan_skips}); "
                 "lower the learning rate or check the data"
             )
 

@@ -101,6 +101,47 @@ def _nan(out):
     return out
 
 
+class _InfGradient(torch.autograd.Function):
+    """Identity forward (the loss stays finite), infinite gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+def test_finite_loss_with_infinite_gradients_is_skipped(tiny, tmp_path, monkeypatch):
+    real_loss = Trainer.loss
+    calls = {"n": 0}
+
+    def inf_grad_at_step_2(self, batch, hidden):
+        out = real_loss(self, batch, hidden)
+        calls["n"] += 1
+        if calls["n"] == 3:  # first micro-batch of step 2
+            out.weighted_sum = _InfGradient.apply(out.weighted_sum)
+        return out
+
+    monkeypatch.setattr(Trainer, "loss", inf_grad_at_step_2)
+    t = Trainer(_cfg(tiny, tmp_path / "skip", max_steps=2))
+    t.fit()
+    assert t.state.nan_skipped == 1
+    lines = _metrics(tmp_path / "skip")
+    assert [m["nan_skipped"] for m in lines] == [0, 1]
+    # The skipped step left weights, Adam moments and the schedule exactly as after step 1.
+    monkeypatch.setattr(Trainer, "loss", real_loss)
+    one = Trainer(_cfg(tiny, tmp_path / "one", max_steps=1))
+    one.fit()
+    skipped = _weights(t)
+    for k, v in _weights(one).items():
+        assert torch.equal(v, skipped[k]), k
+    assert t.backend.lr() == one.backend.lr()
+    exp_avg = lambda tr: [s["exp_avg"] for s in tr.backend.optimizer.state.values()]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(exp_avg(t), exp_avg(one), strict=True))
+
+
 def test_data_for_another_target_fails_before_loading_a_model(tiny, tmp_path, monkeypatch):
     other = save_tiny_target(tmp_path / "other", tiny["tok"], layers=4)
     data = write_datagen_dir(tmp_path / "data", other, tiny["tok"])
