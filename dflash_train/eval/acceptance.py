@@ -4,14 +4,25 @@ Acceptance length of one verify step = accepted drafts + 1 (the target's own tok
 always committed), so it lies in 1..B for block size B; tau is its mean. The last step of
 a generation can be cut short by max_new_tokens or a stop token; it counts with what it
 committed, as the runtimes count it.
+
+Greedy speculative output equals plain greedy output exactly in float32. In bf16 a verify
+forward over a block and a one-token decode step round differently, so where the target's
+top two logits are (nearly) tied the two runs can pick different tokens and drift apart
+(measured on an H100 with SmolLM2: about 25% of prompts match over 128 tokens, every
+divergence at a top-2 gap of at most 2 bf16 steps). Each divergence is therefore reported
+with the plain run's top-2 gap there, in units of the logits' rounding step (ulps): a
+divergence at a gap of a few ulps is rounding, one at a clear gap is a bug.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+NEAR_TIE_ULPS = 4.0  # a divergence at a top-2 gap of at most this many rounding steps is numerics
 
 
 @dataclass
@@ -25,6 +36,16 @@ class PromptResult:
     plain_ids: list[int]
     spec_s: float
     plain_s: float
+    plain_gaps_ulps: list[float] = field(default_factory=list)  # top-2 gap of each plain step
+
+    @property
+    def divergence_gap_ulps(self) -> float | None:
+        """The plain run's top-2 gap where the outputs first differ; None when no token
+        differs (identical outputs, or one is a prefix of the other: a length difference)."""
+        d = common_prefix(self.spec_ids, self.plain_ids)
+        if d >= min(len(self.spec_ids), len(self.plain_ids), len(self.plain_gaps_ulps)):
+            return None
+        return self.plain_gaps_ulps[d]
 
     def to_dict(self) -> dict:
         prefix = common_prefix(self.spec_ids, self.plain_ids)
@@ -38,6 +59,7 @@ class PromptResult:
             "plain_tokens": len(self.plain_ids),
             "exact_match": exact,
             "first_divergence": None if exact else prefix,
+            "divergence_gap_ulps": self.divergence_gap_ulps,
             "spec_s": self.spec_s,
             "plain_s": self.plain_s,
         }
@@ -101,6 +123,8 @@ def summarize(results: list[PromptResult], block_size: int, greedy: bool) -> dic
     plain_tps = plain_tokens / plain_s if plain_s > 0 else 0.0
     longest = sum(max(len(r.spec_ids), len(r.plain_ids)) for r in results)
     agree = sum(r.spec_ids == r.plain_ids for r in results) / len(results) if results else 0.0
+    gaps = [r.divergence_gap_ulps for r in results if r.spec_ids != r.plain_ids]
+    near_ties = sum(g is not None and g <= NEAR_TIE_ULPS for g in gaps)
     token_agree = sum(common_prefix(r.spec_ids, r.plain_ids) for r in results) / longest if longest else 1.0
     return {
         "num_prompts": len(results),
@@ -110,6 +134,8 @@ def summarize(results: list[PromptResult], block_size: int, greedy: bool) -> dic
         "position_acceptance": position_acceptance(steps, block_size),
         "greedy_agreement": agree if greedy else None,
         "token_agreement": token_agree if greedy else None,
+        "divergent_prompts": len(gaps) if greedy else None,
+        "near_tie_divergences": near_ties if greedy else None,  # of divergent_prompts
         "spec_tokens": spec_tokens,
         "plain_tokens": plain_tokens,
         "spec_s": spec_s,
@@ -128,11 +154,23 @@ def _next_token(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def top2_gap_ulps(logits: torch.Tensor, dtype: torch.dtype | None = None) -> float:
+    """(1, V) logits -> gap between the two largest, in rounding steps of the largest: the
+    spacing of representable values of ``dtype`` (the model's compute dtype; default the
+    logits' own) at that magnitude. A model that upcasts its logits still rounded in bf16."""
+    top = logits[0].topk(2).values.float()
+    gap = float(top[0] - top[1])
+    exponent = math.frexp(abs(float(top[0])) or 1.0)[1] - 1  # floor(log2 |top|)
+    ulp = math.ldexp(torch.finfo(dtype or logits.dtype).eps, exponent)
+    return gap / ulp
+
+
 def target_generate(model, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=None,
-                    temperature: float = 0.0) -> torch.Tensor:
+                    temperature: float = 0.0, gaps_ulps: list[float] | None = None) -> torch.Tensor:
     """Plain autoregressive decoding with a KV cache: the baseline speculative output must equal.
 
     Returns (1, T + n) ids, prompt included; stops after emitting a stop token.
+    ``gaps_ulps``, when given, receives the top-2 gap (``top2_gap_ulps``) of every step.
     """
     from transformers import DynamicCache
 
@@ -142,6 +180,8 @@ def target_generate(model, input_ids: torch.Tensor, max_new_tokens: int, stop_to
     new = []
     for _ in range(max_new_tokens):
         token = _next_token(out.logits[:, -1], temperature)  # (1, 1)
+        if gaps_ulps is not None:
+            gaps_ulps.append(top2_gap_ulps(out.logits[:, -1], model.dtype))
         new.append(token)
         if token.item() in stop or len(new) == max_new_tokens:
             break
@@ -187,8 +227,9 @@ def compare_prompt(drafter, model, prompt_id: str, input_ids: torch.Tensor, max_
         target=model, input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
         stop_token_ids=stop_token_ids, return_stats=True), device)
     torch.manual_seed(seed)
+    gaps: list[float] = []
     plain, plain_s = _timed(lambda: target_generate(model, input_ids, max_new_tokens, stop_token_ids,
-                                                    temperature), device)
+                                                    temperature, gaps), device)
     spec_ids = stats.output_ids[0, prompt_len:].tolist()
     plain_ids = plain[0, prompt_len:].tolist()
     return PromptResult(
@@ -199,4 +240,5 @@ def compare_prompt(drafter, model, prompt_id: str, input_ids: torch.Tensor, max_
         plain_ids=trim_output(plain_ids, max_new_tokens, stop_token_ids),
         spec_s=spec_s,
         plain_s=plain_s,
+        plain_gaps_ulps=gaps,
     )

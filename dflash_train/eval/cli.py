@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from dflash_train.eval.acceptance import compare_prompt, summarize
+from dflash_train.eval.acceptance import NEAR_TIE_ULPS, compare_prompt, summarize
 from dflash_train.eval.benchmarks import BUILTIN, HF_SCHEME, Prompt, load_benchmark
 from dflash_train.eval.plot import plot_acceptance
 
@@ -113,6 +113,13 @@ def format_table(summaries: dict[str, dict]) -> str:
         agree = "-" if s["greedy_agreement"] is None else f"{100 * s['greedy_agreement']:.1f}"
         rows.append(f"{label:<{w}} {s['num_prompts']:>4} {s['tau']:>6.2f} {agree:>8} {s['spec_tok_s']:>11.1f} "
                     f"{s['plain_tok_s']:>12.1f} {s['speedup']:>7.2f}x")
+    for label, s in summaries.items():
+        diverged, ties = s.get("divergent_prompts"), s.get("near_tie_divergences")
+        if diverged:
+            verdict = "rounding (bf16 ties), not a bug" if ties == diverged else \
+                f"{diverged - ties} not (a clear gap or a length difference): a lossless runtime never does that"
+            rows.append(f"{label}: {diverged} prompt(s) diverged from plain decoding, {ties} at a near-tie "
+                        f"(top-2 gap <= {NEAR_TIE_ULPS:g} rounding steps): {verdict}")
     return "\n".join(rows)
 
 

@@ -9,6 +9,7 @@ from dflash_train.eval.acceptance import (
     position_acceptance,
     summarize,
     target_generate,
+    top2_gap_ulps,
     trim_output,
 )
 
@@ -73,6 +74,29 @@ def test_summarize_exact_numbers():
     assert results[0].to_dict()["first_divergence"] is None
 
 
+def test_top2_gap_in_rounding_steps():
+    # bf16 values near 20 are spaced 2**4 * 2**-7 = 0.125 apart: a gap of 0.25 is 2 steps
+    assert top2_gap_ulps(torch.tensor([[1.0, 20.0, 19.75]], dtype=torch.bfloat16)) == 2.0
+    # the same float32 logits, rounded by a bf16 model: still counted in bf16 steps
+    assert top2_gap_ulps(torch.tensor([[19.75, 20.0, -3.0]]), torch.bfloat16) == 2.0
+    assert top2_gap_ulps(torch.tensor([[-0.75, -0.5]])) == 0.25 / 2**-24  # |top| in [0.5, 1)
+    assert top2_gap_ulps(torch.tensor([[3.0, 3.0]])) == 0.0
+
+
+def test_divergences_are_classified_by_the_plain_top2_gap():
+    gaps = [50.0, 40.0, 1.0, 30.0]
+    tie = PromptResult("tie", 10, [1, 1, 1, 1], [1, 2, 3, 4], [1, 2, 9, 9], 1.0, 1.0, gaps)
+    bug = PromptResult("bug", 10, [1, 1], [5, 6], [7, 6], 1.0, 1.0, [12.0, 3.0])
+    same = PromptResult("same", 10, [1], [1], [1], 1.0, 1.0, [0.0])
+    short = PromptResult("short", 10, [1], [1], [1, 2], 1.0, 1.0, [9.0, 9.0])  # spec stopped early
+    assert [r.divergence_gap_ulps for r in (tie, bug, same)] == [1.0, 12.0, None]
+    assert short.divergence_gap_ulps is None
+    assert tie.to_dict()["divergence_gap_ulps"] == 1.0
+    s = summarize([tie, bug, same, short], block_size=4, greedy=True)
+    assert (s["divergent_prompts"], s["near_tie_divergences"]) == (3, 1)
+    assert summarize([tie], block_size=4, greedy=False)["divergent_prompts"] is None
+
+
 def test_summarize_sampling_has_no_agreement():
     s = summarize([_result("a", [2], [1, 2], [3, 4], 1.0, 1.0)], block_size=4, greedy=False)
     assert s["greedy_agreement"] is None and s["token_agreement"] is None
@@ -95,6 +119,12 @@ def test_target_generate_matches_hf_greedy(tiny_llama):
                               do_sample=False, eos_token_id=None, pad_token_id=0)
     assert ours.shape == (1, 17)
     assert ours.tolist() == ref.tolist()
+    gaps = []
+    target_generate(tiny_llama, prompt, max_new_tokens=12, gaps_ulps=gaps)
+    scores = tiny_llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0, output_scores=True,
+                                 return_dict_in_generate=True).scores
+    assert gaps == pytest.approx([top2_gap_ulps(step) for step in scores], rel=1e-3)
 
 
 def test_target_generate_stops_after_stop_token(tiny_llama):

@@ -65,6 +65,18 @@ def test_format_table_row():
     assert table[2].split() == ["mtbench", "1", "2.00", "100.0", "4.0", "8.0", "0.50x"]
 
 
+def test_format_table_explains_divergences():
+    tie = PromptResult("t", 10, [1, 1], [1, 2], [1, 3], 1.0, 1.0, [9.0, 0.0])
+    bug = PromptResult("b", 10, [1, 1], [4, 2], [5, 3], 1.0, 1.0, [64.0, 0.0])
+    lines = format_table({"mtbench": summarize([tie], 4, greedy=True),
+                          "humaneval": summarize([tie, bug], 4, greedy=True)}).splitlines()
+    assert lines[4] == ("mtbench: 1 prompt(s) diverged from plain decoding, 1 at a near-tie (top-2 gap <= 4 "
+                        "rounding steps): rounding (bf16 ties), not a bug")
+    assert lines[5].startswith("humaneval: 2 prompt(s) diverged from plain decoding, 1 at a near-tie")
+    assert lines[5].endswith("1 not (a clear gap or a length difference): a lossless runtime never does that")
+    assert len(format_table({"mtbench": _summary()}).splitlines()) == 3  # no divergence, no footnote
+
+
 def test_plot_writes_png(tmp_path):
     path = plot_acceptance({"mtbench": _summary(), "humaneval": _summary()}, tmp_path / "acc.png", title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
