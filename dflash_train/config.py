@@ -47,6 +47,8 @@ class DataConfig:
     packing: bool = False  # several conversations per row, document-aware masks
     check_manifest: bool = True  # refuse data generated for another target or tokenizer
     shuffle: bool = True
+    val_rows: int = 0  # conversations held out for validation (same anchors every time); 0: none
+    val_every: int = 0  # validate every this many steps (and always at the end); 0: only at the end
 
 
 @dataclass
@@ -166,6 +168,9 @@ def validate(cfg: TrainConfig) -> None:
         default_gamma(d.block_size)  # raises for block sizes without a paper value
     elif cfg.loss.gamma <= 0:
         raise ValueError(f"loss.gamma={cfg.loss.gamma} must be positive")
+    for key, value in {"data.val_rows": cfg.data.val_rows, "data.val_every": cfg.data.val_every}.items():
+        if value < 0:
+            raise ValueError(f"{key}={value} must be >= 0")
     if cfg.data.max_length <= d.block_size:
         raise ValueError(f"data.max_length={cfg.data.max_length} must exceed drafter.block_size={d.block_size}")
     if not 0 <= o.warmup_ratio < 1:

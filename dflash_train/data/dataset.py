@@ -70,14 +70,17 @@ class TrainingData:
     """Rows (single conversations, or packed groups of them) and their per-epoch examples."""
 
     def __init__(self, ds, *, max_length: int, packing: bool, seed: int, shuffle: bool,
-                 num_anchors: int, block_size: int, mask_token_id: int):
-        if len(ds) == 0:
+                 num_anchors: int, block_size: int, mask_token_id: int, indices: list[int] | None = None):
+        """``indices``: the dataset rows to use (a training or validation split); all by default."""
+        self.indices = list(range(len(ds))) if indices is None else list(indices)
+        if not self.indices:
             raise ValueError("the training dataset is empty")
         self.ds = ds
         self.seed, self.shuffle, self.packing = seed, shuffle, packing
         self.max_length = max_length
         self.example_kwargs = dict(num_anchors=num_anchors, block_size=block_size, mask_token_id=mask_token_id)
-        lengths = row_lengths(ds)
+        all_lengths = row_lengths(ds)
+        lengths = [all_lengths[i] for i in self.indices]
         self.num_truncated = sum(n > max_length for n in lengths)
         # Packing is fixed once from the dataset order, so a row id names the same
         # conversations in every epoch and after a resume; epochs shuffle whole rows.
@@ -94,7 +97,7 @@ class TrainingData:
         return torch.randperm(len(self), generator=gen)
 
     def _conversation(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        row = self.ds[index]
+        row = self.ds[self.indices[index]]
         ids = contract.truncate(torch.tensor(row["input_ids"], dtype=torch.long), self.max_length)
         mask = contract.truncate(torch.tensor(row["loss_mask"], dtype=torch.long), self.max_length)
         return ids, mask

@@ -55,7 +55,10 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['expected_tau']:.2f}", refresh=False)
+            shown = {"loss": f"{metrics['loss']:.3f}", "tau": f"{metrics['expected_tau']:.2f}"}
+            if "val_expected_tau" in metrics:
+                shown["val_tau"] = f"{metrics['val_expected_tau']:.2f}"
+            self.bar.set_postfix(shown, refresh=False)
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:

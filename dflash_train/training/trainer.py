@@ -58,6 +58,16 @@ def drafter_config(cfg: TrainConfig, target_hf_config) -> DFlashConfig:
     )
 
 
+def split_validation(num_rows: int, val_rows: int, seed: int) -> tuple[list[int], list[int]]:
+    """(training row ids, held-out row ids): ``val_rows`` conversations picked by a seeded
+    permutation, so a resumed or re-run job holds out the same ones."""
+    if val_rows >= num_rows:
+        raise ValueError(f"data.val_rows={val_rows} leaves no training rows (the dataset has {num_rows})")
+    gen = torch.Generator().manual_seed(contract.derive_seed("validation", seed, 0))
+    perm = torch.randperm(num_rows, generator=gen).tolist()
+    return sorted(perm[val_rows:]), sorted(perm[:val_rows])
+
+
 class NonFiniteLossError(RuntimeError):
     """Too many steps with a NaN/inf loss: the run is diverging or the data is broken."""
 
@@ -87,16 +97,21 @@ class Trainer:
     def _setup_data(self, data: TrainingData | None) -> None:
         cfg, b = self.cfg, self.backend
         self.manifest = None
+        self.val_data: TrainingData | None = None
         if data is None:
             self.manifest = read_manifest(cfg.data.path)
             if cfg.data.check_manifest:
                 tok_hash = tokenizer_hash(load_tokenizer(cfg.target.name))
                 check_target(self.manifest, target_identity(cfg.target.name), tok_hash)
-            data = TrainingData(
-                load_generated(cfg.data.path), max_length=cfg.data.max_length, packing=cfg.data.packing,
-                seed=cfg.seed, shuffle=cfg.data.shuffle, num_anchors=cfg.data.num_anchors,
-                block_size=cfg.drafter.block_size, mask_token_id=cfg.target.mask_token_id,
-            )
+            ds = load_generated(cfg.data.path)
+            kwargs = dict(max_length=cfg.data.max_length, packing=cfg.data.packing, seed=cfg.seed,
+                          num_anchors=cfg.data.num_anchors, block_size=cfg.drafter.block_size,
+                          mask_token_id=cfg.target.mask_token_id)
+            train_rows = None
+            if cfg.data.val_rows:
+                train_rows, val_rows = split_validation(len(ds), cfg.data.val_rows, cfg.seed)
+                self.val_data = TrainingData(ds, shuffle=False, indices=val_rows, **kwargs)
+            data = TrainingData(ds, shuffle=cfg.data.shuffle, indices=train_rows, **kwargs)
         self.data = data
         self.slice = StepSlice(cfg.optim.micro_batch_size, cfg.optim.grad_accum_steps, b.world_size, b.rank)
         self.steps_per_epoch = len(data) // self.slice.global_batch
@@ -109,7 +124,7 @@ class Trainer:
         self.last_step = min(self.total_steps, cfg.max_steps or self.total_steps)
         if b.is_main and data.num_truncated:
             log.warning("%d of %d sequences truncated to max_length=%d",
-                        data.num_truncated, len(data.ds), data.max_length)
+                        data.num_truncated, len(data.indices), data.max_length)
 
     def _setup_model(self, target: TargetModel | None) -> None:
         cfg = self.cfg
@@ -221,6 +236,42 @@ class Trainer:
         return (flops.target_forward_flops(cfg, run, b * t, t) + b * flops.drafter_train_flops(self.drafter, shape)
                 + flops.loss_flops(cfg.hidden_size, self.target.vocab_rows, shape.supervised_slots))
 
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Loss, per-position accuracy and expected tau on the held-out rows, with the same
+        anchors every time (epoch 0's). The training metrics are measured on rows the
+        drafter is fitting; these tell whether it generalises."""
+        val = self.val_data
+        b = self.drafter.block_size
+        world, rank = self.slice.world_size, self.slice.rank
+        sums = torch.zeros(2 + 2 * b, dtype=torch.float64, device=self.backend.device)
+        self.drafter.eval()
+        try:
+            # Every rank runs the same number of forwards (sharded models gather weights
+            # collectively); a rank past the end repeats row 0 and counts nothing.
+            for i in range(-(-len(val) // world)):
+                row = i * world + rank
+                batch = collate([val.example(row if row < len(val) else 0, 0)],
+                                self.cfg.target.mask_token_id).to(self.backend.device)
+                if row < len(val):
+                    out = self.micro_step(batch)
+                    sums += torch.cat([out.weighted_sum.reshape(1), out.weight_sum.reshape(1),
+                                       out.correct, out.count]).double()
+                else:
+                    self.micro_step(batch)
+        finally:
+            self.drafter.train()
+        sums = self.backend.all_reduce_sum(sums)
+        correct, count = sums[2:2 + b], sums[2 + b:]
+        acc = [float(c / n) if n else float("nan") for c, n in zip(correct[1:], count[1:])]
+        return {"val_loss": float(sums[0] / sums[1].clamp(min=1e-12)),
+                "val_expected_tau": contract.expected_acceptance_length(torch.tensor(acc)),
+                **{f"val_acc_pos_{k}": a for k, a in enumerate(acc, start=1)}}
+
+    def _validation_due(self, step: int) -> bool:
+        every = self.cfg.data.val_every
+        return self.val_data is not None and (step == self.last_step or bool(every and step % every == 0))
+
     # ---------------------------------------------------------------------------- fit
     def resume(self) -> None:
         path = latest_checkpoint(self.output_dir)
@@ -253,9 +304,13 @@ class Trainer:
                 window.add(sums, time.perf_counter() - start, self.slice.global_batch)
                 logger.advance()
                 step = self.state.step
-                if step % cfg.logging.every == 0 or step == self.last_step:
-                    logger.log(step, window.summary(self.backend.lr(), self.state.nan_skipped,
-                                                    self.slice.world_size, self.backend.device))
+                validate = self._validation_due(step)
+                if step % cfg.logging.every == 0 or step == self.last_step or validate:
+                    metrics = window.summary(self.backend.lr(), self.state.nan_skipped,
+                                             self.slice.world_size, self.backend.device)
+                    if validate:
+                        metrics.update(self.validate())
+                    logger.log(step, metrics)
                     window.reset()
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < self.last_step:
                     self.save()

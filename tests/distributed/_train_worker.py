@@ -17,10 +17,10 @@ from tests.train_data import tiny_train_config
 
 
 def run(target: str, data: str, output_dir: Path, backend: str, micro_batch_size: int, grad_accum_steps: int,
-        max_steps: int) -> dict | None:
+        max_steps: int, val_rows: int = 0) -> dict | None:
     """Trains (resuming from output_dir's latest checkpoint, if any) up to max_steps."""
     cfg = tiny_train_config(target, Path(data), output_dir, max_steps=max_steps,
-                            backend={"name": backend, "device": "cpu"},
+                            backend={"name": backend, "device": "cpu"}, data={"val_rows": val_rows},
                             optim={"micro_batch_size": micro_batch_size, "grad_accum_steps": grad_accum_steps})
     trainer = Trainer(cfg)
     try:
@@ -40,6 +40,7 @@ def main() -> None:
         parser.add_argument(f"--{name}", required=True)
     for name in ("micro_batch_size", "grad_accum_steps", "max_steps"):
         parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--val_rows", type=int, default=0)
     args = vars(parser.parse_args())
     out = args.pop("out")
     skip_deepspeed_shm_op()

@@ -62,3 +62,20 @@ def test_trainer_on_two_processes_matches_one_and_resumes_on_one(backend, tiny, 
               max_steps=TOTAL)
     _assert_same_steps(one["metrics"][FIRST:], want[FIRST:])
     torch.testing.assert_close(one["weights"], tiny["reference"]["weights"], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "zero3"])
+def test_validation_on_two_sharded_processes_matches_one(backend, tiny, tmp_path):
+    """3 held-out rows over 2 ranks: rank 1 runs a padding forward so the sharded model's
+    collectives stay matched, and the reduced numbers equal one process's."""
+    if backend.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    one = run(tiny["target"], tiny["data"], tmp_path / "one", "single", micro_batch_size=1, grad_accum_steps=4,
+              max_steps=2, val_rows=3)
+    two = launch(2, tmp_path / "two.pt", script=WORKER, target=tiny["target"], data=tiny["data"],
+                 output_dir=tmp_path / "run", backend=backend, micro_batch_size=1, grad_accum_steps=2,
+                 max_steps=2, val_rows=3)
+    want, got = one["metrics"][-1], two["metrics"][-1]
+    assert "val_loss" in want and "val_loss" not in one["metrics"][0]
+    for key in ("val_loss", "val_expected_tau", "val_acc_pos_1"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key

@@ -12,7 +12,7 @@ from dflash_train.model.target import load_tokenizer
 from dflash_train.training import trainer as trainer_mod
 from dflash_train.training.checkpoint import list_checkpoints
 from dflash_train.training.logging import METRICS_FILE
-from dflash_train.training.trainer import NonFiniteLossError, Trainer
+from dflash_train.training.trainer import NonFiniteLossError, Trainer, split_validation
 from tests.conftest import SMOLLM2
 from tests.train_data import save_tiny_target, tiny_train_config, write_datagen_dir
 
@@ -187,3 +187,31 @@ def test_packed_rows_train(tiny, tmp_path):
     assert batch.doc_ids is not None and batch.doc_ids.max() > 0
     t.fit()
     assert all(m["loss"] > 0 for m in _metrics(tmp_path))
+
+
+def test_validation_split_is_seeded_and_disjoint():
+    train, val = split_validation(10, 3, seed=0)
+    assert len(val) == 3 and sorted(train + val) == list(range(10))
+    assert split_validation(10, 3, seed=0) == (train, val)
+    assert split_validation(10, 3, seed=1) != (train, val)
+    with pytest.raises(ValueError, match=r"data.val_rows=10 leaves no training rows \(the dataset has 10\)"):
+        split_validation(10, 10, seed=0)
+
+
+def test_validation_is_logged_and_does_not_touch_training(tiny, tmp_path):
+    every = Trainer(_cfg(tiny, tmp_path / "every", epochs=3, data={"val_rows": 3, "val_every": 1}))
+    every.fit()
+    end = Trainer(_cfg(tiny, tmp_path / "end", epochs=3, data={"val_rows": 3}))
+    end.fit()
+    lines = _metrics(tmp_path / "every")
+    assert len(every.data) == 5 and len(every.val_data) == 3
+    assert len(lines) == 3 and all("val_loss" in m and "val_acc_pos_7" in m for m in lines)
+    assert [("val_loss" in m) for m in _metrics(tmp_path / "end")] == [False, False, True]
+    # validating after every step changed neither the weights nor the final numbers
+    for k, v in _weights(end).items():
+        assert torch.equal(v, _weights(every)[k]), k
+    final = _metrics(tmp_path / "end")[-1]
+    assert final["val_loss"] == lines[-1]["val_loss"] and final["val_expected_tau"] == lines[-1]["val_expected_tau"]
+    # the same number again from the trained drafter: validation is deterministic
+    assert end.validate()["val_loss"] == pytest.approx(final["val_loss"], rel=1e-6)
+    assert 1.0 <= final["val_expected_tau"] <= 8.0 and final["val_loss"] > 0
