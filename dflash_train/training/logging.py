@@ -36,6 +36,7 @@ class MetricsLogger:
                  is_main: bool, run_config: dict):
         self.enabled = is_main
         self.bar = None
+        self.val_tau: str | None = None
         self.wandb_run = None
         if not is_main:
             return
@@ -55,9 +56,11 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
         if self.bar is not None:
+            if "val_expected_tau" in metrics:  # kept on the bar until the next validation
+                self.val_tau = f"{metrics['val_expected_tau']:.2f}"
             shown = {"loss": f"{metrics['loss']:.3f}", "tau": f"{metrics['expected_tau']:.2f}"}
-            if "val_expected_tau" in metrics:
-                shown["val_tau"] = f"{metrics['val_expected_tau']:.2f}"
+            if self.val_tau is not None:
+                shown["val_tau"] = self.val_tau
             self.bar.set_postfix(shown, refresh=False)
 
     def advance(self, steps: int = 1) -> None:

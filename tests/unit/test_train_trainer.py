@@ -215,3 +215,18 @@ def test_validation_is_logged_and_does_not_touch_training(tiny, tmp_path):
     # the same number again from the trained drafter: validation is deterministic
     assert end.validate()["val_loss"] == pytest.approx(final["val_loss"], rel=1e-6)
     assert 1.0 <= final["val_expected_tau"] <= 8.0 and final["val_loss"] > 0
+
+
+def test_progress_bar_keeps_the_last_validation_tau(tmp_path):
+    from dflash_train.config import LoggingConfig
+    from dflash_train.training.logging import MetricsLogger
+
+    logger = MetricsLogger(LoggingConfig(wandb="disabled", progress_bar=True), tmp_path, 10, 0, True, {})
+    logger.log(1, {"loss": 2.5, "expected_tau": 1.25})
+    assert "val_tau" not in logger.bar.postfix
+    logger.log(2, {"loss": 2.0, "expected_tau": 1.5, "val_expected_tau": 1.125})
+    logger.log(3, {"loss": 1.5, "expected_tau": 1.75})
+    assert logger.bar.postfix == "loss=1.500, tau=1.75, val_tau=1.12"
+    logger.close()
+    assert [json.loads(line).get("val_expected_tau") for line in (tmp_path / METRICS_FILE).read_text().splitlines()] \
+        == [None, 1.125, None]
