@@ -61,6 +61,16 @@ def _table(run_dir: Path) -> str:
     return "\n".join(rows)
 
 
+def _held_out(run_dir: Path) -> str | None:
+    """The last validation of the training log, beside the training rows' figure."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    last = next((json.loads(line) for line in reversed(lines) if "val_expected_tau" in line), None)
+    if last is None:
+        return None
+    return (f"expected tau at step {last['step']}: {last['val_expected_tau']:.2f} on held-out conversations, "
+            f"{last['expected_tau']:.2f} on training rows (teacher-forced, from the per-position accuracy)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", type=Path, default=Path(RUN_DIR), help="training output and eval results")
@@ -83,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{i}/4] {name}: finished in {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"\nDFlash drafter for SmolLM2-135M-Instruct ({time.perf_counter() - start:.0f} s in all)")
     print(_table(args.run_dir))
+    held_out = _held_out(args.run_dir)
+    if held_out:
+        print(held_out)
     print(f"\nexported drafter: {args.run_dir / 'export'}")
     print(f"acceptance plots: {args.run_dir / 'eval' / 'acceptance.png'}, {args.run_dir / 'eval_fresh' / 'acceptance.png'}")
 
