@@ -72,18 +72,23 @@ def test_resume_with_another_global_batch_is_refused(tiny, tmp_path):
         Trainer(_cfg(tiny, tmp_path, optim={"grad_accum_steps": 1})).resume()
 
 
-def test_nan_loss_is_skipped_and_counted_then_aborts(tiny, tmp_path, monkeypatch):
-    real_loss = Trainer.loss
-    calls = {"n": 0}
+def _spoil_loss_calls(monkeypatch, calls: set[int], spoil) -> None:
+    """Trainer.loss with ``spoil(weighted_sum)`` applied on the given (1-based) calls."""
+    real_loss, seen = Trainer.loss, {"n": 0}
 
-    def sometimes_nan(self, batch, hidden):
+    def loss(self, batch, hidden):
         out = real_loss(self, batch, hidden)
-        calls["n"] += 1
-        if calls["n"] in (3, 4):  # both micro-batches of step 2
-            out.weighted_sum = out.weighted_sum * float("nan")
+        seen["n"] += 1
+        if seen["n"] in calls:
+            out.weighted_sum = spoil(out.weighted_sum)
         return out
 
-    monkeypatch.setattr(Trainer, "loss", sometimes_nan)
+    monkeypatch.setattr(Trainer, "loss", loss)
+
+
+def test_nan_loss_is_skipped_and_counted_then_aborts(tiny, tmp_path, monkeypatch):
+    real_loss = Trainer.loss
+    _spoil_loss_calls(monkeypatch, {3, 4}, lambda x: x * float("nan"))  # both micro-batches of step 2
     t = Trainer(_cfg(tiny, tmp_path, max_steps=3, max_nan_skips=1))
     t.fit()
     assert t.state.nan_skipped == 1
@@ -115,16 +120,7 @@ class _InfGradient(torch.autograd.Function):
 
 def test_finite_loss_with_infinite_gradients_is_skipped(tiny, tmp_path, monkeypatch):
     real_loss = Trainer.loss
-    calls = {"n": 0}
-
-    def inf_grad_at_step_2(self, batch, hidden):
-        out = real_loss(self, batch, hidden)
-        calls["n"] += 1
-        if calls["n"] == 3:  # first micro-batch of step 2
-            out.weighted_sum = _InfGradient.apply(out.weighted_sum)
-        return out
-
-    monkeypatch.setattr(Trainer, "loss", inf_grad_at_step_2)
+    _spoil_loss_calls(monkeypatch, {3}, _InfGradient.apply)  # first micro-batch of step 2
     t = Trainer(_cfg(tiny, tmp_path / "skip", max_steps=2))
     t.fit()
     assert t.state.nan_skipped == 1
