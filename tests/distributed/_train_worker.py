@@ -12,7 +12,7 @@ import torch
 
 from dflash_train.training.logging import METRICS_FILE
 from dflash_train.training.trainer import Trainer
-from tests.distributed._backend_worker import skip_deepspeed_shm_op
+from tests.distributed._backend_worker import exit_now, skip_deepspeed_shm_op
 from tests.train_data import tiny_train_config
 
 
@@ -47,6 +47,7 @@ def main() -> None:
     record = run(**{**args, "output_dir": Path(args["output_dir"])})
     if record is not None:
         torch.save(record, out)
+    exit_now()
 
 
 if __name__ == "__main__":
