@@ -153,7 +153,6 @@ def _next_token(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1)
 
 
-@torch.inference_mode()
 def top2_gap_ulps(logits: torch.Tensor, dtype: torch.dtype | None = None) -> float:
     """(1, V) logits -> gap between the two largest, in rounding steps of the largest: the
     spacing of representable values of ``dtype`` (the model's compute dtype; default the
@@ -165,6 +164,7 @@ def top2_gap_ulps(logits: torch.Tensor, dtype: torch.dtype | None = None) -> flo
     return gap / ulp
 
 
+@torch.inference_mode()
 def target_generate(model, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=None,
                     temperature: float = 0.0, gaps_ulps: list[float] | None = None) -> torch.Tensor:
     """Plain autoregressive decoding with a KV cache: the baseline speculative output must equal.

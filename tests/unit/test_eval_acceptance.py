@@ -119,6 +119,7 @@ def test_target_generate_matches_hf_greedy(tiny_llama):
                               do_sample=False, eos_token_id=None, pad_token_id=0)
     assert ours.shape == (1, 17)
     assert ours.tolist() == ref.tolist()
+    assert torch.is_inference(ours)  # the baseline decodes without autograd, as spec_generate does
     gaps = []
     target_generate(tiny_llama, prompt, max_new_tokens=12, gaps_ulps=gaps)
     scores = tiny_llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
