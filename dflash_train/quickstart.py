@@ -63,7 +63,10 @@ def _table(run_dir: Path) -> str:
 
 def _held_out(run_dir: Path) -> str | None:
     """The last validation of the training log, beside the training rows' figure."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    from dflash_train.training.logging import METRICS_FILE
+
+    log = run_dir / METRICS_FILE
+    lines = log.read_text().splitlines() if log.exists() else []
     last = next((json.loads(line) for line in reversed(lines) if "val_expected_tau" in line), None)
     if last is None:
         return None

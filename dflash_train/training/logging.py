@@ -105,6 +105,12 @@ def _run_id(output_dir: Path) -> str:
     return hashlib.sha256(str(output_dir.resolve()).encode()).hexdigest()[:16]
 
 
+def position_accuracy(correct, count) -> list[float]:
+    """Accuracy of slots 1..B-1 from per-slot hit and supervised counts (slot 0 is the
+    anchor and never predicted); NaN for a slot with nothing supervised."""
+    return [float(c) / float(n) if n else float("nan") for c, n in zip(correct[1:], count[1:])]
+
+
 class MetricWindow:
     """Sums of the globally reduced step statistics between two metric lines."""
 
@@ -133,12 +139,8 @@ class MetricWindow:
         self.count = [a + float(b) for a, b in zip(self.count, sums["count"])]
         self.grad_norm = sums["grad_norm"]
 
-    def position_accuracy(self) -> list[float]:
-        """Accuracy of slots 1..B-1 (slot 0 is the anchor and never predicted)."""
-        return [c / n if n else float("nan") for c, n in zip(self.correct[1:], self.count[1:])]
-
     def summary(self, lr: float, nan_skipped: int, world_size: int, device) -> dict:
-        acc = self.position_accuracy()
+        acc = position_accuracy(self.correct, self.count)
         out = {
             "loss": self.loss_sum / self.weight_sum if self.weight_sum else float("nan"),
             "expected_tau": expected_acceptance_length(torch.tensor(acc)),

@@ -40,7 +40,7 @@ from dflash_train.training.checkpoint import (
     save_checkpoint,
     step_dir_name,
 )
-from dflash_train.training.logging import MetricsLogger, MetricWindow, check_sinks
+from dflash_train.training.logging import MetricsLogger, MetricWindow, check_sinks, position_accuracy
 from dflash_train.training.loss import LossOutput, dflash_loss
 from dflash_train.training.optim import optimizer_factory, scheduler_factory
 
@@ -253,17 +253,14 @@ class Trainer:
                 row = i * world + rank
                 batch = collate([val.example(row if row < len(val) else 0, 0)],
                                 self.cfg.target.mask_token_id).to(self.backend.device)
+                out = self.micro_step(batch)
                 if row < len(val):
-                    out = self.micro_step(batch)
                     sums += torch.cat([out.weighted_sum.reshape(1), out.weight_sum.reshape(1),
                                        out.correct, out.count]).double()
-                else:
-                    self.micro_step(batch)
         finally:
             self.drafter.train()
         sums = self.backend.all_reduce_sum(sums)
-        correct, count = sums[2:2 + b], sums[2 + b:]
-        acc = [float(c / n) if n else float("nan") for c, n in zip(correct[1:], count[1:])]
+        acc = position_accuracy(sums[2:2 + b].tolist(), sums[2 + b:].tolist())
         return {"val_loss": float(sums[0] / sums[1].clamp(min=1e-12)),
                 "val_expected_tau": contract.expected_acceptance_length(torch.tensor(acc)),
                 **{f"val_acc_pos_{k}": a for k, a in enumerate(acc, start=1)}}
@@ -323,11 +320,12 @@ class Trainer:
         if finite:
             return
         self.state.nan_skipped += 1
-        log.warning("step %d: non-finite loss or gradients, update skipped (%d so far)", self.state.step, self.state.nan_skipped)
+        log.warning("step %d: non-finite loss or gradients, update skipped (%d so far)",
+                    self.state.step, self.state.nan_skipped)
         if self.state.nan_skipped > self.cfg.max_nan_skips:
             raise NonFiniteLossError(
-                f"{self.state.nan_skipped} steps had a non-finite loss or gradients (max_nan_skips={self.cfg.max_nan_skips}); "
-                "lower the learning rate or check the data"
+                f"{self.state.nan_skipped} steps had a non-finite loss or gradients "
+                f"(max_nan_skips={self.cfg.max_nan_skips}); lower the learning rate or check the data"
             )
 
     def save(self) -> Path:
