@@ -30,13 +30,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             sl = slice(start, start + chunk_size)
             logits = F.linear(hidden[sl], weight, bias).float()  # (c, V): the only big tensor
-            lse = torch.logsumexp(logits, dim=-1)  # (c,)
             target = logits.gather(1, labels[sl, None]).squeeze(1)  # (c,)
-            total += ((lse - target) * slot_w[sl]).sum()
-            correct[sl] = logits.argmax(dim=-1) == labels[sl]
+            # logsumexp by hand: the exponentials are kept for the gradient, and on CPU this is
+            # twice as fast as torch.logsumexp followed by a second exp pass.
+            top, argmax = logits.max(dim=-1)  # (c,)
+            probs = logits.sub_(top[:, None]).exp_()  # unnormalised, in place of the logits
+            norm = probs.sum(dim=-1)  # (c,)
+            total += ((top + norm.log() - target) * slot_w[sl]).sum()
+            correct[sl] = argmax == labels[sl]
             if grad is not None:
                 # d CE / d logits = softmax - onehot, scaled by the slot weight.
-                probs = logits.sub_(lse[:, None]).exp_()
+                probs /= norm[:, None]
                 probs[torch.arange(probs.shape[0], device=probs.device), labels[sl]] -= 1
                 probs *= slot_w[sl, None]
                 grad[sl] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)

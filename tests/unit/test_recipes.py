@@ -71,3 +71,19 @@ def test_quickstart_runs_on_cpu_without_compile():
         cfg = compose(config_name="train_quickstart")
     c = to_train_config(OmegaConf.merge(cfg, {"output_dir": "x"}))
     assert c.drafter.attention == "dense" and not c.drafter.compile
+
+
+def test_quickstart_trains_on_what_its_datagen_writes():
+    """The two quickstart recipes agree: the same target at the same dtype (the drafter
+    learns the features of the model that wrote the answers), no sequence truncated, and
+    enough anchors to start a block at every other answer position."""
+    with initialize_config_module("dflash_recipes", version_base=None):
+        gen = compose(config_name="datagen_quickstart")
+        train = to_train_config(OmegaConf.merge(compose(config_name="train_quickstart"), {"output_dir": "x"}))
+    assert gen.target.name == train.target.name
+    assert gen.target.dtype == train.target.dtype == "bfloat16"
+    assert train.backend["mixed_precision"] == "bf16"
+    assert train.data.path == gen.out_dir
+    # max_prompt_len counts the templated prompt; the answer follows it.
+    assert train.data.max_length >= gen.max_prompt_len + gen.sampling.max_new_tokens
+    assert 2 * train.data.num_anchors >= gen.sampling.max_new_tokens
