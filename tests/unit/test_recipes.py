@@ -66,10 +66,14 @@ def test_every_recipe_starts_with_its_command():
             assert first.startswith("# ") and ("dflash-train" in first or "launch/torchrun.sh" in first), rel
 
 
-def test_quickstart_runs_on_cpu_without_compile():
+def _quickstart_train_config():
     with initialize_config_module("dflash_recipes", version_base=None):
         cfg = compose(config_name="train_quickstart")
-    c = to_train_config(OmegaConf.merge(cfg, {"output_dir": "x"}))
+    return to_train_config(OmegaConf.merge(cfg, {"output_dir": "x"}))
+
+
+def test_quickstart_runs_on_cpu_without_compile():
+    c = _quickstart_train_config()
     assert c.drafter.attention == "dense" and not c.drafter.compile
 
 
@@ -77,9 +81,9 @@ def test_quickstart_trains_on_what_its_datagen_writes():
     """The two quickstart recipes agree: the same target at the same dtype (the drafter
     learns the features of the model that wrote the answers), no sequence truncated, and
     enough anchors to start a block at every other answer position."""
+    train = _quickstart_train_config()
     with initialize_config_module("dflash_recipes", version_base=None):
         gen = compose(config_name="datagen_quickstart")
-        train = to_train_config(OmegaConf.merge(compose(config_name="train_quickstart"), {"output_dir": "x"}))
     assert gen.target.name == train.target.name
     assert gen.target.dtype == train.target.dtype == "bfloat16"
     assert train.backend["mixed_precision"] == "bf16"
