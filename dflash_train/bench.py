@@ -1,13 +1,20 @@
-"""Training throughput benchmark: N steps of a recipe's geometry on random data.
+"""Training throughput benchmark: N steps of a recipe on a dataset's own rows, or on random rows.
 
+    python -m dflash_train.bench +experiment=qwen25_coder_05b_1xh100 data.path=DIR --random-target
     python -m dflash_train.bench +experiment=qwen3_8b_8xh100 --random-target --target-layers 36
     python -m dflash_train.bench --config-name train_quickstart --steps 3
 
-Prints samples/s and tokens/s of the real training step, a per-phase breakdown (target
-forward, mask build, drafter forward+backward, loss, optimizer) timed with device syncs,
-MFU against this GPU's measured bf16 matmul rate, and peak memory. Rows are full length
-(``data.max_length`` tokens, every position supervised, so every row has ``num_anchors``
-blocks): the worst case a recipe allows.
+Prints conversations/s, tokens/s and supervised tokens/s of the real training step, a
+per-phase breakdown (target forward, mask build, drafter forward+backward, loss, optimizer)
+timed with device syncs, MFU against this GPU's measured bf16 matmul rate (useful work only:
+padding is not counted), peak memory, and how many graphs torch.compile built after warm-up
+(anything but 0 means recompilation on this data).
+
+With ``data.path=DIR`` the recipe runs on that dataset exactly as training would: its row
+lengths, loss masks, packing and fixed shapes, and its validation (one validation pass is
+timed and amortised over ``data.val_every`` steps). Without it, rows are random and full
+length (``data.max_length`` tokens, every position supervised, so every row has
+``num_anchors`` blocks): the worst case a recipe allows.
 
 With ``--random-target`` the target is built from its config alone, randomly initialised
 straight on the device (meta-device construction through accelerate, no weights read):
@@ -45,6 +52,10 @@ GEOMETRIES = {
         model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
         max_position_embeddings=131072, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-Coder-0.5B-Instruct": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=32768, tie_word_embeddings=True),
     "Qwen/Qwen2.5-7B-Instruct": dict(
         model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -92,6 +103,7 @@ def random_data(cfg, rows: int, vocab: int) -> TrainingData:
     length = cfg.data.max_length
     ids = torch.randint(0, vocab, (rows, length), generator=gen).tolist()
     ds = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * length] * rows})
+    # Every row already has max_length tokens and num_anchors blocks: no packing, no padding.
     return TrainingData(ds, max_length=length, packing=False, seed=cfg.seed, shuffle=False,
                         num_anchors=cfg.data.num_anchors, block_size=cfg.drafter.block_size,
                         mask_token_id=cfg.target.mask_token_id)
@@ -130,36 +142,88 @@ def phase_times(trainer: Trainer, step: int) -> dict[str, float]:
     return out
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _host_stats(trainer: Trainer, first: int, steps: int) -> dict:
+    """Totals of what the timed steps held (host-side counts; no device work)."""
+    totals = dict.fromkeys(("rows", "conversations", "tokens", "blocks", "supervised"), 0)
+    for step in range(first, first + steps):
+        for batch in trainer._host_batches(step):
+            for k in totals:
+                totals[k] += getattr(batch.stats, k)
+    return totals
+
+
+def profile_table(trainer: Trainer, step: int, rows: int = 30) -> str:
+    """The kernels of one training step, most device time first (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        trainer.train_step(step)
+        _sync(trainer.backend.device)
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
 def run(trainer: Trainer, steps: int, warmup: int) -> dict:
     dev = trainer.backend.device
+    val = trainer.val_data is not None
     for s in range(warmup):  # compile, allocator growth, kernel autotuning
         trainer.train_step(s)
+    if val:
+        trainer.validate()  # the no-grad graphs compile here, once
+    graphs_after_warmup = compiled_graphs()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     start = _sync(dev)
     sums = [trainer.train_step(warmup + s) for s in range(steps)]
     seconds = _sync(dev) - start
+    val_s = None
+    if val:
+        t0 = _sync(dev)
+        trainer.validate()
+        val_s = _sync(dev) - t0
+    recompiled = compiled_graphs() - graphs_after_warmup
     phases = [phase_times(trainer, warmup + steps + s) for s in range(steps)]
-    batch = trainer.slice.global_batch
-    tokens = sum(float(s["tokens"]) for s in sums)
+    held = _host_stats(trainer, warmup, steps)
+    shape = trainer.data.fixed_shape
+    ranks = trainer.slice.world_size
     peak = flops.measure_matmul_flops(dev)
     result = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "world_size": trainer.slice.world_size,
-        "global_batch": batch,
+        "world_size": ranks,
+        "global_batch": trainer.slice.global_batch,
         "seq_len": trainer.data.max_length,
-        "queries_per_row": trainer.cfg.data.num_anchors * trainer.drafter.block_size,
+        "fixed_shape": list(shape) if shape else None,
+        "queries_per_row": (shape[1] if shape else trainer.cfg.data.num_anchors) * trainer.drafter.block_size,
         "step_s": seconds / steps,
-        "samples_per_s": batch * steps / seconds,
-        "tokens_per_s": tokens / seconds,
+        "rows_per_s": trainer.slice.global_batch * steps / seconds,
+        # host counts are this rank's; ranks hold equal shares of a step's rows
+        "samples_per_s": held["conversations"] * ranks / seconds,
+        "tokens_per_s": sum(float(s["tokens"]) for s in sums) / seconds,
+        "supervised_tokens_per_s": held["supervised"] * ranks / seconds,
+        "conversations_per_row": held["conversations"] / held["rows"],
+        "token_fill": held["tokens"] / (held["rows"] * shape[0]) if shape else None,
+        "block_fill": held["blocks"] / (held["rows"] * shape[1]) if shape else None,
         "phase_ms": {k: 1000 * sum(p[k] for p in phases) / steps for k in PHASES},
         "peak_memory_gib": flops.peak_memory_gib(dev),
         "drafter_params_m": sum(p.numel() for p in trainer.drafter.parameters()) / 1e6,
+        "graphs_compiled_after_warmup": recompiled,
     }
+    if val_s is not None:
+        every = trainer.cfg.data.val_every or trainer.last_step
+        result.update(validation_s=val_s, validation_rows=len(trainer.val_data), validation_every=every,
+                      samples_per_s_with_validation=held["conversations"] * ranks / (seconds + val_s * steps / every))
     if peak:
         step_flops = sum(float(s["flops"]) for s in sums) / steps
         result.update(matmul_tflops=peak / 1e12, step_tflop=step_flops / 1e12,
-                      mfu=step_flops / (seconds / steps) / (peak * trainer.slice.world_size))
+                      mfu=step_flops / (seconds / steps) / (peak * ranks))
     return result
 
 
@@ -167,12 +231,21 @@ def format_result(r: dict) -> str:
     lines = [
         f"device {r['device']} x{r['world_size']}  global batch {r['global_batch']} rows of {r['seq_len']} tokens, "
         f"{r['queries_per_row']} block queries per row, drafter {r['drafter_params_m']:.1f}M params",
-        f"step {r['step_s'] * 1000:.1f} ms  {r['samples_per_s']:.2f} samples/s  {r['tokens_per_s']:.0f} tokens/s"
-        f"  peak memory {r['peak_memory_gib']:.2f} GiB",
+        f"step {r['step_s'] * 1000:.1f} ms  {r['samples_per_s']:.2f} samples/s (conversations)  "
+        f"{r['rows_per_s']:.2f} rows/s  {r['tokens_per_s']:.0f} tokens/s  "
+        f"{r['supervised_tokens_per_s']:.0f} supervised tokens/s  peak memory {r['peak_memory_gib']:.2f} GiB",
     ]
+    if r["fixed_shape"]:
+        lines.append(f"fixed shape {r['fixed_shape'][0]} tokens x {r['fixed_shape'][1]} blocks per row: "
+                     f"{r['conversations_per_row']:.2f} conversations per row, token fill "
+                     f"{100 * r['token_fill']:.1f}%, block fill {100 * r['block_fill']:.1f}%")
+    if "validation_s" in r:
+        lines.append(f"validation {r['validation_s']:.2f} s for {r['validation_rows']} rows, every "
+                     f"{r['validation_every']} steps: {r['samples_per_s_with_validation']:.2f} samples/s with it")
     if "mfu" in r:
         lines.append(f"MFU {100 * r['mfu']:.1f}% of the measured {r['matmul_tflops']:.0f} TFLOP/s bf16 matmul "
                      f"({r['step_tflop']:.1f} TFLOP per step)")
+    lines.append(f"graphs compiled after warm-up: {r['graphs_compiled_after_warmup']}")
     total = sum(r["phase_ms"].values())
     lines.append("phase breakdown (synced):")
     lines += [f"  {k:<16} {v:9.1f} ms  {100 * v / total:5.1f}%" for k, v in r["phase_ms"].items()]
@@ -181,22 +254,28 @@ def format_result(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the training recipe")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the training recipe (data.path=DIR: real rows)")
     parser.add_argument("--config-name", default="train")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--random-target", action="store_true", help="random weights from the target's config")
     parser.add_argument("--target-layers", type=int, default=None, help="build the random target with this many layers")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
-    args = parser.parse_args(argv)
+    parser.add_argument("--profile", type=Path, default=None, help="write one step's kernel table here")
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after the flags
     if args.target_layers is not None and not args.random_target:
         parser.error("--target-layers needs --random-target")
+    real_data = any(o.split("=", 1)[0].lstrip("+") == "data.path" for o in args.overrides)
 
     with tempfile.TemporaryDirectory() as tmp:
+        fixed = [f"output_dir={tmp}", "export=false", "checkpoint.every=0", "logging.wandb=disabled",
+                 "logging.progress_bar=false"]
+        if not real_data:
+            fixed.append("data.path=random")
+        elif args.random_target:
+            fixed.append("data.check_manifest=false")  # random weights have no identity to check
         with initialize_config_module("dflash_recipes", version_base=None):
-            raw = compose(config_name=args.config_name, overrides=[
-                "data.path=random", f"output_dir={tmp}", "export=false", "checkpoint.every=0",
-                "logging.wandb=disabled", "logging.progress_bar=false", *args.overrides])
+            raw = compose(config_name=args.config_name, overrides=[*fixed, *args.overrides])
         backend = build_backend(raw.backend)
         if args.random_target:
             config = target_config(raw.target.name, args.target_layers)
@@ -206,11 +285,15 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             target = load_target(raw.target.name, dtype=raw.target.dtype)
         cfg = to_train_config(raw)
-        global_batch = cfg.optim.micro_batch_size * cfg.optim.grad_accum_steps * backend.world_size
-        data = random_data(cfg, global_batch * (args.warmup + 2 * args.steps), target.vocab_rows)
+        data = None
+        if not real_data:
+            global_batch = cfg.optim.micro_batch_size * cfg.optim.grad_accum_steps * backend.world_size
+            data = random_data(cfg, global_batch * (args.warmup + 2 * args.steps), target.vocab_rows)
         trainer = Trainer(cfg, backend=backend, target=target, data=data)
         try:
             result = run(trainer, args.steps, args.warmup)
+            if args.profile:
+                args.profile.write_text(profile_table(trainer, args.warmup + 2 * args.steps))
         finally:
             trainer.backend.shutdown()
     if trainer.backend.is_main:

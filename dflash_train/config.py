@@ -45,6 +45,9 @@ class DataConfig:
     max_length: int = 3072
     num_anchors: int = 512
     packing: bool = False  # several conversations per row, document-aware masks
+    # Fixed shapes: every row padded to exactly max_length tokens and this many blocks (packing
+    # budgets blocks per row too), so a compiled drafter never recompiles. None: natural shapes.
+    blocks_per_row: int | None = None
     check_manifest: bool = True  # refuse data generated for another target or tokenizer
     shuffle: bool = True
     val_rows: int = 0  # conversations held out for validation (same anchors every time); 0: none
@@ -168,6 +171,10 @@ def validate(cfg: TrainConfig) -> None:
         default_gamma(d.block_size)  # raises for block sizes without a paper value
     elif cfg.loss.gamma <= 0:
         raise ValueError(f"loss.gamma={cfg.loss.gamma} must be positive")
+    bpr = cfg.data.blocks_per_row
+    if bpr is not None and bpr < cfg.data.num_anchors:
+        raise ValueError(f"data.blocks_per_row={bpr} must be at least data.num_anchors={cfg.data.num_anchors} "
+                         "(the most blocks one conversation can have)")
     for key, value in {"data.val_rows": cfg.data.val_rows, "data.val_every": cfg.data.val_every}.items():
         if value < 0:
             raise ValueError(f"{key}={value} must be >= 0")

@@ -1,6 +1,8 @@
-"""Batching training examples: right padding to the longest row and the most anchors.
+"""Batching training examples: right padding to the longest row and the most anchors, or to a
+fixed shape (every step the same shapes, so a compiled drafter never recompiles).
 
-Shapes: b rows, T longest row, N most anchors in a row, B block size, Q = N * B queries.
+Shapes: b rows, T tokens per row, N blocks per row, B block size, Q = N * B queries,
+M supervised slots of the whole batch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,20 @@ from dflash_train.data.packing import PAD_DOC
 
 
 @dataclass
+class BatchStats:
+    """What a batch really holds (padding excluded), counted on the host when it is built, so
+    that metrics and FLOP counts never wait for the device."""
+
+    rows: int
+    conversations: int
+    tokens: int
+    blocks: int  # valid anchors
+    supervised: int  # M
+    context_sum: int  # sum over valid anchors of their position in their conversation
+    attention_pairs: int  # sum over conversations of length^2 (causal target attention)
+
+
+@dataclass
 class Batch:
     input_ids: torch.Tensor  # (b, T) long, right padded
     attention_mask: torch.Tensor  # (b, T) long, 1 on real tokens
@@ -25,52 +41,98 @@ class Batch:
     block_ids: torch.Tensor  # (b, Q) long: [x[p], MASK, ...] per block
     block_position_ids: torch.Tensor  # (b, Q) long
     labels: torch.Tensor  # (b, Q) long, IGNORE_INDEX where not supervised
+    supervised_index: torch.Tensor  # (M,) long: flat indices into (b * Q) of the supervised slots
+    stats: BatchStats
 
     @property
     def num_tokens(self) -> int:
-        return int(self.attention_mask.sum())
+        return self.stats.tokens
+
+    def _tensors(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stats"}
 
     def to(self, device: torch.device | str) -> "Batch":
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Batch(**{k: v if v is None else v.to(device, non_blocking=True) for k, v in moved.items()})
+        moved = {k: v if v is None else v.to(device, non_blocking=True) for k, v in self._tensors().items()}
+        return Batch(**moved, stats=self.stats)
+
+    def pin_memory(self) -> "Batch":
+        """Page-locked host copies: the copy to the GPU then overlaps with its work."""
+        pinned = {k: v if v is None else v.pin_memory() for k, v in self._tensors().items()}
+        return Batch(**pinned, stats=self.stats)
 
 
-def _pad(tensors: list[torch.Tensor], value: int) -> torch.Tensor:
-    return pad_sequence(tensors, batch_first=True, padding_value=value)
+def _pad(tensors: list[torch.Tensor], value: int, length: int | None) -> torch.Tensor:
+    out = pad_sequence(tensors, batch_first=True, padding_value=value)
+    if length is not None and out.shape[1] < length:
+        out = torch.nn.functional.pad(out, (0, length - out.shape[1]), value=value)
+    return out
 
 
-def collate(examples: list[dict], mask_token_id: int, pad_token_id: int = 0) -> Batch:
+def collate(examples: list[dict], mask_token_id: int, pad_token_id: int = 0,
+            shape: tuple[int, int] | None = None, rows: int | None = None) -> Batch:
     """Stack per-row examples (see ``dataset.build_example``) into one padded Batch.
 
     A row with fewer anchors than the widest row gets padding blocks: their anchors are
     marked invalid (the mask builder hides them) and their labels are all ignored.
+    ``shape`` (T, N) pads every row to exactly T tokens and N blocks; ``rows`` appends
+    all-padding rows up to that many (whose labels are all ignored).
     """
     if not examples:
         raise ValueError("cannot collate an empty list of examples")
-    n_max = max(1, max(e["anchors"].numel() for e in examples))
-    anchors = torch.zeros(len(examples), n_max, dtype=torch.long)
-    valid = torch.zeros(len(examples), n_max, dtype=torch.bool)
+    length, n_fixed = shape if shape is not None else (None, None)
+    longest = max(e["input_ids"].numel() for e in examples)
+    widest = max(1, max(e["anchors"].numel() for e in examples))
+    if shape is not None and (longest > length or widest > n_fixed):
+        raise ValueError(f"a row of {longest} tokens / {widest} blocks does not fit the fixed shape {shape}")
+    n_max = n_fixed or widest
+    real = len(examples)
+    # Filler rows (to reach ``rows``): one pad token that attends to itself, no anchors. A row
+    # with every key masked would give NaN target features, and NaN times a zero attention
+    # weight is still NaN.
+    filler = {"input_ids": torch.full((1,), pad_token_id), "position_ids": torch.zeros(1, dtype=torch.long),
+              "doc_ids": None if examples[0]["doc_ids"] is None else torch.full((1,), PAD_DOC)}
+    rows_ = examples + [filler] * max(0, (rows or 0) - real)
+    anchors = torch.zeros(len(rows_), n_max, dtype=torch.long)
+    valid = torch.zeros(len(rows_), n_max, dtype=torch.bool)
     for i, e in enumerate(examples):
         anchors[i, : e["anchors"].numel()] = e["anchors"]
         valid[i, : e["anchors"].numel()] = True
     packed = examples[0]["doc_ids"] is not None
+    labels = _pad_blocks([e["labels"] for e in examples], n_max, IGNORE_INDEX, len(rows_))
     return Batch(
-        input_ids=_pad([e["input_ids"] for e in examples], pad_token_id),
-        attention_mask=_pad([torch.ones_like(e["input_ids"]) for e in examples], 0),
-        position_ids=_pad([e["position_ids"] for e in examples], 0),
-        doc_ids=_pad([e["doc_ids"] for e in examples], PAD_DOC) if packed else None,
+        input_ids=_pad([e["input_ids"] for e in rows_], pad_token_id, length),
+        attention_mask=_pad([torch.ones_like(e["input_ids"]) for e in rows_], 0, length),
+        position_ids=_pad([e["position_ids"] for e in rows_], 0, length),
+        doc_ids=_pad([e["doc_ids"] for e in rows_], PAD_DOC, length) if packed else None,
         anchors=anchors,
         anchor_valid=valid,
-        block_ids=_pad_blocks([e["block_ids"] for e in examples], n_max, mask_token_id),
-        block_position_ids=_pad_blocks([e["block_position_ids"] for e in examples], n_max, 0),
-        labels=_pad_blocks([e["labels"] for e in examples], n_max, IGNORE_INDEX),
+        block_ids=_pad_blocks([e["block_ids"] for e in examples], n_max, mask_token_id, len(rows_)),
+        block_position_ids=_pad_blocks([e["block_position_ids"] for e in examples], n_max, 0, len(rows_)),
+        labels=labels,
+        supervised_index=torch.nonzero(labels.flatten() != IGNORE_INDEX).flatten(),
+        stats=_stats(examples),
     )
 
 
-def _pad_blocks(blocks: list[torch.Tensor], n_max: int, value: int) -> torch.Tensor:
-    """list of (N_i, B) -> (b, n_max * B): padding blocks appended after the real ones."""
+def _stats(examples: list[dict]) -> BatchStats:
+    conversations = tokens = blocks = supervised = context = pairs = 0
+    for e in examples:
+        n = e["input_ids"].numel()
+        doc_lengths = [n] if e["doc_ids"] is None else torch.bincount(e["doc_ids"]).tolist()
+        conversations += len(doc_lengths)
+        tokens += n
+        pairs += sum(d * d for d in doc_lengths)
+        blocks += e["anchors"].numel()
+        supervised += int((e["labels"] != IGNORE_INDEX).sum())
+        context += int(e["position_ids"][e["anchors"]].sum())
+    return BatchStats(rows=len(examples), conversations=conversations, tokens=tokens, blocks=blocks,
+                      supervised=supervised, context_sum=context, attention_pairs=pairs)
+
+
+def _pad_blocks(blocks: list[torch.Tensor], n_max: int, value: int, rows: int) -> torch.Tensor:
+    """list of (N_i, B) -> (rows, n_max * B): padding blocks appended after the real ones."""
     block_size = blocks[0].shape[-1]
-    out = torch.full((len(blocks), n_max, block_size), value, dtype=torch.long)
+    out = torch.full((rows, n_max, block_size), value, dtype=torch.long)
     for i, blk in enumerate(blocks):
         out[i, : blk.shape[0]] = blk
     return out.flatten(1)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dflash_train import contract
-from dflash_train.data.packing import document_ids, document_positions, pack_by_length
+from dflash_train.data.packing import document_ids, document_positions, pack_rows
 
 
 def row_lengths(ds) -> list[int]:
@@ -23,19 +24,41 @@ def row_lengths(ds) -> list[int]:
     return pc.list_value_length(ds.data.column("input_ids")).to_pylist()
 
 
+def anchor_counts(ds, max_length: int, num_anchors: int, rows_per_pass: int = 16384) -> np.ndarray:
+    """(rows,) how many anchors each conversation gets: min(candidates, num_anchors), where the
+    candidates of a conversation truncated to L = min(len, max_length) tokens are the p < L - 1
+    with loss_mask[p + 1] == 1 (``contract.anchor_candidates``).
+
+    Read from the Arrow column a slice at a time (a paper-sized dataset holds a billion mask
+    values), without decoding rows: packing needs every count before the first step.
+    """
+    column = ds.data.column("loss_mask")
+    out = []
+    for chunk in column.chunks:
+        for start in range(0, len(chunk), rows_per_pass):
+            part = chunk.slice(start, rows_per_pass)
+            offsets = part.offsets.to_numpy().astype(np.int64)  # (rows + 1,) absolute
+            first = offsets[:-1] - offsets[0]  # (rows,) start of each row in the slice's values
+            values = part.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+            csum = np.concatenate([[0], np.cumsum(values)])  # csum[j] = sum of values[:j]
+            length = np.minimum(offsets[1:] - offsets[:-1], max_length)
+            # candidates p + 1 run over positions 1 .. L-1 of each conversation
+            count = np.where(length > 1, csum[first + np.maximum(length, 1)] - csum[first + 1], 0)
+            out.append(np.minimum(count, num_anchors))
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
 def build_example(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     doc_ids: torch.Tensor | None,
+    anchors: torch.Tensor,
     *,
-    seed: int,
-    num_anchors: int,
     block_size: int,
     mask_token_id: int,
 ) -> dict:
-    """One row's tensors for ``collate``: the contract's anchors, block inputs and labels."""
+    """One row's tensors for ``collate``: block inputs and labels of the given sorted anchors."""
     position_ids = torch.arange(input_ids.numel()) if doc_ids is None else document_positions(doc_ids)
-    anchors = contract.sample_anchors(contract.anchor_candidates(loss_mask, doc_ids), num_anchors, seed)  # (N,)
     return {
         "input_ids": input_ids,
         "position_ids": position_ids,
@@ -67,27 +90,55 @@ class StepSlice:
 
 
 class TrainingData:
-    """Rows (single conversations, or packed groups of them) and their per-epoch examples."""
+    """Rows (single conversations, or packed groups of them) and their per-epoch examples.
+
+    Anchors are drawn per conversation, with the conversation's own seed and the per-sequence
+    cap ``num_anchors``: a conversation gets the same anchors whether it is packed or alone,
+    so short conversations are never starved by a row-wide cap.
+
+    ``blocks_per_row`` fixes the shapes: every row is padded to exactly ``max_length`` tokens
+    and ``blocks_per_row`` blocks (packing then also budgets blocks per row), so a compiled
+    drafter sees one shape for the whole run. None: rows keep their natural length and
+    ``collate`` pads to the widest row of a batch.
+    """
 
     def __init__(self, ds, *, max_length: int, packing: bool, seed: int, shuffle: bool,
-                 num_anchors: int, block_size: int, mask_token_id: int, indices: list[int] | None = None):
+                 num_anchors: int, block_size: int, mask_token_id: int, indices: list[int] | None = None,
+                 blocks_per_row: int | None = None):
         """``indices``: the dataset rows to use (a training or validation split); all by default."""
         self.indices = list(range(len(ds))) if indices is None else list(indices)
         if not self.indices:
             raise ValueError("the training dataset is empty")
+        if blocks_per_row is not None and blocks_per_row < num_anchors:
+            raise ValueError(f"data.blocks_per_row={blocks_per_row} is below data.num_anchors={num_anchors}: "
+                             "a single conversation could not fit a row")
         self.ds = ds
         self.seed, self.shuffle, self.packing = seed, shuffle, packing
         self.max_length = max_length
-        self.example_kwargs = dict(num_anchors=num_anchors, block_size=block_size, mask_token_id=mask_token_id)
+        self.num_anchors, self.block_size, self.mask_token_id = num_anchors, block_size, mask_token_id
+        self.blocks_per_row = blocks_per_row
         all_lengths = row_lengths(ds)
         lengths = [all_lengths[i] for i in self.indices]
+        self.num_conversations = len(lengths)
         self.num_truncated = sum(n > max_length for n in lengths)
         # Packing is fixed once from the dataset order, so a row id names the same
         # conversations in every epoch and after a resume; epochs shuffle whole rows.
-        self.groups = pack_by_length(lengths, max_length) if packing else [[i] for i in range(len(lengths))]
+        if packing:
+            blocks = None
+            if blocks_per_row is not None:
+                counts = anchor_counts(ds, max_length, num_anchors)
+                blocks = [int(counts[i]) for i in self.indices]
+            self.groups = pack_rows(lengths, max_length, blocks, blocks_per_row)
+        else:
+            self.groups = [[i] for i in range(len(lengths))]
 
     def __len__(self) -> int:
         return len(self.groups)
+
+    @property
+    def fixed_shape(self) -> tuple[int, int] | None:
+        """(tokens, blocks) every collated row is padded to, or None for natural shapes."""
+        return None if self.blocks_per_row is None else (self.max_length, self.blocks_per_row)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """(rows,) the row ids in the order epoch ``epoch`` visits them."""
@@ -102,10 +153,19 @@ class TrainingData:
         mask = contract.truncate(torch.tensor(row["loss_mask"], dtype=torch.long), self.max_length)
         return ids, mask
 
+    def _anchors(self, index: int, loss_mask: torch.Tensor, epoch: int) -> torch.Tensor:
+        """Conversation ``index``'s sorted anchors in ``epoch``, as positions in the conversation."""
+        seed = contract.anchor_seed(self.seed, epoch, index)
+        return contract.sample_anchors(contract.anchor_candidates(loss_mask), self.num_anchors, seed)
+
     def example(self, row: int, epoch: int) -> dict:
         parts = [self._conversation(i) for i in self.groups[row]]
         ids = torch.cat([p[0] for p in parts])
         mask = torch.cat([p[1] for p in parts])
         docs = document_ids([p[0].numel() for p in parts]) if self.packing else None
-        seed = contract.anchor_seed(self.seed, epoch, row)
-        return build_example(ids, mask, docs, seed=seed, **self.example_kwargs)
+        anchors, offset = [], 0
+        for i, (conv_ids, conv_mask) in zip(self.groups[row], parts):
+            anchors.append(self._anchors(i, conv_mask, epoch) + offset)
+            offset += conv_ids.numel()
+        return build_example(ids, mask, docs, torch.cat(anchors), block_size=self.block_size,
+                             mask_token_id=self.mask_token_id)

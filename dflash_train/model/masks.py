@@ -47,34 +47,93 @@ def _tiles(length: int) -> int:
     return (length + TILE - 1) // TILE
 
 
-def _tile_maps(anchors, context_len, block_size, exact_ctx: bool):
-    """Per (query tile, key tile): any key visible (partial) and all keys visible (full).
+def _tile_min_max(x, tiles: int):
+    """(b, L) -> per TILE-wide chunk min and max, each (b, tiles); the last chunk's missing
+    elements are filled with values that change neither reduction."""
+    info = torch.iinfo(x.dtype)
+    pad = (x.shape[0], tiles * TILE - x.shape[1])
 
-    Context tile t is reachable from a query tile if it starts before the largest anchor in
-    the tile, and fully visible if it ends at or before the smallest one (only when the rule
-    has no per-key refinement, i.e. no documents and no sliding window). Block keys of a
-    query tile lie in the same index range shifted by C, so only those tiles are reachable.
+    def chunks(fill):  # torch.cat, not F.pad: F.pad passes the fill through a float (int64 max overflows)
+        return torch.cat([x, x.new_full(pad, fill)], dim=1).view(x.shape[0], tiles, TILE)
+
+    return chunks(info.max).amin(-1), chunks(info.min).amax(-1)
+
+
+def _context_tiles(anchors, context_len, block_size, nq, k_start, k_end, doc_ids, sliding_window):
+    """Context keys of each (query tile, key tile): (any visible, all visible), each (b, nq, nk).
+
+    Key tile t holds context keys [k_start, c_end) with c_end = min(k_end, C). "Any" only
+    needs to be a superset (it picks the tiles where mask_mod runs); "all" must be exact:
+    the GPU kernel skips mask_mod on full tiles and treats every element as visible.
     """
-    b, n = anchors.shape
-    q_len = n * block_size
-    kv_len = context_len + q_len
-    nq, nk = _tiles(q_len), _tiles(kv_len)
+    dev = anchors.device
+    c_end = torch.clamp(k_end, max=context_len)  # (nk,)
+    has_ctx = (k_start < context_len)[None, None]
     q_anchor = anchors.repeat_interleave(block_size, dim=1)  # (b, Q)
-    pad = nq * TILE - q_len
-    hi = torch.nn.functional.pad(q_anchor, (0, pad), value=0).view(b, nq, TILE).amax(-1)  # (b, nq)
-    lo = torch.nn.functional.pad(q_anchor, (0, pad), value=2**62).view(b, nq, TILE).amin(-1)
-    k_start = torch.arange(nk, device=anchors.device) * TILE  # (nk,)
+    a_lo, a_hi = _tile_min_max(q_anchor, nq)  # (b, nq)
+    # strictly before the anchor: the last key c_end - 1 < smallest anchor <=> c_end <= a_lo
+    ctx_any = has_ctx & (k_start < a_hi[..., None])
+    ctx_all = has_ctx & (c_end <= a_lo[..., None])
+    if doc_ids is not None:
+        # a block's document is the one at its anchor (clamped, as in visible_mask)
+        q_doc = doc_ids.gather(1, anchors.clamp(max=context_len - 1)).repeat_interleave(block_size, dim=1)
+        qd_lo, qd_hi = (d[..., None] for d in _tile_min_max(q_doc, nq))  # (b, nq, 1)
+        kd_lo, kd_hi = (d[:, None] for d in _tile_min_max(doc_ids, len(k_start)))  # (b, 1, nk)
+        ctx_any = ctx_any & (kd_lo <= qd_hi) & (qd_lo <= kd_hi)
+        ctx_all = ctx_all & (qd_lo == qd_hi) & (kd_lo == kd_hi) & (qd_lo == kd_lo)
+    if sliding_window is not None:
+        q_pos = q_anchor + torch.arange(block_size, device=dev).repeat(anchors.shape[1])  # (b, Q)
+        p_lo, p_hi = (p[..., None] for p in _tile_min_max(q_pos, nq))  # (b, nq, 1)
+        ctx_any = ctx_any & (p_lo - (c_end - 1) < sliding_window)  # the closest pair
+        ctx_all = ctx_all & (p_hi - k_start < sliding_window)  # the farthest pair
+    return ctx_any, ctx_all
+
+
+def _block_tiles(context_len, block_size, q_len, k_start, k_end, sliding_window, causal_block):
+    """Block keys of each (query tile, key tile): (any visible, all visible), each (nq, nk).
+
+    Queries and block keys share one index space (block key C + i stands for query i), but
+    tile edges need not fall on block edges (B = 10), so tiles are compared by the blocks
+    they touch, not by their index ranges. All visible needs one block on both sides (only
+    possible with a short last tile or B >= TILE), with the slot rules on top.
+    """
+    q_start = torch.arange(_tiles(q_len), device=k_start.device)[:, None] * TILE  # (nq, 1)
+    q_last = torch.clamp(q_start + TILE, max=q_len) - 1
+    b_start = torch.clamp(k_start - context_len, min=0)  # (nk,) first and last block key index
+    b_last = k_end - 1 - context_len
+    has_blk = k_end > context_len
+    qb_lo, qb_hi = q_start // block_size, q_last // block_size  # blocks a tile touches
+    kb_lo, kb_hi = b_start // block_size, b_last // block_size
+    blk_any = has_blk & (kb_lo <= qb_hi) & (qb_lo <= kb_hi)
+    blk_all = has_blk & (qb_lo == qb_hi) & (kb_lo == kb_hi) & (qb_lo == kb_lo)
+    # inside one block the slots of a tile are contiguous: [start % B, last % B]
+    if causal_block:
+        blk_all = blk_all & (b_last % block_size <= q_start % block_size)
+    if sliding_window is not None:
+        blk_all = blk_all & (q_last % block_size - b_start % block_size < sliding_window)
+    return blk_any, blk_all
+
+
+def _tile_maps(anchors, context_len, block_size, doc_ids=None, sliding_window=None, causal_block=False):
+    """Per (query tile, key tile), each (b, nq, nk) bool: partial (mask_mod runs) and full.
+
+    Full is exact: a tile is full iff the dense mask is True on every element of it that
+    exists (the last query and key tiles may be short). Partial covers every other tile with
+    any visible element. A key tile may hold context and block keys; it is full only if
+    both parts are. Padding anchors (moved to 0) see no context, so their tiles are never
+    full on the context side.
+    """
+    q_len = anchors.shape[1] * block_size
+    kv_len = context_len + q_len
+    k_start = torch.arange(_tiles(kv_len), device=anchors.device) * TILE  # (nk,)
     k_end = torch.clamp(k_start + TILE, max=kv_len)
-    ctx_part = k_start[None, None] < hi.clamp(max=context_len)[..., None]  # (b, nq, nk)
-    ctx_full = (k_end[None, None] <= lo[..., None]) & (k_end <= context_len)[None, None]
-    if not exact_ctx:
-        ctx_full = torch.zeros_like(ctx_full)
-    q_start = torch.arange(nq, device=anchors.device) * TILE
-    blk_lo = context_len + q_start  # block keys of query tile i: [C + i*T, C + min((i+1)*T, Q))
-    blk_hi = context_len + torch.clamp(q_start + TILE, max=q_len)
-    blk_part = (k_start[None] < blk_hi[:, None]) & (k_end[None] > blk_lo[:, None])  # (nq, nk)
-    partial = (ctx_part | blk_part[None]) & ~ctx_full
-    return partial, ctx_full
+    ctx_any, ctx_all = _context_tiles(anchors, context_len, block_size, _tiles(q_len), k_start, k_end,
+                                      doc_ids, sliding_window)
+    blk_any, blk_all = _block_tiles(context_len, block_size, q_len, k_start, k_end, sliding_window, causal_block)
+    has_ctx, has_blk = k_start < context_len, k_end > context_len
+    full = (ctx_all | ~has_ctx) & (blk_all | ~has_blk)
+    partial = (ctx_any | blk_any) & ~full
+    return partial, full
 
 
 def _to_indices(tile_map):
@@ -84,29 +143,45 @@ def _to_indices(tile_map):
     return counts[:, None], order[:, None]
 
 
+def _document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(b, C) index of the first token of each token's document (documents are contiguous runs)."""
+    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+
+
 def build_block_mask(anchors, context_len, block_size, doc_ids=None, sliding_window=None, causal_block=False):
-    """A flex-attention BlockMask equal to `visible_mask` with the same arguments."""
+    """A flex-attention BlockMask equal to `visible_mask` with the same arguments.
+
+    Packed documents must be contiguous runs of ``doc_ids`` (as packing makes them): a block
+    then sees exactly the context keys [start of its anchor's document, anchor), so mask_mod
+    reads two per-block values instead of gathering a document id per key, which matters in
+    the backward kernels, where mask_mod runs on every element of every partial tile.
+    """
     b, n = anchors.shape
     q_len = n * block_size
+    hi = anchors  # (b, N) context keys strictly before the anchor
+    lo = None  # (b, N) first context key of the anchor's document
+    if doc_ids is not None:
+        lo = _document_starts(doc_ids).gather(1, anchors.clamp(max=context_len - 1))
 
     def mask_mod(bi, _h, q, kv):
         blk, s = q // block_size, q % block_size
-        anchor = anchors[bi, blk]
-        is_ctx = kv < context_len
-        ctx_idx = torch.clamp(kv, max=context_len - 1)
-        see_ctx = kv < anchor
-        if doc_ids is not None:
-            see_ctx = see_ctx & (doc_ids[bi, ctx_idx] == doc_ids[bi, torch.clamp(anchor, max=context_len - 1)])
-        kb = torch.clamp(kv - context_len, min=0)
-        ks = kb % block_size
-        see_blk = (kb // block_size == blk) & ((ks <= s) if causal_block else True)
+        anchor = hi[bi, blk]
+        see_ctx = kv < anchor  # anchor <= C - 1, so these are context keys
+        if lo is not None:
+            see_ctx = see_ctx & (kv >= lo[bi, blk])
+        kb = kv - context_len  # block key index; negative for context keys
+        see_blk = (kb >= 0) & (kb // block_size == blk)
+        if causal_block:
+            see_blk = see_blk & (kb % block_size <= s)
         if sliding_window is not None:
             see_ctx = see_ctx & (anchor + s - kv < sliding_window)
-            see_blk = see_blk & (s - ks < sliding_window)
-        return torch.where(is_ctx, see_ctx, see_blk)
+            see_blk = see_blk & (s - kb % block_size < sliding_window)
+        return see_ctx | see_blk
 
-    exact_ctx = doc_ids is None and sliding_window is None
-    partial, full = _tile_maps(anchors, context_len, block_size, exact_ctx)
+    partial, full = _tile_maps(anchors, context_len, block_size, doc_ids, sliding_window, causal_block)
     kv_num, kv_idx = _to_indices(partial)
     full_num, full_idx = _to_indices(full)
     return BlockMask.from_kv_blocks(

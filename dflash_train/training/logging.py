@@ -126,9 +126,9 @@ class MetricWindow:
         self.count = [0.0] * self.block_size
         self.grad_norm = float("nan")
 
-    def add(self, sums: dict, seconds: float, global_batch: int) -> None:
+    def add(self, sums: dict, seconds: float) -> None:
         self.seconds += seconds
-        self.samples += global_batch
+        self.samples += float(sums["conversations"])
         self.tokens += float(sums["tokens"])
         self.flops += float(sums["flops"])
         if not sums["finite"]:
@@ -148,7 +148,7 @@ class MetricWindow:
             "lr": lr,
             "grad_norm": self.grad_norm,
             "tokens_per_s": self.tokens / self.seconds,
-            "samples_per_s": self.samples / self.seconds,
+            "samples_per_s": self.samples / self.seconds,  # conversations, packed or not
             "peak_memory_gib": peak_memory_gib(device),
             "nan_skipped": nan_skipped,
         }

@@ -26,9 +26,12 @@ def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> l
 
 def optimizer_factory(cfg: OptimConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
     def build(params):
-        return torch.optim.AdamW(
-            param_groups(params, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
-        )
+        groups = param_groups(params, cfg.weight_decay)
+        on_cuda = [p.is_cuda for group in groups for p in group["params"]]  # DTensors answer for their shards
+        # The fused CUDA kernel steps every parameter in one launch (25 ms -> a few ms for 1B
+        # parameters). CPU keeps torch's default so that CPU runs reproduce their numbers.
+        fused = True if on_cuda and all(on_cuda) else None
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
 
     return build
 

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -91,7 +92,9 @@ class Trainer:
         self._setup_model(target)
         self._setup_optimizer()
         self.state = TrainerState(global_batch=self.slice.global_batch)
-        self._order_cache: tuple[int, torch.Tensor] | None = None
+        self._orders: dict[int, torch.Tensor] = {}  # epoch -> row order
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-batches")
+        self._prefetched: dict[int, Future] = {}
 
     # ----------------------------------------------------------------------------- setup
     def _setup_data(self, data: TrainingData | None) -> None:
@@ -106,7 +109,7 @@ class Trainer:
             ds = load_generated(cfg.data.path)
             kwargs = dict(max_length=cfg.data.max_length, packing=cfg.data.packing, seed=cfg.seed,
                           num_anchors=cfg.data.num_anchors, block_size=cfg.drafter.block_size,
-                          mask_token_id=cfg.target.mask_token_id)
+                          mask_token_id=cfg.target.mask_token_id, blocks_per_row=cfg.data.blocks_per_row)
             train_rows = None
             if cfg.data.val_rows:
                 train_rows, val_rows = split_validation(len(ds), cfg.data.val_rows, cfg.seed)
@@ -146,7 +149,9 @@ class Trainer:
             for layer in self.drafter.layers:
                 layer.compile()  # per layer: the flex-attention kernels need compiling too
         self.layer_ids = self.drafter.target_layer_ids
-        self.slot_weights = contract.slot_weights(d.block_size, cfg.loss.gamma or contract.default_gamma(d.block_size))
+        gamma = cfg.loss.gamma or contract.default_gamma(d.block_size)
+        # On the device: a host tensor would be copied (and waited for) at every use.
+        self.slot_weights = contract.slot_weights(d.block_size, gamma).to(self.backend.device)
         # Compute dtype of the drafter's inputs: bf16 under the backend's mixed precision.
         self.input_dtype = self.backend.mixed_dtype or torch.float32
 
@@ -158,17 +163,36 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------------ one step
-    def micro_batches(self, step: int) -> list[Batch]:
-        """This process's micro-batches of global step ``step``."""
+    def _host_batches(self, step: int) -> list[Batch]:
+        """This process's micro-batches of global step ``step``, built on the host."""
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
-        if self._order_cache is None or self._order_cache[0] != epoch:
-            self._order_cache = (epoch, self.data.epoch_order(epoch))
-        order = self._order_cache[1]
-        return [
-            collate([self.data.example(r, epoch) for r in self.slice.rows(order, in_epoch, m)],
-                    self.cfg.target.mask_token_id).to(self.backend.device)
-            for m in range(self.slice.grad_accum_steps)
-        ]
+        order = self._orders.get(epoch)
+        if order is None:
+            order = self._orders[epoch] = self.data.epoch_order(epoch)
+        batches = []
+        for m in range(self.slice.grad_accum_steps):
+            rows = self.slice.rows(order, in_epoch, m)
+            batch = self._collate([self.data.example(r, epoch) for r in rows], self.data)
+            batches.append(batch.pin_memory() if self.backend.device.type == "cuda" else batch)
+        return batches
+
+    def _collate(self, examples: list[dict], data: TrainingData) -> Batch:
+        # Fixed shapes also fix the number of rows: a compiled drafter then sees one shape.
+        rows = self.slice.micro_batch_size if data.fixed_shape else None
+        return collate(examples, self.cfg.target.mask_token_id, shape=data.fixed_shape, rows=rows)
+
+    def micro_batches(self, step: int) -> list[Batch]:
+        """This process's micro-batches of global step ``step``, on the device.
+
+        The next step's batches are built on a host thread meanwhile, so the GPU never
+        waits for Python (tokens to tensors, anchors, labels, pinning).
+        """
+        pending = self._prefetched.pop(step, None)
+        batches = pending.result() if pending is not None else self._host_batches(step)
+        for stale in self._prefetched.values():
+            stale.cancel()
+        self._prefetched = {step + 1: self._prefetcher.submit(self._host_batches, step + 1)}
+        return [b.to(self.backend.device) for b in batches]
 
     def target_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Frozen-target features (b, T, n*H) and block-token embeddings (b, Q, H)."""
@@ -190,7 +214,8 @@ class Trainer:
         return self.backend.model(noise, feats, position_ids, attention_mask=masks)  # (b, Q, H)
 
     def loss(self, batch: Batch, hidden: torch.Tensor) -> LossOutput:
-        return dflash_loss(hidden, batch.labels, self.target.lm_head, self.slot_weights, self.cfg.loss.chunk_size)
+        return dflash_loss(hidden, batch.labels, self.target.lm_head, self.slot_weights, self.cfg.loss.chunk_size,
+                           index=batch.supervised_index)
 
     def micro_step(self, batch: Batch) -> LossOutput:
         feats, noise = self.target_inputs(batch)
@@ -204,16 +229,17 @@ class Trainer:
         scale = self.slice.grad_accum_steps * self.slice.world_size / global_weight
         loss_sum = torch.zeros((), device=self.backend.device)
         correct = count = 0
-        tokens = step_flops = 0.0
+        conversations = tokens = step_flops = 0.0
         for m, batch in enumerate(batches):
             out = self.micro_step(batch)
             self.backend.backward(out.weighted_sum * scale, sync=m == len(batches) - 1)
             loss_sum = loss_sum + out.weighted_sum.detach()
             correct, count = correct + out.correct, count + out.count
-            tokens += batch.num_tokens
+            conversations += batch.stats.conversations
+            tokens += batch.stats.tokens
             step_flops += self._flops(batch)
-        local = torch.tensor([tokens, step_flops], device=self.backend.device)
-        sums = torch.cat([loss_sum.reshape(1), local, correct, count]).double()
+        local = torch.tensor([tokens, step_flops, conversations], dtype=torch.float64).to(self.backend.device)
+        sums = torch.cat([loss_sum.reshape(1).double(), local, correct.double(), count.double()])
         sums = self.backend.all_reduce_sum(sums)
         finite = bool(torch.isfinite(sums[0]))
         if finite:
@@ -224,17 +250,22 @@ class Trainer:
             grad_norm = float("nan")
         b = self.drafter.block_size
         return {"finite": finite, "loss_sum": sums[0], "weight_sum": global_weight.double(), "tokens": sums[1],
-                "flops": sums[2], "correct": sums[3:3 + b], "count": sums[3 + b:], "grad_norm": grad_norm}
+                "flops": sums[2], "conversations": sums[3], "correct": sums[4:4 + b], "count": sums[4 + b:],
+                "grad_norm": grad_norm}
 
     def _flops(self, batch: Batch) -> float:
-        b, t = batch.input_ids.shape
-        run = max(self.layer_ids) + 1
-        shape = flops.StepShape(context_tokens=t, query_tokens=batch.block_ids.shape[1],
-                                supervised_slots=int((batch.labels != contract.IGNORE_INDEX).sum()),
-                                mean_anchor=float(batch.anchors.float().mean()))
+        """Useful FLOPs of a micro-batch: real tokens, valid blocks and supervised slots only
+        (padding is computed but not counted, so MFU shows what packing wastes)."""
+        s = batch.stats
+        if not s.tokens:
+            return 0.0
+        shape = flops.StepShape(context_tokens=s.tokens, query_tokens=s.blocks * self.drafter.block_size,
+                                supervised_slots=s.supervised, mean_anchor=s.context_sum / max(s.blocks, 1))
         cfg = self.target.config
-        return (flops.target_forward_flops(cfg, run, b * t, t) + b * flops.drafter_train_flops(self.drafter, shape)
-                + flops.loss_flops(cfg.hidden_size, self.target.vocab_rows, shape.supervised_slots))
+        # attention_pairs / tokens: the mean causal span that makes the target's attention exact.
+        target = flops.target_forward_flops(cfg, max(self.layer_ids) + 1, s.tokens, s.attention_pairs / s.tokens)
+        return (target + flops.drafter_train_flops(self.drafter, shape)
+                + flops.loss_flops(cfg.hidden_size, self.target.vocab_rows, s.supervised))
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -243,18 +274,19 @@ class Trainer:
         drafter is fitting; these tell whether it generalises."""
         val = self.val_data
         b = self.drafter.block_size
-        world, rank = self.slice.world_size, self.slice.rank
+        world, rank, per = self.slice.world_size, self.slice.rank, self.slice.micro_batch_size
         sums = torch.zeros(2 + 2 * b, dtype=torch.float64, device=self.backend.device)
         self.drafter.eval()
         try:
             # Every rank runs the same number of forwards (sharded models gather weights
-            # collectively); a rank past the end repeats row 0 and counts nothing.
-            for i in range(-(-len(val) // world)):
-                row = i * world + rank
-                batch = collate([val.example(row if row < len(val) else 0, 0)],
-                                self.cfg.target.mask_token_id).to(self.backend.device)
+            # collectively) in micro-batches shaped like training's (a compiled drafter reuses
+            # its graphs); a rank past the end repeats row 0 and counts nothing.
+            for i in range(-(-len(val) // (world * per))):
+                first = (i * world + rank) * per
+                rows = list(range(first, min(first + per, len(val))))
+                batch = self._collate([val.example(r, 0) for r in rows or [0]], val).to(self.backend.device)
                 out = self.micro_step(batch)
-                if row < len(val):
+                if rows:
                     sums += torch.cat([out.weighted_sum.reshape(1), out.weight_sum.reshape(1),
                                        out.correct, out.count]).double()
         finally:
@@ -298,7 +330,7 @@ class Trainer:
                 sums = self.train_step(self.state.step)
                 self.state.step += 1
                 self._count_nonfinite(sums["finite"])
-                window.add(sums, time.perf_counter() - start, self.slice.global_batch)
+                window.add(sums, time.perf_counter() - start)
                 logger.advance()
                 step = self.state.step
                 validate = self._validation_due(step)

@@ -1,5 +1,7 @@
 """The chunked loss through the frozen LM head equals the plain full-logits loss."""
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,7 @@ def _case(bias: bool, seed: int = 0):
 
 
 def _reference(head, hidden, labels, weights):
-    logits = head(hidden).float()  # (b, Q, V): the full tensor the chunked loss avoids
+    logits = head(hidden.to(head.weight.dtype)).float()  # (b, Q, V): the full tensor the chunked loss avoids
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
     w = weights.repeat(labels.shape[1] // B)[None].expand_as(labels).flatten()
     return (ce * w).sum(), logits.argmax(-1)
@@ -69,3 +71,109 @@ def test_pinned_loss_value():
     out = dflash_loss(hidden, labels, head, contract.slot_weights(B, 2.0), 5)
     assert out.weighted_sum.item() == pytest.approx(PINNED_LOSS, rel=1e-5)
 
+
+
+# The fused walk (the CUDA default) runs here on CPU, eagerly and through torch.compile. _case
+# supervises M = 14 slots: chunk 7 divides M, chunks 3 and 1000 pad the last chunk. Each
+# compiled (chunk, dtype, grad) is one inductor build, a few seconds on CPU, so the compiled
+# cases stay few (and under dynamo's 8 recompiles of one function, past which it runs eagerly).
+NEEDS_CXX = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor builds CPU kernels with g++")
+FUSED = [pytest.param(3, False, id="chunk3-eager"), pytest.param(7, False, id="chunk7-eager"),
+         pytest.param(1000, False, id="chunk1000-eager"),
+         pytest.param(3, True, id="chunk3-compiled", marks=NEEDS_CXX),
+         pytest.param(7, True, id="chunk7-compiled", marks=NEEDS_CXX)]
+
+
+def _run(head, hidden, labels, chunk, **kwargs):
+    out = dflash_loss(hidden, labels, head, contract.slot_weights(B, 2.0), chunk, **kwargs)
+    (grad,) = torch.autograd.grad(out.weighted_sum * 3.0, hidden)
+    return out, grad
+
+
+@pytest.mark.parametrize(("chunk", "compiled"), FUSED)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_loss_and_grad_match_full_logits_and_plain_chunks(chunk, compiled, bias):
+    head, hidden, labels = _case(bias)
+    out, grad = _run(head, hidden, labels, chunk, fused=True, compiled=compiled)
+    plain, plain_grad = _run(head, hidden, labels, chunk, fused=False)
+    weights = contract.slot_weights(B, 2.0)
+    ref, argmax = _reference(head, hidden, labels, weights)
+    (ref_grad,) = torch.autograd.grad(ref * 3.0, hidden)
+    torch.testing.assert_close(out.weighted_sum, ref)
+    torch.testing.assert_close(grad, ref_grad)
+    torch.testing.assert_close(out.weighted_sum, plain.weighted_sum)
+    torch.testing.assert_close(grad, plain_grad)
+    for field in ("weight_sum", "correct", "count"):
+        assert torch.equal(getattr(out, field), getattr(plain, field)), field
+        assert getattr(out, field).dtype == torch.float32
+    assert out.correct.sum() == (argmax == labels)[labels != IGNORE_INDEX].sum()
+
+
+@pytest.mark.parametrize(("chunk", "compiled"), [(3, False), (1000, False), pytest.param(3, True, marks=NEEDS_CXX)])
+def test_fused_bf16_head_matches_plain_chunks_and_full_logits(chunk, compiled):
+    # Every walk takes the same bf16 logits to float32, so the losses agree to float32
+    # summation order. The gradient is rounded to bf16 (8 significant bits) before the
+    # matmul by the head in each walk, so the hidden gradients agree to about 1%.
+    head, hidden, labels = _case(True)
+    head = head.to(torch.bfloat16)
+    out, grad = _run(head, hidden, labels, chunk, fused=True, compiled=compiled)
+    plain, plain_grad = _run(head, hidden, labels, chunk, fused=False)
+    ref, _ = _reference(head, hidden, labels, contract.slot_weights(B, 2.0))
+    (ref_grad,) = torch.autograd.grad(ref * 3.0, hidden)
+    torch.testing.assert_close(out.weighted_sum, plain.weighted_sum, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.weighted_sum, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, plain_grad, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(grad, ref_grad, rtol=2e-2, atol=2e-2)
+    assert torch.equal(out.correct, plain.correct) and torch.equal(out.count, plain.count)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=NEEDS_CXX)])
+def test_fused_loss_without_grad_matches(compiled):
+    head, hidden, labels = _case(True)
+    weights = contract.slot_weights(B, 2.0)
+    with torch.no_grad():
+        out = dflash_loss(hidden, labels, head, weights, 3, fused=True, compiled=compiled)
+    plain = dflash_loss(hidden, labels, head, weights, 3, fused=False)
+    torch.testing.assert_close(out.weighted_sum, plain.weighted_sum.detach())
+    assert torch.equal(out.correct, plain.correct) and torch.equal(out.count, plain.count)
+
+
+def test_fused_loss_without_supervised_slots_is_zero_with_zero_grad():
+    head, hidden, labels = _case(True)
+    out, grad = _run(head, hidden, torch.full_like(labels, IGNORE_INDEX), 4, fused=True, compiled=False)
+    assert out.weighted_sum == 0 and out.weight_sum == 0 and out.count.sum() == 0 and out.correct.sum() == 0
+    assert torch.count_nonzero(grad) == 0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_index_gives_the_same_results_as_masking(fused):
+    head, hidden, labels = _case(True)
+    # The caller's host-side index: flat positions of the supervised slots, ascending.
+    index = torch.tensor([i for i, y in enumerate(labels.flatten().tolist()) if y != IGNORE_INDEX])
+    out, grad = _run(head, hidden, labels, 3, fused=fused, compiled=False)
+    indexed, indexed_grad = _run(head, hidden, labels, 3, index=index, fused=fused, compiled=False)
+    for field in ("weighted_sum", "weight_sum", "correct", "count"):
+        assert torch.equal(getattr(indexed, field), getattr(out, field)), field
+    assert torch.equal(indexed_grad, grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_default_is_the_compiled_fused_walk_and_never_waits_for_the_gpu():
+    head, hidden, labels = _case(True)
+    head = head.to("cuda", torch.bfloat16)
+    hidden = hidden.detach().cuda().requires_grad_()
+    labels = labels.cuda()
+    index = (labels.cpu().flatten() != IGNORE_INDEX).nonzero().squeeze(1)  # the caller's, on the host
+    weights = contract.slot_weights(B, 2.0)  # on the host, like the trainer's
+    plain, plain_grad = _run(head, hidden, labels, 3, fused=False)
+    _run(head, hidden, labels, 3, index=index)  # compiles outside the sync check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = dflash_loss(hidden, labels, head, weights, 3, index=index)
+        (grad,) = torch.autograd.grad(out.weighted_sum * 3.0, hidden)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out.weighted_sum, plain.weighted_sum, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, plain_grad, rtol=1e-2, atol=1e-2)
+    assert torch.equal(out.correct, plain.correct) and torch.equal(out.count, plain.count)
