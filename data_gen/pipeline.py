@@ -25,6 +25,7 @@ from data_gen.backends import BackendUnavailable, Failure, build_backend, derive
 from data_gen.config import DatagenConfig
 from data_gen.sources import Prompt, SkipLog, eval_hashes, iter_prompts
 from data_gen.template import ChatShaper, stop_token_ids
+from dflash_train.errors import check_writable_dir
 from dflash_train.model.target import load_tokenizer, resolve_target, target_identity, tokenizer_hash
 
 # Ranks that finish their shards early wait for the others at a barrier; a crashed rank
@@ -189,6 +190,9 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
     `target` and `tokenizer` reuse an already loaded target (tests, notebooks)."""
     rank, world, local_rank = _dist()
     out = Path(cfg.out_dir)
+    # Before the target loads: a user's folder, or one that cannot be written, fails now.
+    writer.check_out_dir(out)
+    check_writable_dir(out, "out_dir")
     tokenizer, identity, tok_hash, shaper, prompts, load_skips = setup(cfg, tokenizer)
     if not prompts:
         raise ValueError(f"no usable prompts in sources {[s.name for s in cfg.sources]}: "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -23,7 +22,8 @@ from dflash_train.config import as_dict, to_train_config
 from dflash_train.distributed.backend import STATE_FILES
 from dflash_train.export.hub import model_card_files, push_to_hub
 from dflash_train.model.dflash import DFlashDraftModel
-from dflash_train.model.io import save_drafter
+from dflash_train.errors import run_command
+from dflash_train.model.io import check_export_destination, save_drafter
 from dflash_train.model.target import resolve_target
 from dflash_train.training.checkpoint import CONFIG_FILE, STATE_FILE, latest_checkpoint
 from dflash_train.training.trainer import EXPORT_DIR, MANIFEST_COPY, drafter_config
@@ -64,19 +64,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repo-id", default=None, help="default: the recipe's hub.repo_id")
     parser.add_argument("--private", action=argparse.BooleanOptionalAction, default=None,
                         help="default: the recipe's hub.private")
-    args = parser.parse_args(argv)
-    try:
-        ckpt = find_checkpoint(args.path)
-        out = args.out or ckpt.parent.parent / EXPORT_DIR
-        export, cfg = export_checkpoint(ckpt, out, args.eval_results)
-        print(f"exported {ckpt} to {export}")
-        if args.push:
-            repo_id = args.repo_id or cfg["hub"]["repo_id"]
-            private = cfg["hub"]["private"] if args.private is None else args.private
-            print(f"pushed to {repo_id}: {push_to_hub(export, repo_id, private)}")
-    except ValueError as e:
-        print(f"dflash-export: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_command("dflash-export", export_and_push, parser.parse_args(argv))
+
+
+def export_and_push(args: argparse.Namespace) -> None:
+    ckpt = find_checkpoint(args.path)
+    out = args.out or ckpt.parent.parent / EXPORT_DIR
+    check_export_destination(out)  # before any checkpoint is read: a user's folder is refused at once
+    export, cfg = export_checkpoint(ckpt, out, args.eval_results)
+    print(f"exported {ckpt} to {export}")
+    if args.push:
+        repo_id = args.repo_id or cfg["hub"]["repo_id"]
+        private = cfg["hub"]["private"] if args.private is None else args.private
+        print(f"pushed to {repo_id}: {push_to_hub(export, repo_id, private)}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ from dflash_train.data.dataset import StepSlice, TrainingData
 from dflash_train.data.packing import document_causal_mask
 from dflash_train.distributed.backend import Backend, build_backend
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
-from dflash_train.model.io import save_drafter
+from dflash_train.errors import RunError, check_writable_dir
+from dflash_train.model.io import check_export_destination, save_drafter
 from dflash_train.model.masks import build_training_masks
 from dflash_train.model.target import TargetModel, load_target, load_tokenizer, target_identity, tokenizer_hash
 from dflash_train.training import flops
@@ -68,7 +69,7 @@ def split_validation(num_rows: int, val_rows: int, seed: int) -> tuple[list[int]
     return sorted(perm[val_rows:]), sorted(perm[:val_rows])
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(RunError):
     """Too many steps with a NaN/inf loss: the run is diverging or the data is broken."""
 
 
@@ -87,6 +88,10 @@ class Trainer:
         self.backend = backend or build_backend(cfg.backend)
         if self.backend.is_main:
             check_sinks(cfg.logging)
+            # Before minutes of loading and hours of training: where the results go.
+            check_writable_dir(self.output_dir, "output_dir")
+            if cfg.export:
+                check_export_destination(self.output_dir / EXPORT_DIR)
         self._setup_data(data)  # before any model: bad data fails in seconds, not minutes
         self._setup_model(target)
         self._setup_optimizer()
