@@ -91,10 +91,11 @@ def check_export_destination(out_dir: str | Path) -> None:
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise ValueError(f"export directory {str(out)!r} exists and is not a folder; choose another --out")
-        foreign = sorted(p.name for p in out.iterdir())
-        if foreign and not is_export_dir(out):
+        names = sorted(p.name for p in out.iterdir())
+        if names and not is_export_dir(out):
+            shown = [n for n in names if n not in EXPORT_FILES] or names  # the user's files first
             raise ValueError(f"export directory {str(out)!r} is not empty and is not a previous export "
-                             f"(it holds {foreign[:3]}); it is left untouched: choose an empty or new directory")
+                             f"(it holds {shown[:3]}); it is left untouched: choose an empty or new directory")
     check_writable_dir(out, "export directory")
 
 
