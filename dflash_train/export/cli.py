@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -25,15 +26,23 @@ from dflash_train.model.dflash import DFlashDraftModel
 from dflash_train.errors import run_command
 from dflash_train.model.io import check_export_destination, save_drafter
 from dflash_train.model.target import resolve_target
-from dflash_train.training.checkpoint import CONFIG_FILE, STATE_FILE, latest_checkpoint
+from dflash_train.training.checkpoint import (
+    CONFIG_FILE,
+    STATE_FILE,
+    checkpoint_problem,
+    latest_good_checkpoint,
+)
 from dflash_train.training.trainer import EXPORT_DIR, MANIFEST_COPY, drafter_config
 
 
 def find_checkpoint(path: Path) -> Path:
     """``path`` itself when it is a checkpoint, else the latest checkpoint of a run directory."""
     if (path / STATE_FILE).is_file():
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ValueError(f"checkpoint {path} is damaged: {problem}")
         return path
-    latest = latest_checkpoint(path)
+    latest = latest_good_checkpoint(path)
     if latest is None:
         raise ValueError(f"{path} is neither a checkpoint (no {STATE_FILE}) nor a run directory with checkpoints/")
     return latest
@@ -47,7 +56,10 @@ def export_checkpoint(ckpt: Path, out: Path, eval_results: str | None = None) ->
     config = drafter_config(cfg, AutoConfig.from_pretrained(resolve_target(cfg.target.name)))
     with torch.device("meta"):  # only the config is needed; the weights come from the checkpoint
         shell = DFlashDraftModel(config)
-    state = torch.load(ckpt / STATE_FILES["model"], map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(ckpt / STATE_FILES["model"], map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        raise ValueError(f"{ckpt / STATE_FILES['model']}: unreadable ({' '.join(str(err).split())[:200]})") from None
     run_dir = ckpt.parent.parent
     manifest_file = run_dir / MANIFEST_COPY
     manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else None

@@ -36,7 +36,11 @@ from dflash_train.model.target import TargetModel, load_target, load_tokenizer, 
 from dflash_train.training import flops
 from dflash_train.training.checkpoint import (
     TrainerState,
+    changed_settings,
+    checkpoint_config,
+    checkpoint_problem,
     latest_checkpoint,
+    latest_good_checkpoint,
     load_checkpoint,
     save_checkpoint,
     step_dir_name,
@@ -276,13 +280,31 @@ class Trainer:
 
     # ---------------------------------------------------------------------------- fit
     def resume(self) -> None:
-        path = latest_checkpoint(self.output_dir)
+        """Continue from the newest intact checkpoint, if its recipe computes what this one does."""
+        mode = self.cfg.checkpoint.resume
+        if not mode:
+            path = latest_checkpoint(self.output_dir)
+            if path is not None:
+                raise ValueError(f"{self.output_dir} already holds checkpoints (latest {path.name}) but "
+                                 "checkpoint.resume=false; pick a new output_dir or allow resuming")
+            return
+        path = latest_good_checkpoint(self.output_dir)
         if path is None:
             return
-        if not self.cfg.checkpoint.resume:
-            raise ValueError(f"{self.output_dir} already holds checkpoints (latest {path.name}) but "
-                             "checkpoint.resume=false; pick a new output_dir or allow resuming")
+        changes = changed_settings(checkpoint_config(path), as_dict(self.cfg))
+        if changes and mode != "force":
+            raise ValueError(f"{self.output_dir} holds a run with other settings ({'; '.join(changes)}): "
+                             "resume with the checkpoint's settings, pick a new output_dir, or set "
+                             "checkpoint.resume=force to continue under the new ones")
+        fresh = self.backend.optimizer_settings()
         self.state = load_checkpoint(self.backend, path, self.slice.global_batch)
+        if changes:
+            # The checkpoint restored its own hyperparameters; the recipe's apply from here on,
+            # and the next checkpoint's config.yaml records them.
+            self.backend.apply_optimizer_settings(fresh)
+            if self.backend.is_main:
+                log.warning("checkpoint.resume=force: continuing %s under changed settings: %s",
+                            path, "; ".join(changes))
         if self.backend.is_main:
             log.info("resumed from %s (step %d, %d samples seen)", path, self.state.step, self.state.samples_seen)
 
@@ -335,7 +357,7 @@ class Trainer:
 
     def save(self) -> Path:
         latest = latest_checkpoint(self.output_dir)
-        if latest is not None and latest.name == step_dir_name(self.state.step):
+        if latest is not None and latest.name == step_dir_name(self.state.step) and checkpoint_problem(latest) is None:
             return latest  # resumed at the very end: nothing new to write
         return save_checkpoint(self.backend, self.output_dir, self.state, self.cfg, self.cfg.checkpoint.keep_last)
 
