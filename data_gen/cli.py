@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from data_gen.backends import BackendUnavailable
 from data_gen.config import DatagenConfig
 from data_gen.pipeline import RunResult, run
-from dflash_train.errors import run_command
+from dflash_train.errors import one_line, run_command
 
 
 def format_summary(result: RunResult) -> str:
@@ -49,8 +49,8 @@ def generate(cfg: DatagenConfig, **run_kwargs) -> int:
     try:
         result = run(cfg, **run_kwargs)
     except BackendUnavailable as e:
-        print(f"dflash-datagen: {e}\nrerun the same command once the backend is up: committed shards are kept",
-              file=sys.stderr)
+        print(f"dflash-datagen: error: {one_line(e)}; rerun the same command once the backend is up "
+              "(committed shards are kept)", file=sys.stderr)
         return 1
     print(format_summary(result))
     if not result.complete or result.counts["rows"] == 0:

@@ -213,14 +213,16 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
         started = time.perf_counter()
         bar = tqdm(total=sum(len(prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]) for k in mine),
                    unit="prompt", disable=not progress or rank != 0, desc=f"rank {rank}")
-        for k in mine:
-            shard_prompts = prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]
-            rows, meta = generate_shard(cfg, shaper, backend, shard_prompts, k)
-            writer.write_shard(out, k, rows, {**meta, "rank": rank})
-            generated += meta["generated_tokens"]
-            bar.update(len(shard_prompts))
-            bar.set_postfix_str(f"{generated / (time.perf_counter() - started):.1f} tok/s")
-        bar.close()
+        try:
+            for k in mine:
+                shard_prompts = prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]
+                rows, meta = generate_shard(cfg, shaper, backend, shard_prompts, k)
+                writer.write_shard(out, k, rows, {**meta, "rank": rank})
+                generated += meta["generated_tokens"]
+                bar.update(len(shard_prompts))
+                bar.set_postfix_str(f"{generated / (time.perf_counter() - started):.1f} tok/s")
+        finally:
+            bar.close()  # ends the bar's line, so an error message starts on its own
     elapsed = time.perf_counter() - started
     _barrier(world)
     metas = [writer.read_shard_meta(out, k) for k in range(num_shards)]
