@@ -39,13 +39,14 @@ def chat_row(tokenizer, question: str, answer: str, index: int) -> dict:
 def write_datagen_dir(out_dir: Path, target_spec: str, tokenizer, repeat: int = 1,
                       rows: list[dict] | None = None) -> Path:
     """A finished dflash-datagen output (manifest + data/) for ``target_spec``."""
-    from dflash_train.model.target import target_identity, tokenizer_hash
+    from dflash_train.model.target import target_identity, tokenizer_hash, tokenizer_identity
 
     if rows is None:
         pairs = CONVERSATIONS * repeat
         rows = [chat_row(tokenizer, q, a, i) for i, (q, a) in enumerate(pairs)]
     manifest = {"format_version": writer.FORMAT_VERSION, "target": target_identity(target_spec),
-                "tokenizer_hash": tokenizer_hash(tokenizer), "counts": {"rows": len(rows)}}
+                "tokenizer": tokenizer_identity(tokenizer), "tokenizer_hash": tokenizer_hash(tokenizer),
+                "counts": {"rows": len(rows)}}
     out_dir = Path(out_dir)
     if rows:
         writer.write_shard(out_dir, 0, rows, {})

@@ -32,7 +32,15 @@ from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 from dflash_train.errors import RunError, check_writable_dir
 from dflash_train.model.io import check_export_destination, save_drafter
 from dflash_train.model.masks import build_training_masks
-from dflash_train.model.target import TargetModel, load_target, load_tokenizer, target_identity, tokenizer_hash
+from dflash_train.model.target import (
+    TargetModel,
+    load_target,
+    load_tokenizer,
+    target_identity,
+    tokenizer_hash,
+    tokenizer_identity,
+    weights_digest,
+)
 from dflash_train.training import flops
 from dflash_train.training.checkpoint import (
     TrainerState,
@@ -73,6 +81,14 @@ def split_validation(num_rows: int, val_rows: int, seed: int) -> tuple[list[int]
     return sorted(perm[val_rows:]), sorted(perm[:val_rows])
 
 
+def _same_weights(old_spec: str, new_spec: str) -> bool:
+    """Whether two target specs name the same weights (another path to the same file)."""
+    try:
+        return weights_digest(old_spec) == weights_digest(new_spec)
+    except (ValueError, OSError):  # the old path is gone: it cannot be shown to be the same
+        return False
+
+
 class NonFiniteLossError(RunError):
     """Too many steps with a NaN/inf loss: the run is diverging or the data is broken."""
 
@@ -110,8 +126,9 @@ class Trainer:
         if data is None:
             self.manifest = read_manifest(cfg.data.path)
             if cfg.data.check_manifest:
-                tok_hash = tokenizer_hash(load_tokenizer(cfg.target.name))
-                check_target(self.manifest, target_identity(cfg.target.name), tok_hash)
+                tokenizer = load_tokenizer(cfg.target.name)
+                check_target(self.manifest, target_identity(cfg.target.name), tokenizer_identity(tokenizer),
+                             tokenizer_hash(tokenizer))
             ds = load_generated(cfg.data.path)
             kwargs = dict(max_length=cfg.data.max_length, packing=cfg.data.packing, seed=cfg.seed,
                           num_anchors=cfg.data.num_anchors, block_size=cfg.drafter.block_size,
@@ -291,7 +308,9 @@ class Trainer:
         path = latest_good_checkpoint(self.output_dir)
         if path is None:
             return
-        changes = changed_settings(checkpoint_config(path), as_dict(self.cfg))
+        old = checkpoint_config(path)
+        changes = [c for c in changed_settings(old, as_dict(self.cfg))
+                   if not (c.startswith("target.name:") and _same_weights(old["target"]["name"], self.cfg.target.name))]
         if changes and mode != "force":
             raise ValueError(f"{self.output_dir} holds a run with other settings ({'; '.join(changes)}): "
                              "resume with the checkpoint's settings, pick a new output_dir, or set "
