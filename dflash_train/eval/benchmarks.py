@@ -63,21 +63,22 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     """(line number, record) for each non-blank line; a bad line names file and line."""
     opener = gzip.open if path.suffix == ".gz" else open
     records = []
-    lineno = 0
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(record, dict):
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-                records.append((lineno, record))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
+    with opener(path, "rb") as f:  # decoded line by line, so a bad byte names its line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") \
+                    from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            records.append((lineno, record))
     return records
 
 

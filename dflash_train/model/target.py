@@ -160,8 +160,9 @@ def weights_digest(spec: str) -> str:
     if folder is None:
         return f"hub-{spec}"  # not downloaded: only the name can be compared
     files = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
-    if not files:
-        raise ValueError(f"target {spec!r}: no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {folder}")
+    if not files:  # a tokenizer and config only (the openai backend's server holds the weights)
+        config = folder / "config.json"
+        return "config-" + (hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else spec)
     h = hashlib.sha256()
     for f in files:
         h.update(f"{f.name}:{_file_digest(f)};".encode())

@@ -23,7 +23,7 @@ from dflash_train.training.logging import METRICS_FILE
 from dflash_train.training.trainer import Trainer
 from tests.cli_helpers import assert_one_line_error, run_cli, snapshot
 from tests.conftest import SMOLLM2
-from tests.train_data import save_tiny_target, tiny_train_config, write_datagen_dir
+from tests.train_data import save_tiny_target, tiny_train_args, tiny_train_config, write_datagen_dir
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +58,8 @@ def test_resume_with_changed_settings_is_refused_in_one_line(tiny, tmp_path):
     out = tmp_path / "run"
     Trainer(_cfg(tiny, out, max_steps=1)).fit()
     before = snapshot(out)
-    done = run_cli("dflash-train", f"target.name={tiny['target']}", "target.num_layers=6", "target.mask_token_id=16",
-                   "drafter.num_hidden_layers=1", "drafter.block_size=8", "drafter.attention=dense",
-                   "drafter.compile=false", f"data.path={tiny['other_data']}", "data.num_anchors=6",
-                   "data.max_length=64", "optim.lr=1e-5", "optim.micro_batch_size=2", "optim.grad_accum_steps=2",
-                   "logging.wandb=disabled", "epochs=2", "export=false", f"output_dir={out}")
+    done = run_cli("dflash-train", *tiny_train_args(tiny["target"], tiny["other_data"], out, "optim.lr=1e-5",
+                                                    "logging.every=5", "max_steps=9"))
     line = assert_one_line_error(done, "dflash-train", "optim.lr: 0.003 -> 1e-05",
                                  f"data.path: '{tiny['data']}' -> '{tiny['other_data']}'", "checkpoint.resume=force")
     assert "logging" not in line and "max_steps" not in line
@@ -100,6 +97,14 @@ def test_force_with_another_drafter_geometry_is_a_clear_error(tiny, tmp_path):
     t = Trainer(_cfg(tiny, tmp_path, drafter={"num_hidden_layers": 2}, checkpoint={"resume": "force"}))
     with pytest.raises(ValueError, match="step_00000001 cannot be loaded into this run: "):
         t.resume()
+    before = snapshot(tmp_path)
+    done = run_cli("dflash-train", *tiny_train_args(tiny["target"], tiny["data"], tmp_path,
+                                                    "drafter.num_hidden_layers=2"))
+    assert_one_line_error(done, "dflash-train", "drafter.num_hidden_layers: 1 -> 2")
+    done = run_cli("dflash-train", *tiny_train_args(tiny["target"], tiny["data"], tmp_path,
+                                                    "drafter.num_hidden_layers=2", "checkpoint.resume=force"))
+    assert_one_line_error(done, "dflash-train", "step_00000001 cannot be loaded into this run")
+    assert snapshot(tmp_path) == before
 
 
 def test_resume_setting_accepts_true_false_force(tiny, tmp_path):
