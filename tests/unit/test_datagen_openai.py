@@ -2,6 +2,7 @@
 never become data or committed shards, and a rerun against a healthy server finishes."""
 
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -9,7 +10,7 @@ import pytest
 
 from data_gen.writer import load_generated
 from dflash_train.model.target import load_tokenizer
-from tests.cli_helpers import run_cli
+from tests.cli_helpers import assert_one_line_error, run_cli, snapshot
 from tests.conftest import SMOLLM2
 from tests.train_data import save_tiny_target
 
@@ -98,3 +99,18 @@ def test_a_broken_server_commits_nothing_and_a_rerun_finishes(server, target, tm
     assert len(data) == 3
     for row in data:
         assert row["input_ids"][-3:] == HEALTHY_IDS and row["finish_reason"] == "length"
+
+
+def test_a_truncated_shard_is_named(server, target, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(3)))
+    out = tmp_path / "out"
+    server.mode = "healthy"
+    assert _datagen(server, target, out, prompts).returncode == 0
+    (out / "manifest.json").unlink()  # as if killed before consolidating, then a shard got damaged
+    shard = out / "shards" / "shard-00001.parquet"
+    os.truncate(shard, shard.stat().st_size // 2)
+    before = snapshot(out)
+    done = _datagen(server, target, out, prompts)
+    assert_one_line_error(done, "dflash-datagen", f"shard '{shard}' is damaged", "delete it and rerun")
+    assert snapshot(out) == before
