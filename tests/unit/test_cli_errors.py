@@ -7,6 +7,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from dflash_train.errors import RunError, one_line, run_command
 from dflash_train.model.target import load_tokenizer
@@ -67,14 +68,12 @@ def test_a_hub_id_that_cannot_be_fetched_fails_in_seconds(tmp_path, offline):
 
 
 def test_cuda_without_a_gpu(tiny, tmp_path):
-    pytest.importorskip("torch")
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     done = run_cli("dflash-eval", "drafter_path=random", "device=cuda", f"output_dir={tmp_path / 'e'}")
     assert_one_line_error(done, "dflash-eval", "device='cuda' but no CUDA GPU is available")
-    done = run_cli("dflash-train", *tiny_train_args(tiny["target"], tiny["data"], tmp_path / "t", "backend.device=cuda"))
+    args = tiny_train_args(tiny["target"], tiny["data"], tmp_path / "t", "backend.device=cuda")
+    done = run_cli("dflash-train", *args)
     assert_one_line_error(done, "dflash-train", "backend.device='cuda'")
 
 
