@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from data_gen.backends import BackendUnavailable
 from data_gen.config import DatagenConfig
 from data_gen.pipeline import RunResult, run
+from dflash_train.errors import one_line, run_command
 
 
 def format_summary(result: RunResult) -> str:
@@ -48,8 +49,8 @@ def generate(cfg: DatagenConfig, **run_kwargs) -> int:
     try:
         result = run(cfg, **run_kwargs)
     except BackendUnavailable as e:
-        print(f"dflash-datagen: {e}\nrerun the same command once the backend is up: committed shards are kept",
-              file=sys.stderr)
+        print(f"dflash-datagen: error: {one_line(e)}; rerun the same command once the backend is up "
+              "(committed shards are kept)", file=sys.stderr)
         return 1
     print(format_summary(result))
     if not result.complete or result.counts["rows"] == 0:
@@ -60,13 +61,9 @@ def generate(cfg: DatagenConfig, **run_kwargs) -> int:
 
 @hydra.main(config_path="pkg://dflash_recipes", config_name="datagen", version_base=None)
 def _main(raw: DictConfig) -> None:
-    try:
-        cfg = DatagenConfig.from_dict(OmegaConf.to_container(raw, resolve=True))
-        code = generate(cfg)
-    except ValueError as e:
-        print(f"dflash-datagen: error: {e}", file=sys.stderr)
-        code = 2
-    sys.exit(code)
+    # A user mistake or a refusal of the machine: one line naming the file or value, exit 2.
+    sys.exit(run_command("dflash-datagen", lambda: generate(DatagenConfig.from_dict(
+        OmegaConf.to_container(raw, resolve=True)))))
 
 
 def main() -> None:

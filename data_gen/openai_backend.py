@@ -26,6 +26,10 @@ class _Retryable(Exception):
     pass
 
 
+class _BadResponse(Exception):
+    """The server answered, but not with a well-formed completion of valid token ids."""
+
+
 class OpenAIBackend:
     def __init__(self, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int], tokenizer,
                  model_name: str):
@@ -43,7 +47,11 @@ class OpenAIBackend:
         req = urllib.request.Request(self.base_url + path, data=data, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as resp:
-                return json.loads(resp.read())
+                raw = resp.read()
+            try:
+                return json.loads(raw)
+            except ValueError:
+                raise _BadResponse(f"not JSON: {raw[:80]!r}") from None
         except urllib.error.HTTPError as e:
             detail = f"HTTP {e.code} from {self.base_url + path}: {e.read()[:200]!r}"
             if e.code in RETRYABLE_HTTP:
@@ -65,9 +73,14 @@ class OpenAIBackend:
     def _check_server(self) -> None:
         """Fail fast on a dead server or one that serves another model."""
         try:
-            served = [m.get("id") for m in self._with_retries("/models").get("data", [])]
+            listing = self._with_retries("/models")
+            if not isinstance(listing, dict) or not isinstance(listing.get("data"), list):
+                raise _BadResponse(f"no model list in {str(listing)[:80]!r}")
+            served = [m.get("id") for m in listing["data"] if isinstance(m, dict)]
         except _Retryable as e:
             raise BackendUnavailable(f"openai backend: {e}") from None
+        except _BadResponse as e:
+            raise BackendUnavailable(f"openai backend: bad response from {self.base_url}/models: {e}") from None
         if self.model_name not in served:
             raise ValueError(f"backend.model={self.model_name!r} is not served by {self.base_url} "
                              f"(it serves {served}); set backend.model to the served name")
@@ -82,19 +95,40 @@ class OpenAIBackend:
 
     def _one(self, prompt: list[int], seed: int) -> Completion | Failure:
         try:
-            choice = self._with_retries("/completions", self._body(prompt, seed))["choices"][0]
+            return self._completion(self._with_retries("/completions", self._body(prompt, seed)))
         except _Retryable as e:
             return Failure(str(e), retryable=True)
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            return Failure(f"bad response: {e}", retryable=False)
+        except _BadResponse as e:
+            # A server answering garbage is broken, not the prompt: retryable, so the shard
+            # stays uncommitted and a rerun against a healthy server generates it.
+            return Failure(f"bad response from {self.base_url}/completions: {e}", retryable=True)
+        except ValueError as e:  # an HTTP 4xx: this prompt is refused (e.g. too long for the server)
+            return Failure(str(e), retryable=False)
+
+    def _completion(self, response) -> Completion:
+        """The completion of one response, checked field by field before it can become data."""
+        choices = response.get("choices") if isinstance(response, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise _BadResponse(f"no choices in {str(response)[:80]!r}")
+        choice = choices[0]
         reason = choice.get("finish_reason")
         if reason not in ("stop", "length"):
-            return Failure(f"finish_reason={reason!r}", retryable=False)
+            raise _BadResponse(f"finish_reason={reason!r}, expected 'stop' or 'length'")
         ids = choice.get("token_ids")
         exact = ids is not None
-        if not exact:
-            ids = self.tokenizer.encode(choice.get("text", ""), add_special_tokens=False)
-        ids = [int(t) for t in ids]
+        if exact:
+            vocab = len(self.tokenizer)
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise _BadResponse(f"token_ids is not a list of integers: {str(ids)[:80]}")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise _BadResponse(f"token ids {bad[:3]} outside the vocabulary [0, {vocab})")
+        else:
+            text = choice.get("text")
+            if not isinstance(text, str):
+                raise _BadResponse("neither token_ids nor text in the choice")
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = list(ids)
         # Servers end on the stop token but may leave it out of the ids; the row needs it.
         if reason == "stop" and (not ids or ids[-1] not in self.stop_ids):
             ids.append(self.stop_ids[0])

@@ -25,7 +25,14 @@ from data_gen.backends import BackendUnavailable, Failure, build_backend, derive
 from data_gen.config import DatagenConfig
 from data_gen.sources import Prompt, SkipLog, eval_hashes, iter_prompts
 from data_gen.template import ChatShaper, stop_token_ids
-from dflash_train.model.target import load_tokenizer, resolve_target, target_identity, tokenizer_hash
+from dflash_train.errors import check_writable_dir
+from dflash_train.model.target import (
+    load_tokenizer,
+    resolve_target,
+    target_identity,
+    tokenizer_hash,
+    tokenizer_identity,
+)
 
 # Ranks that finish their shards early wait for the others at a barrier; a crashed rank
 # makes torchrun stop the whole group, so a long timeout only covers uneven shards.
@@ -82,7 +89,8 @@ def setup(cfg: DatagenConfig, tokenizer=None):
     """Tokenizer, chat shaper and the usable prompts (with load-time skips counted)."""
     tokenizer = tokenizer or load_tokenizer(cfg.target.name, cfg.cache_dir)
     identity = target_identity(cfg.target.name, cfg.cache_dir)
-    tok_hash = tokenizer_hash(tokenizer)  # before any template override: the target's own tokenizer
+    # Before any template override: the target's own tokenizer.
+    tok_ident = {"tokenizer": tokenizer_identity(tokenizer), "tokenizer_hash": tokenizer_hash(tokenizer)}
     stop_ids = stop_token_ids(tokenizer, _generation_config(cfg.target.name, cfg.cache_dir))
     t = cfg.template
     shaper = ChatShaper(tokenizer, stop_ids, t.enable_thinking, t.system_prompt, t.chat_template)
@@ -100,12 +108,13 @@ def setup(cfg: DatagenConfig, tokenizer=None):
         prompts.append(p)
         if cfg.num_prompts is not None and len(prompts) == cfg.num_prompts:
             break
-    return tokenizer, identity, tok_hash, shaper, prompts, skips
+    return tokenizer, identity, tok_ident, shaper, prompts, skips
 
 
-def _fingerprint(cfg: DatagenConfig, identity: dict, tok_hash: str, shaper: ChatShaper, prompts) -> dict:
+def _fingerprint(cfg: DatagenConfig, identity: dict, tok_ident: dict, shaper: ChatShaper, prompts) -> dict:
     ids = hashlib.sha256(json.dumps([p.prompt_id for p in prompts]).encode()).hexdigest()[:16]
-    return {"target": {k: identity[k] for k in ("spec", "revision")}, "tokenizer_hash": tok_hash,
+    # By content: a restart may name the same weights by another path.
+    return {"target": {"weights": identity["weights"]}, "tokenizer": tok_ident["tokenizer"],
             "template": {**shaper.settings, "max_turns": cfg.template.max_turns}, "sampling": asdict(cfg.sampling),
             "max_prompt_len": cfg.max_prompt_len, "shard_size": cfg.shard_size, "num_prompts": len(prompts),
             "prompts_sha256": ids, "backend": cfg.backend.kind}
@@ -189,11 +198,14 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
     `target` and `tokenizer` reuse an already loaded target (tests, notebooks)."""
     rank, world, local_rank = _dist()
     out = Path(cfg.out_dir)
-    tokenizer, identity, tok_hash, shaper, prompts, load_skips = setup(cfg, tokenizer)
+    # Before the target loads: a user's folder, or one that cannot be written, fails now.
+    writer.check_out_dir(out)
+    check_writable_dir(out, "out_dir")
+    tokenizer, identity, tok_ident, shaper, prompts, load_skips = setup(cfg, tokenizer)
     if not prompts:
         raise ValueError(f"no usable prompts in sources {[s.name for s in cfg.sources]}: "
                          f"skipped {dict(load_skips.counts)}")
-    fingerprint = _fingerprint(cfg, identity, tok_hash, shaper, prompts)
+    fingerprint = _fingerprint(cfg, identity, tok_ident, shaper, prompts)
     if rank == 0:
         writer.check_run(out, fingerprint)
         writer.remove_stale_temps(out)
@@ -209,21 +221,23 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
         started = time.perf_counter()
         bar = tqdm(total=sum(len(prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]) for k in mine),
                    unit="prompt", disable=not progress or rank != 0, desc=f"rank {rank}")
-        for k in mine:
-            shard_prompts = prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]
-            rows, meta = generate_shard(cfg, shaper, backend, shard_prompts, k)
-            writer.write_shard(out, k, rows, {**meta, "rank": rank})
-            generated += meta["generated_tokens"]
-            bar.update(len(shard_prompts))
-            bar.set_postfix_str(f"{generated / (time.perf_counter() - started):.1f} tok/s")
-        bar.close()
+        try:
+            for k in mine:
+                shard_prompts = prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]
+                rows, meta = generate_shard(cfg, shaper, backend, shard_prompts, k)
+                writer.write_shard(out, k, rows, {**meta, "rank": rank})
+                generated += meta["generated_tokens"]
+                bar.update(len(shard_prompts))
+                bar.set_postfix_str(f"{generated / (time.perf_counter() - started):.1f} tok/s")
+        finally:
+            bar.close()  # ends the bar's line, so an error message starts on its own
     elapsed = time.perf_counter() - started
     _barrier(world)
     metas = [writer.read_shard_meta(out, k) for k in range(num_shards)]
     counts = _counts(prompts, load_skips, [m for m in metas if m is not None])
     complete = all(m is not None for m in metas)
     if rank == 0 and complete and counts["rows"] and not (out / "manifest.json").exists():
-        manifest = {"format_version": writer.FORMAT_VERSION, "target": identity, "tokenizer_hash": tok_hash,
+        manifest = {"format_version": writer.FORMAT_VERSION, "target": identity, **tok_ident,
                     "template": fingerprint["template"], "sampling": asdict(cfg.sampling),
                     "max_prompt_len": cfg.max_prompt_len, "sources": [asdict(s) for s in cfg.sources],
                     "exclude_eval": cfg.exclude_eval, "backend": _backend_settings(cfg),

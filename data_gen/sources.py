@@ -92,7 +92,13 @@ def _conversation(turns, where: str) -> tuple[str | None, list[str]]:
 def _sharegpt(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, str, object]]:
     """(where, "messages", messages) per record of a ShareGPT JSON array, which may be cut mid-record."""
     path = resolve_path(src.path, f"source {src.path!r}")
-    text = path.read_text(encoding="utf-8")
+    if not path.is_file():
+        raise ValueError(f"source {src.name!r}: no such file {str(path)!r}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"source {src.name!r}: {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") \
+            from None
     decoder = json.JSONDecoder()
     between = re.compile(r"[\s,]*")
     pos = between.match(text, text.index("[") + 1).end()
@@ -114,9 +120,15 @@ def _jsonl(src: SourceConfig, skips: SkipLog) -> Iterator[tuple[str, str, object
     path = resolve_path(src.path, f"source {src.path!r}")
     if not path.is_file():
         raise ValueError(f"source {src.name!r}: no such file {str(path)!r}")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    # Lines are decoded one by one: a byte that is not UTF-8 names its file and line.
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
             where = f"{path.name}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"source {src.name!r}: {str(path)}:{lineno} is not UTF-8 text "
+                                 f"({e.reason} at byte {e.start} of the line)") from None
             if not line.strip():
                 continue
             try:

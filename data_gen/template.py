@@ -17,9 +17,10 @@ of two exact sources:
 
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
+
+from dflash_train.model.target import template_sha256
 
 # Differ in their first and last character, so the common prefix / suffix of the two
 # renderings ends exactly at the content boundaries.
@@ -90,7 +91,7 @@ class ChatShaper:
         return {
             "enable_thinking": self.enable_thinking,
             "system_prompt": self.system_prompt,
-            "chat_template_sha256": hashlib.sha256(self.template.encode()).hexdigest()[:16],
+            "chat_template_sha256": template_sha256(self.template),
             "mask_method": "generation_markers" if self.uses_markers else "sentinel_diff",
             "stop_token_ids": self.stop_ids,
         }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -78,7 +79,55 @@ def read_shard_meta(out_dir: Path, index: int) -> dict | None:
     path = shard_path(out_dir, index)
     if not path.exists():
         return None
-    return json.loads(pq.read_schema(path).metadata[SHARD_META_KEY])
+    try:
+        return json.loads(pq.read_schema(path).metadata[SHARD_META_KEY])
+    except (pa.ArrowException, OSError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"shard {str(path)!r} is damaged ({type(e).__name__}: {e}); delete it and rerun the same "
+                         "command to generate it again") from None
+
+
+def _foreign(folder: Path, own) -> list[str]:
+    """Names in ``folder`` that none of our writers produce (``own(name)`` says which do)."""
+    return sorted(p.name for p in folder.iterdir() if not own(p.name))
+
+
+def _own_top(name: str) -> bool:
+    return name in ("run.json", "manifest.json", "shards", "data") or re.fullmatch(r"\.[\w.]+\.tmp-\w+", name)
+
+
+def _own_shard(name: str) -> bool:
+    return re.fullmatch(r"\.?shard-\d{5}\.parquet(\.tmp-\d+)?", name) is not None
+
+
+def _own_data(name: str) -> bool:
+    # What datasets.save_to_disk writes.
+    return name in ("state.json", "dataset_info.json") or re.fullmatch(r"data-\d+-of-\d+\.arrow", name) is not None
+
+
+def check_out_dir(out_dir) -> None:
+    """Raise ValueError unless ``out_dir`` is absent, empty or a dflash-datagen output.
+
+    A run replaces ``data/`` when it consolidates: that folder, and the rest of out_dir,
+    must be our own output, never a user's files that happen to sit there.
+    """
+    out = Path(out_dir)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"out_dir {str(out)!r} exists and is not a folder")
+    foreign = _foreign(out, _own_top)
+    for sub, own in (("shards", _own_shard), ("data", _own_data)):
+        if (out / sub).exists():
+            if not (out / sub).is_dir():
+                foreign.append(sub)
+            else:
+                foreign += [f"{sub}/{name}" for name in _foreign(out / sub, own)]
+    recorded = (out / "run.json").is_file() or (out / "manifest.json").is_file()
+    if (out / "data").is_dir() and not recorded:  # a dataset folder of the user's, not from a run of ours
+        foreign.append("data (no run.json or manifest.json beside it)")
+    if foreign:
+        raise ValueError(f"out_dir {str(out)!r} holds files that are not dflash-datagen output ({foreign[:3]}); "
+                         "they are left untouched: choose an empty or new out_dir")
 
 
 def check_run(out_dir: Path, fingerprint: dict) -> None:
@@ -100,16 +149,25 @@ def consolidate(out_dir: Path, num_shards: int, manifest: dict) -> None:
     import datasets
 
     out_dir = Path(out_dir)
-    tables = [pq.read_table(shard_path(out_dir, i), memory_map=True) for i in range(num_shards)]
+    tables = [_read_shard(shard_path(out_dir, i)) for i in range(num_shards)]
     table = pa.concat_tables(tables).replace_schema_metadata(None)
     tmp = Path(tempfile.mkdtemp(prefix=".data.tmp-", dir=out_dir))
     try:
         datasets.Dataset(table).save_to_disk(str(tmp))
+        check_out_dir(out_dir)  # again right before data/ is replaced: it must be ours
         shutil.rmtree(out_dir / "data", ignore_errors=True)
         os.replace(tmp, out_dir / "data")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def _read_shard(path: Path) -> pa.Table:
+    try:
+        return pq.read_table(path, memory_map=True)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"shard {str(path)!r} is damaged ({type(e).__name__}: {e}); delete it and rerun the same "
+                         "command to generate it again") from None
 
 
 def read_manifest(out_dir) -> dict:
@@ -133,7 +191,12 @@ def load_generated(out_dir):
     data_dir = Path(out_dir) / "data"
     if not data_dir.is_dir():
         raise ValueError(f"{str(out_dir)!r} has a manifest but no data/ folder: the output is damaged")
-    data = datasets.load_from_disk(str(data_dir))
+    try:
+        data = datasets.load_from_disk(str(data_dir))
+    except (pa.ArrowException, OSError, IndexError, KeyError, ValueError) as e:
+        # A truncated or damaged Arrow file: pyarrow's message does not say which one.
+        raise ValueError(f"{str(data_dir)!r}: unreadable dataset, truncated or damaged ({type(e).__name__}: {e}); "
+                         "regenerate it (remove manifest.json and data/ and rerun dflash-datagen)") from None
     missing = [c for c in COLUMNS if c not in data.column_names]
     if missing or len(data) != manifest["counts"]["rows"]:
         raise ValueError(f"{str(data_dir)!r}: columns {data.column_names} / {len(data)} rows do not match the "
@@ -141,12 +204,33 @@ def load_generated(out_dir):
     return data
 
 
-def check_target(manifest: dict, identity: dict, tokenizer_hash: str) -> None:
-    """Refuse data generated by another target or tokenizer than the one being trained."""
-    ours = {"spec": identity.get("spec"), "revision": identity.get("revision"), "tokenizer_hash": tokenizer_hash}
-    theirs = {"spec": manifest["target"].get("spec"), "revision": manifest["target"].get("revision"),
-              "tokenizer_hash": manifest.get("tokenizer_hash")}
-    for key in ours:
-        if ours[key] != theirs[key]:
-            raise ValueError(f"the data was generated with {key}={theirs[key]!r} but the target has "
-                             f"{key}={ours[key]!r}: regenerate the data for this target")
+def check_target(manifest: dict, identity: dict, tokenizer: dict, tokenizer_hash: str | None = None) -> None:
+    """Refuse data generated with other target weights or another tokenizer than this target's.
+
+    Compared by content, never by name: the same weights under another path or hub id are
+    the same target. ``identity`` is a target_identity, ``tokenizer`` a tokenizer_identity;
+    ``tokenizer_hash`` (the older single hash) is read only for manifests that lack the
+    tokenizer fields.
+    """
+    target = manifest.get("target") or {}
+    if "weights" in target:
+        pairs = [("target.weights", target["weights"], identity.get("weights"))]
+    else:  # manifests before content digests: their revision (GGUF digest, config hash)
+        pairs = [("target.revision", target.get("revision"), identity.get("revision"))]
+    recorded = manifest.get("tokenizer")
+    if recorded is not None:
+        pairs += [(f"tokenizer.{key}", recorded.get(key), tokenizer[key])
+                  for key in ("vocab_sha256", "chat_template_sha256")]
+    elif manifest.get("tokenizer_hash") != tokenizer_hash:
+        # An older manifest's hash depends on the transformers version that read the
+        # tokenizer. For a GGUF target the vocabulary is inside the file whose digest was
+        # compared above, and the template actually used is recorded beside: same file and
+        # same template are the same labels.
+        template = (manifest.get("template") or {}).get("chat_template_sha256")
+        gguf = str(identity.get("weights", "")).startswith("gguf-")
+        if not (gguf and template == tokenizer["chat_template_sha256"]):
+            pairs.append(("tokenizer_hash", manifest.get("tokenizer_hash"), tokenizer_hash))
+    for key, theirs, ours in pairs:
+        if theirs != ours:
+            raise ValueError(f"the data was generated with {key}={theirs!r} but the target has {key}={ours!r}: "
+                             "regenerate the data for this target (data.check_manifest=false skips this check)")

@@ -18,6 +18,7 @@ from dflash_train.contract import default_gamma
 ATTENTION_KINDS = ("flex", "dense")
 SCHEDULES = ("cosine", "constant")
 WANDB_MODES = ("offline", "online", "disabled")
+RESUME_CHOICES = (True, False, "force")
 
 
 @dataclass
@@ -86,7 +87,9 @@ class LoggingConfig:
 class CheckpointConfig:
     every: int = 500  # optimizer steps; 0 disables periodic checkpoints
     keep_last: int = 3
-    resume: bool = True  # continue from the latest checkpoint under output_dir
+    # true: continue from the latest checkpoint under output_dir if its recipe computes the
+    # same thing; force: continue even with changed settings, which then apply; false: never.
+    resume: Any = True
 
 
 @dataclass
@@ -196,6 +199,8 @@ def validate(cfg: TrainConfig) -> None:
             )
         if d.num_features is not None and d.num_features != len(ids):
             raise ValueError(f"drafter.num_features={d.num_features} but target_layer_ids has {len(ids)} entries")
+    if cfg.checkpoint.resume not in RESUME_CHOICES or not isinstance(cfg.checkpoint.resume, (bool, str)):
+        raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}; expected true, false or force")
     if cfg.max_steps is not None and cfg.max_steps <= 0:
         raise ValueError(f"max_steps={cfg.max_steps} must be positive or null")
     if cfg.max_nan_skips < 0:

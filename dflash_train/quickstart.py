@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_train.errors import check_writable_dir, run_command
+
 DATA_DIR = "data/quickstart-smollm2"
 RUN_DIR = "runs/quickstart-smollm2"
 EVAL_ARGS = ["datasets=[mtbench,humaneval]", "limit=10", "max_new_tokens=64"]
@@ -75,6 +77,10 @@ def _held_out(run_dir: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    run_command("dflash-quickstart", _run, argv)
+
+
+def _run(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", type=Path, default=Path(RUN_DIR), help="training output and eval results")
     for stage in ("datagen", "train", "eval"):
@@ -82,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
                             help=f"Hydra overrides for dflash-{stage}")
     args = parser.parse_args(argv)
     extra = {"datagen": args.datagen, "train": args.train, "eval": args.eval}
+    check_writable_dir(args.run_dir, "--run-dir")
+    check_writable_dir(DATA_DIR, "the quickstart data folder")
     start = time.perf_counter()
     for i, (name, done, command) in enumerate(_stages(args.run_dir, extra), 1):
         if done.exists():

@@ -6,13 +6,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from dflash_train.config import to_train_config
+from dflash_train.errors import run_command
 from dflash_train.training.trainer import Trainer
 
 
@@ -27,12 +27,8 @@ def run(cfg: DictConfig) -> Path | None:
 
 @hydra.main(config_path="pkg://dflash_recipes", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
-        export = run(cfg)
-    except ValueError as e:
-        # A user mistake (recipe, data, target): one readable line and a non-zero exit.
-        print(f"dflash-train: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    # A user mistake (recipe, data, target) or a refusal of the machine: one line, exit 2.
+    export = run_command("dflash-train", run, cfg)
     if export is not None:
         print(f"exported drafter to {export}")
 

@@ -39,13 +39,14 @@ def chat_row(tokenizer, question: str, answer: str, index: int) -> dict:
 def write_datagen_dir(out_dir: Path, target_spec: str, tokenizer, repeat: int = 1,
                       rows: list[dict] | None = None) -> Path:
     """A finished dflash-datagen output (manifest + data/) for ``target_spec``."""
-    from dflash_train.model.target import target_identity, tokenizer_hash
+    from dflash_train.model.target import target_identity, tokenizer_hash, tokenizer_identity
 
     if rows is None:
         pairs = CONVERSATIONS * repeat
         rows = [chat_row(tokenizer, q, a, i) for i, (q, a) in enumerate(pairs)]
     manifest = {"format_version": writer.FORMAT_VERSION, "target": target_identity(target_spec),
-                "tokenizer_hash": tokenizer_hash(tokenizer), "counts": {"rows": len(rows)}}
+                "tokenizer": tokenizer_identity(tokenizer), "tokenizer_hash": tokenizer_hash(tokenizer),
+                "counts": {"rows": len(rows)}}
     out_dir = Path(out_dir)
     if rows:
         writer.write_shard(out_dir, 0, rows, {})
@@ -89,3 +90,13 @@ def tiny_train_config(target_dir: str, data_dir: Path, output_dir: Path, **overr
         "output_dir": str(output_dir),
     }
     return to_train_config(OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(overrides)))
+
+
+def tiny_train_args(target_dir: str, data_dir: Path, output_dir: Path, *overrides: str) -> list[str]:
+    """The dflash-train command-line overrides of ``tiny_train_config`` (for subprocess runs)."""
+    return [f"target.name={target_dir}", "target.num_layers=6", "target.mask_token_id=16",
+            "drafter.num_hidden_layers=1", "drafter.block_size=8", "drafter.attention=dense", "drafter.compile=false",
+            f"data.path={data_dir}", "data.num_anchors=6", "data.max_length=64", "optim.lr=3e-3",
+            "optim.micro_batch_size=2", "optim.grad_accum_steps=2", "logging.every=1", "logging.wandb=disabled",
+            "logging.progress_bar=false", "checkpoint.every=0", "backend=single", "backend.device=cpu", "epochs=2",
+            "export=false", f"output_dir={output_dir}", *overrides]

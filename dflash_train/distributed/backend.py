@@ -227,6 +227,30 @@ class Backend(ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: full fp32 model weights on CPU on rank 0, None on other ranks."""
 
+    def optimizer_settings(self) -> list[dict]:
+        """Each param group's hyperparameters as the recipe built them (lr, betas, eps,
+        weight decay, the schedule's initial_lr): taken before `load_state` overwrites them."""
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+
+    def apply_optimizer_settings(self, groups: list[dict]) -> None:
+        """After `load_state` under a changed recipe (resume=force): the recipe's
+        hyperparameters replace the checkpoint's, and the schedule keeps its position but
+        follows the recipe's peak learning rate and length."""
+        for group, fresh in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update({k: v for k, v in fresh.items() if k != "lr"})
+        s = self.scheduler
+        if s is None:
+            for group, fresh in zip(self.optimizer.param_groups, groups):
+                group["lr"] = fresh["lr"]
+            return
+        s.base_lrs = [fresh["initial_lr"] for fresh in groups]
+        # LambdaLR (every warmup schedule of ours): lr = base * factor(step), recomputed now
+        # so the very next step uses the new value, not the checkpoint's.
+        lrs = [base * factor(s.last_epoch) for base, factor in zip(s.base_lrs, s.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        s._last_lr = lrs
+
     def prepare_target(self, module: nn.Module) -> nn.Module:
         """Freezes the target and moves it to the device: replicated, or with each block
         (decoder layer) sharded by FSDP2 when `shard_target` is set. Only the blocks are

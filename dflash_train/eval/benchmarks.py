@@ -63,8 +63,13 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     """(line number, record) for each non-blank line; a bad line names file and line."""
     opener = gzip.open if path.suffix == ".gz" else open
     records = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with opener(path, "rb") as f:  # decoded line by line, so a bad byte names its line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") \
+                    from None
             if not line.strip():
                 continue
             try:

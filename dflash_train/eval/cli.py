@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from dflash_train.errors import check_writable_dir, run_command
 from dflash_train.eval.acceptance import NEAR_TIE_ULPS, compare_prompt, summarize
 from dflash_train.eval.benchmarks import BUILTIN, HF_SCHEME, Prompt, load_benchmark
 from dflash_train.eval.plot import plot_acceptance
@@ -132,6 +133,11 @@ def _check_config(cfg: DictConfig) -> None:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {cfg.temperature}")
+    if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={cfg.device!r} but no CUDA GPU is available here (torch.cuda.is_available() "
+                         "is False); use device=cpu")
+    # The results are written after the whole evaluation: an unwritable place fails now.
+    check_writable_dir(cfg.output_dir, "output_dir")
 
 
 def setup(cfg: DictConfig):
@@ -190,14 +196,8 @@ def evaluate(cfg: DictConfig, datasets, target, drafter, stops: list[int]) -> di
 
 @hydra.main(config_path="pkg://dflash_recipes", config_name="eval", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
-        parts = setup(cfg)
-    except ValueError as e:
-        # A user mistake: one readable line and a non-zero exit. Errors past setup are
-        # bugs and keep their traceback.
-        print(f"dflash-eval: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    evaluate(cfg, *parts)
+    # A user mistake or a refusal of the machine: one readable line and a non-zero exit.
+    run_command("dflash-eval", lambda: evaluate(cfg, *setup(cfg)))
 
 
 if __name__ == "__main__":

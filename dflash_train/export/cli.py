@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import pickle
 from pathlib import Path
 
 import torch
@@ -23,17 +23,26 @@ from dflash_train.config import as_dict, to_train_config
 from dflash_train.distributed.backend import STATE_FILES
 from dflash_train.export.hub import model_card_files, push_to_hub
 from dflash_train.model.dflash import DFlashDraftModel
-from dflash_train.model.io import save_drafter
+from dflash_train.errors import run_command
+from dflash_train.model.io import check_export_destination, save_drafter
 from dflash_train.model.target import resolve_target
-from dflash_train.training.checkpoint import CONFIG_FILE, STATE_FILE, latest_checkpoint
+from dflash_train.training.checkpoint import (
+    CONFIG_FILE,
+    STATE_FILE,
+    checkpoint_problem,
+    latest_good_checkpoint,
+)
 from dflash_train.training.trainer import EXPORT_DIR, MANIFEST_COPY, drafter_config
 
 
 def find_checkpoint(path: Path) -> Path:
     """``path`` itself when it is a checkpoint, else the latest checkpoint of a run directory."""
     if (path / STATE_FILE).is_file():
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ValueError(f"checkpoint {path} is damaged: {problem}")
         return path
-    latest = latest_checkpoint(path)
+    latest = latest_good_checkpoint(path)
     if latest is None:
         raise ValueError(f"{path} is neither a checkpoint (no {STATE_FILE}) nor a run directory with checkpoints/")
     return latest
@@ -47,7 +56,10 @@ def export_checkpoint(ckpt: Path, out: Path, eval_results: str | None = None) ->
     config = drafter_config(cfg, AutoConfig.from_pretrained(resolve_target(cfg.target.name)))
     with torch.device("meta"):  # only the config is needed; the weights come from the checkpoint
         shell = DFlashDraftModel(config)
-    state = torch.load(ckpt / STATE_FILES["model"], map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(ckpt / STATE_FILES["model"], map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        raise ValueError(f"{ckpt / STATE_FILES['model']}: unreadable ({' '.join(str(err).split())[:200]})") from None
     run_dir = ckpt.parent.parent
     manifest_file = run_dir / MANIFEST_COPY
     manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else None
@@ -64,19 +76,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repo-id", default=None, help="default: the recipe's hub.repo_id")
     parser.add_argument("--private", action=argparse.BooleanOptionalAction, default=None,
                         help="default: the recipe's hub.private")
-    args = parser.parse_args(argv)
-    try:
-        ckpt = find_checkpoint(args.path)
-        out = args.out or ckpt.parent.parent / EXPORT_DIR
-        export, cfg = export_checkpoint(ckpt, out, args.eval_results)
-        print(f"exported {ckpt} to {export}")
-        if args.push:
-            repo_id = args.repo_id or cfg["hub"]["repo_id"]
-            private = cfg["hub"]["private"] if args.private is None else args.private
-            print(f"pushed to {repo_id}: {push_to_hub(export, repo_id, private)}")
-    except ValueError as e:
-        print(f"dflash-export: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_command("dflash-export", export_and_push, parser.parse_args(argv))
+
+
+def export_and_push(args: argparse.Namespace) -> None:
+    ckpt = find_checkpoint(args.path)
+    out = args.out or ckpt.parent.parent / EXPORT_DIR
+    check_export_destination(out)  # before any checkpoint is read: a user's folder is refused at once
+    export, cfg = export_checkpoint(ckpt, out, args.eval_results)
+    print(f"exported {ckpt} to {export}")
+    if args.push:
+        repo_id = args.repo_id or cfg["hub"]["repo_id"]
+        private = cfg["hub"]["private"] if args.private is None else args.private
+        print(f"pushed to {repo_id}: {push_to_hub(export, repo_id, private)}")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-CARD = "README.md"
-RECIPE = "recipe.yaml"
-MANIFEST = "data_manifest.json"
+from dflash_train.model.io import CARD_NAME as CARD
+from dflash_train.model.io import MANIFEST_NAME as MANIFEST
+from dflash_train.model.io import RECIPE_NAME as RECIPE
 
 
 def eval_table(results_path: str | Path) -> str:

@@ -22,6 +22,11 @@ from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel, dflash_fie
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CODE_NAME = "dflash.py"
+# Written beside the drafter by export/hub.py: the model card, the recipe, the data manifest.
+CARD_NAME = "README.md"
+RECIPE_NAME = "recipe.yaml"
+MANIFEST_NAME = "data_manifest.json"
+EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME, CODE_NAME, CARD_NAME, RECIPE_NAME, MANIFEST_NAME)
 REQUIRED_KEYS = (
     "architectures", "model_type", "auto_map", "block_size", "num_target_layers", "num_hidden_layers",
     "dflash_config", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -64,12 +69,43 @@ def _write_export(state: dict, config_dict: dict, tmp: Path) -> None:
     shutil.copyfile(dflash.__file__, tmp / CODE_NAME)
 
 
+def is_export_dir(path: Path) -> bool:
+    """Whether ``path`` is one of our exports: config.json naming DFlashDraftModel, the
+    weights and dflash.py, and no file we do not write ourselves."""
+    names = {p.name for p in path.iterdir()}
+    if not {CONFIG_NAME, WEIGHTS_NAME, CODE_NAME} <= names or not names <= set(EXPORT_FILES):
+        return False
+    try:
+        config = json.loads((path / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("architectures") == ["DFlashDraftModel"]
+
+
+def check_export_destination(out_dir: str | Path) -> None:
+    """Raise ValueError unless ``out_dir`` may receive an export: absent, an empty folder or
+    a previous export (which is then replaced). Anything else belongs to the user."""
+    from dflash_train.errors import check_writable_dir
+
+    out = Path(out_dir)
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise ValueError(f"export directory {str(out)!r} exists and is not a folder; choose another --out")
+        names = sorted(p.name for p in out.iterdir())
+        if names and not is_export_dir(out):
+            shown = [n for n in names if n not in EXPORT_FILES] or names  # the user's files first
+            raise ValueError(f"export directory {str(out)!r} is not empty and is not a previous export "
+                             f"(it holds {shown[:3]}); it is left untouched: choose an empty or new directory")
+    check_writable_dir(out, "export directory")
+
+
 def atomic_directory(out_dir: str | Path, write) -> Path:
     """Run `write(tmp_dir)`, then move the finished directory into place in one rename.
 
     A crash leaves either the previous directory or the new one, never a half-written one.
     """
     out = Path(out_dir)
+    check_export_destination(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     old = out.parent / f".{out.name}.old"
@@ -98,6 +134,7 @@ def save_drafter(model: DFlashDraftModel, out_dir, extra_files: dict | None = No
     with torch.device("meta"):
         expected = DFlashDraftModel(DFlashConfig(**_config_fields(config_dict))).state_dict()
     check_weights(state, expected, out_dir)
+    check_finite(state, out_dir)
 
     def write(tmp: Path):
         _write_export(state, config_dict, tmp)
@@ -176,6 +213,14 @@ def check_weights(state: dict, expected: dict, where) -> None:
         raise ValueError(f"{where}: weight shapes do not match the config (name, found, expected): {wrong[:3]}")
 
 
+def check_finite(state: dict, where) -> None:
+    """A NaN or inf weight makes every draft garbage while a runtime still loads it."""
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{where}: tensor {name!r} has non-finite values (NaN or inf): "
+                             "the drafter is broken (a diverged run or a damaged checkpoint)")
+
+
 def load_drafter(path, target=None, dtype: torch.dtype | None = None, device="cpu") -> DFlashDraftModel:
     """Load an export (safetensors only, never pickle), validated against `target` if given."""
     path = Path(path)
@@ -193,6 +238,7 @@ def load_drafter(path, target=None, dtype: torch.dtype | None = None, device="cp
         raise ValueError(f"{file}: unreadable safetensors file (truncated or corrupt): {err}") from None
     model = DFlashDraftModel(config)
     check_weights(state, model.state_dict(), file)
+    check_finite(state, file)
     model.load_state_dict(state, strict=True)
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model.eval()

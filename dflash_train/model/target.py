@@ -17,6 +17,8 @@ import json
 import os
 import shutil
 import tempfile
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +30,8 @@ from dflash_train.resources import PKG_SCHEME, resolve_path
 # hidden_states[0] of an HF causal LM is the embedding output, so the output of decoder
 # layer i sits at hidden_states[i + EMBEDDING_OFFSET].
 EMBEDDING_OFFSET = 1
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+HUB_PROBE_TIMEOUT_S = 5
 
 
 def default_cache_dir() -> Path:
@@ -89,12 +93,44 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _looks_like_path(spec: str) -> bool:
+    """A spec a hub id can never be: absolute, relative with dots, home, or a file name."""
+    return (spec.startswith(("/", "./", "../", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
+            or os.sep != "/" and os.sep in spec)
+
+
+def _check_hub_id(spec: str) -> None:
+    """Fail in seconds, naming the cause, when a hub id cannot be fetched: not cached and
+    either offline mode or no network (the hub client would retry for about a minute)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(spec, "config.json"), str):
+        return
+    where = f"target {spec!r} is neither a local path nor in the Hugging Face cache"
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError(f"{where}, and HF_HUB_OFFLINE is set: download it where there is a network "
+                         "(hf download) or give a local folder")
+    url = f"{constants.ENDPOINT}/api/models/{spec}"
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return  # the hub answered: a missing or gated repo is reported by the hub client itself
+    except (urllib.error.URLError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise ValueError(f"{where}, and {constants.ENDPOINT} cannot be reached ({reason}): "
+                         "give a local folder or run where the hub is reachable") from None
+
+
 def resolve_target(spec: str, cache_dir: str | os.PathLike | None = None) -> str:
     """A path or hub id that ``from_pretrained`` loads directly (GGUF converted once)."""
     if not spec:
         raise ValueError("target is empty: give an HF id, a model directory or a .gguf file")
     gguf = _find_gguf(spec)
     if gguf is None:
+        if not Path(spec).exists():
+            if _looks_like_path(spec):
+                raise ValueError(f"target {spec!r}: no such file or folder")
+            _check_hub_id(spec)
         return spec
     out = Path(cache_dir or default_cache_dir()) / "targets" / f"{gguf.stem}-{_file_digest(gguf)}"
     if not (out / "config.json").exists():
@@ -102,13 +138,47 @@ def resolve_target(spec: str, cache_dir: str | os.PathLike | None = None) -> str
     return str(out)
 
 
-def target_identity(spec: str, cache_dir: str | os.PathLike | None = None) -> dict:
-    """What names a target's weights: used in data manifests and model cards."""
-    path = resolve_target(spec, cache_dir)
-    ident = {"spec": spec, "name_or_path": path}
+def _hub_snapshot(spec: str) -> Path | None:
+    """The local snapshot folder of a cached hub model, without any network access."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(spec, "config.json")
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def weights_digest(spec: str) -> str:
+    """Identity of a target's weights by content, whatever path or hub id names them.
+
+    A GGUF file: its digest (the tokenizer is inside it too). A model folder, or the cached
+    snapshot of a hub id: the digests of its weight files (size plus first and last MiB of
+    each, which tell apart any two checkpoints in practice at a fraction of a full hash).
+    """
     gguf = _find_gguf(spec)
     if gguf is not None:
-        ident["revision"] = "gguf-" + _file_digest(gguf)
+        return "gguf-" + _file_digest(gguf)
+    folder = Path(spec) if Path(spec).is_dir() else _hub_snapshot(spec)
+    if folder is None:
+        return f"hub-{spec}"  # not downloaded: only the name can be compared
+    files = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    if not files:  # a tokenizer and config only (the openai backend's server holds the weights)
+        config = folder / "config.json"
+        return "config-" + (hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else spec)
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}:{_file_digest(f)};".encode())
+    return "weights-" + h.hexdigest()[:16]
+
+
+def target_identity(spec: str, cache_dir: str | os.PathLike | None = None) -> dict:
+    """What names a target's weights: used in data manifests and model cards.
+
+    ``weights`` is what data checks compare; ``spec`` and ``name_or_path`` say where they
+    were found; ``revision`` is the identity older manifests recorded (kept comparable)."""
+    path = resolve_target(spec, cache_dir)
+    ident = {"spec": spec, "name_or_path": path, "weights": weights_digest(spec)}
+    gguf = _find_gguf(spec)
+    if gguf is not None:
+        ident["revision"] = ident["weights"]
     elif Path(path, "config.json").exists():
         ident["revision"] = "dir-" + hashlib.sha256(Path(path, "config.json").read_bytes()).hexdigest()[:16]
     else:
@@ -229,8 +299,33 @@ def load_target(
     return TargetModel(model.to(device))
 
 
+def template_sha256(template: str | None) -> str | None:
+    return None if template is None else hashlib.sha256(template.encode()).hexdigest()[:16]
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """What of a tokenizer the training data depends on, field by field.
+
+    The rows hold token ids and a loss mask already, so labels depend on what an id means
+    (the vocabulary: every token string and its id, added tokens included) and on the chat
+    template the conversations were rendered with (which the drafter will be served with).
+    Left out on purpose: which tokens a library version calls "special" and the stop-id
+    list. Both vary across transformers versions for the same file (Qwen2.5's GGUF: stop
+    ids [151645, 151643] under 5.17, [151645] under 5.2x) and neither changes a stored row:
+    stop ids only decided where generation ended, which the rows already record (the
+    manifest keeps them under template.stop_token_ids)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    template = getattr(tokenizer, "chat_template", None)
+    return {"vocab_size": len(vocab),
+            "vocab_sha256": hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16],
+            "chat_template_sha256": template_sha256(
+                template if template is None or isinstance(template, str) else json.dumps(template, sort_keys=True))}
+
+
 def tokenizer_hash(tokenizer) -> str:
-    """Identity of a tokenizer as the data depends on it: vocabulary, specials and template."""
+    """The tokenizer identity of manifests before ``tokenizer_identity``: vocabulary,
+    specials and template in one hash. Its specials make it depend on the transformers
+    version; it is still written, for older readers, and read from older manifests."""
     payload = {
         "vocab": sorted(tokenizer.get_vocab().items()),
         "special": sorted(str(t) for t in tokenizer.all_special_tokens),

@@ -7,15 +7,25 @@ Layout under ``<output_dir>/checkpoints/``::
         trainer_state.json                   step, samples seen, counters, global batch
         config.yaml                          the resolved recipe of the run
         rng_rank{r}.pt                       each process's torch RNG states
+        checksums.json                       sha256 of every file above, written last
 
 Every process writes into ``.tmp-step_...`` and the main process renames it only after all
 of them are done, so a directory named ``step_*`` is always complete: a run killed while
-saving resumes from the previous one.
+saving resumes from the previous one. A checkpoint damaged later (a bad disk, a truncated
+copy) fails its checksums: it is reported and the previous good one is used.
+
+A resumed run must compute what the checkpointed one did: ``changed_settings`` lists the
+recipe keys that differ in a way that changes the computation (data, optimisation, drafter
+geometry, target, seed, loss, epochs); the others (logging, checkpoint cadence, max_steps,
+output_dir, hub, backend, how the global batch is split) may change freely.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import pickle
 import re
 import shutil
 from dataclasses import asdict, dataclass
@@ -30,6 +40,16 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
+CHECKSUMS_FILE = "checksums.json"
+# Sections and keys of the recipe that change what a resumed run computes ...
+RESUME_CHECKED = ("target", "drafter", "data", "optim", "loss", "seed", "epochs")
+# ... except these inside them: how attention is implemented or memory is saved, checks,
+# validation cadence and the split of the global batch (itself checked) leave the math as is.
+RESUME_FREE = frozenset({
+    "drafter.attention", "drafter.activation_checkpointing", "drafter.compile", "data.check_manifest",
+    "data.val_every", "optim.micro_batch_size", "optim.grad_accum_steps", "loss.chunk_size",
+})
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,6 +85,87 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_checksums(directory: Path) -> None:
+    sums = {p.name: _sha256(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != CHECKSUMS_FILE}
+    (directory / CHECKSUMS_FILE).write_text(json.dumps(sums, indent=2) + "\n")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why checkpoint ``path`` cannot be trusted, or None when every checksum matches.
+
+    Checkpoints of older versions have no checksums file and are trusted as they are."""
+    sums_file = path / CHECKSUMS_FILE
+    if not sums_file.is_file():
+        missing = [name for name in (STATE_FILE, CONFIG_FILE) if not (path / name).is_file()]
+        return f"missing {missing}" if missing else None
+    try:
+        sums = json.loads(sums_file.read_text())
+    except ValueError:
+        return f"{CHECKSUMS_FILE} is damaged"
+    for name, digest in sums.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if _sha256(file) != digest:
+            return f"{name} does not match its checksum (damaged or truncated)"
+    return None
+
+
+def latest_good_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest checkpoint whose files match their checksums; damaged ones are reported.
+
+    None when there is no checkpoint; a ValueError when there are some but none is good."""
+    found = list_checkpoints(output_dir)
+    bad = []
+    for path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        log.warning("checkpoint %s is damaged (%s); trying the previous one", path, problem)
+        bad.append(f"{path.name}: {problem}")
+    if bad:
+        raise ValueError(f"no usable checkpoint in {checkpoint_root(output_dir)}: {'; '.join(bad)}; "
+                         "remove them to start over, or use another output_dir")
+    return None
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def changed_settings(old: dict, new: dict) -> list[str]:
+    """``key: old -> new`` for each setting that changes what a resumed run computes.
+
+    Keys the checkpointed recipe lacks (written by an older version) are not compared."""
+    before, after = _flat(old), _flat(new)
+    changes = []
+    for key in sorted(after):
+        if key.split(".")[0] not in RESUME_CHECKED or key in RESUME_FREE or key not in before:
+            continue
+        if before[key] != after[key]:
+            changes.append(f"{key}: {before[key]!r} -> {after[key]!r}")
+    return changes
+
+
+def checkpoint_config(path: Path) -> dict:
+    """The recipe a checkpoint was trained with, as a plain dict."""
+    return OmegaConf.to_container(OmegaConf.load(path / CONFIG_FILE))
+
+
 def _rng_state() -> dict:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -94,6 +195,7 @@ def save_checkpoint(backend, output_dir: str | Path, state: TrainerState, config
         (tmp / CONFIG_FILE).write_text(OmegaConf.to_yaml(as_dict(config)))
     backend.barrier()
     if backend.is_main:
+        write_checksums(tmp)  # last: a checkpoint whose files match it is complete and intact
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         for old in list_checkpoints(output_dir)[:-keep_last]:
@@ -114,10 +216,15 @@ def load_checkpoint(backend, path: Path, global_batch: int) -> TrainerState:
             f"checkpoint {path} was trained with global batch {state.global_batch} but this run has "
             f"{global_batch} (micro_batch_size * grad_accum_steps * world_size); keep it equal to resume"
         )
-    backend.load_state(path)
-    rng = path / f"rng_rank{backend.rank}.pt"
-    # A process that did not exist in the saved run keeps its fresh seed: nothing in the
-    # data order or anchors depends on the RNG stream, only (seed, epoch, index).
-    if rng.exists():
-        _set_rng_state(torch.load(rng, weights_only=True))
+    try:
+        backend.load_state(path)
+        rng = path / f"rng_rank{backend.rank}.pt"
+        # A process that did not exist in the saved run keeps its fresh seed: nothing in the
+        # data order or anchors depends on the RNG stream, only (seed, epoch, index).
+        if rng.exists():
+            _set_rng_state(torch.load(rng, weights_only=True))
+    except (RuntimeError, EOFError, KeyError, pickle.UnpicklingError) as err:
+        # A drafter of another geometry (size mismatch) or an unreadable file.
+        detail = " ".join(str(err).split())[:300] or type(err).__name__
+        raise ValueError(f"checkpoint {path} cannot be loaded into this run: {detail}") from None
     return state

@@ -30,13 +30,26 @@ from dflash_train.data.dataset import StepSlice, TrainingData
 from dflash_train.data.packing import document_causal_mask
 from dflash_train.distributed.backend import Backend, build_backend
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
-from dflash_train.model.io import save_drafter
+from dflash_train.errors import RunError, check_writable_dir
+from dflash_train.model.io import check_export_destination, save_drafter
 from dflash_train.model.masks import build_training_masks
-from dflash_train.model.target import TargetModel, load_target, load_tokenizer, target_identity, tokenizer_hash
+from dflash_train.model.target import (
+    TargetModel,
+    load_target,
+    load_tokenizer,
+    target_identity,
+    tokenizer_hash,
+    tokenizer_identity,
+    weights_digest,
+)
 from dflash_train.training import flops
 from dflash_train.training.checkpoint import (
     TrainerState,
+    changed_settings,
+    checkpoint_config,
+    checkpoint_problem,
     latest_checkpoint,
+    latest_good_checkpoint,
     load_checkpoint,
     save_checkpoint,
     step_dir_name,
@@ -69,7 +82,15 @@ def split_validation(num_rows: int, val_rows: int, seed: int) -> tuple[list[int]
     return sorted(perm[val_rows:]), sorted(perm[:val_rows])
 
 
-class NonFiniteLossError(RuntimeError):
+def _same_weights(old_spec: str, new_spec: str) -> bool:
+    """Whether two target specs name the same weights (another path to the same file)."""
+    try:
+        return weights_digest(old_spec) == weights_digest(new_spec)
+    except (ValueError, OSError):  # the old path is gone: it cannot be shown to be the same
+        return False
+
+
+class NonFiniteLossError(RunError):
     """Too many steps with a NaN/inf loss: the run is diverging or the data is broken."""
 
 
@@ -88,6 +109,10 @@ class Trainer:
         self.backend = backend or build_backend(cfg.backend)
         if self.backend.is_main:
             check_sinks(cfg.logging)
+            # Before minutes of loading and hours of training: where the results go.
+            check_writable_dir(self.output_dir, "output_dir")
+            if cfg.export:
+                check_export_destination(self.output_dir / EXPORT_DIR)
         self._setup_data(data)  # before any model: bad data fails in seconds, not minutes
         self._setup_model(target)
         self._setup_optimizer()
@@ -104,8 +129,9 @@ class Trainer:
         if data is None:
             self.manifest = read_manifest(cfg.data.path)
             if cfg.data.check_manifest:
-                tok_hash = tokenizer_hash(load_tokenizer(cfg.target.name))
-                check_target(self.manifest, target_identity(cfg.target.name), tok_hash)
+                tokenizer = load_tokenizer(cfg.target.name)
+                check_target(self.manifest, target_identity(cfg.target.name), tokenizer_identity(tokenizer),
+                             tokenizer_hash(tokenizer))
             ds = load_generated(cfg.data.path)
             kwargs = dict(max_length=cfg.data.max_length, packing=cfg.data.packing, seed=cfg.seed,
                           num_anchors=cfg.data.num_anchors, block_size=cfg.drafter.block_size,
@@ -303,13 +329,33 @@ class Trainer:
 
     # ---------------------------------------------------------------------------- fit
     def resume(self) -> None:
-        path = latest_checkpoint(self.output_dir)
+        """Continue from the newest intact checkpoint, if its recipe computes what this one does."""
+        mode = self.cfg.checkpoint.resume
+        if not mode:
+            path = latest_checkpoint(self.output_dir)
+            if path is not None:
+                raise ValueError(f"{self.output_dir} already holds checkpoints (latest {path.name}) but "
+                                 "checkpoint.resume=false; pick a new output_dir or allow resuming")
+            return
+        path = latest_good_checkpoint(self.output_dir)
         if path is None:
             return
-        if not self.cfg.checkpoint.resume:
-            raise ValueError(f"{self.output_dir} already holds checkpoints (latest {path.name}) but "
-                             "checkpoint.resume=false; pick a new output_dir or allow resuming")
+        old = checkpoint_config(path)
+        changes = [c for c in changed_settings(old, as_dict(self.cfg))
+                   if not (c.startswith("target.name:") and _same_weights(old["target"]["name"], self.cfg.target.name))]
+        if changes and mode != "force":
+            raise ValueError(f"{self.output_dir} holds a run with other settings ({'; '.join(changes)}): "
+                             "resume with the checkpoint's settings, pick a new output_dir, or set "
+                             "checkpoint.resume=force to continue under the new ones")
+        fresh = self.backend.optimizer_settings()
         self.state = load_checkpoint(self.backend, path, self.slice.global_batch)
+        if changes:
+            # The checkpoint restored its own hyperparameters; the recipe's apply from here on,
+            # and the next checkpoint's config.yaml records them.
+            self.backend.apply_optimizer_settings(fresh)
+            if self.backend.is_main:
+                log.warning("checkpoint.resume=force: continuing %s under changed settings: %s",
+                            path, "; ".join(changes))
         if self.backend.is_main:
             log.info("resumed from %s (step %d, %d samples seen)", path, self.state.step, self.state.samples_seen)
 
@@ -362,7 +408,7 @@ class Trainer:
 
     def save(self) -> Path:
         latest = latest_checkpoint(self.output_dir)
-        if latest is not None and latest.name == step_dir_name(self.state.step):
+        if latest is not None and latest.name == step_dir_name(self.state.step) and checkpoint_problem(latest) is None:
             return latest  # resumed at the very end: nothing new to write
         return save_checkpoint(self.backend, self.output_dir, self.state, self.cfg, self.cfg.checkpoint.keep_last)
 

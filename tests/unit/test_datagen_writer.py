@@ -54,10 +54,40 @@ def test_restart_with_other_settings_is_refused(tmp_path):
         writer.check_run(tmp_path, {"seed": 1, "shard_size": 4})
 
 
-def test_check_target():
-    m = manifest(1)
-    writer.check_target(m, {"spec": "t", "revision": "r1", "name_or_path": "/anywhere"}, "h1")
-    with pytest.raises(ValueError, match="generated with revision='r1' but the target has revision='r2'"):
-        writer.check_target(m, {"spec": "t", "revision": "r2"}, "h1")
+TOKENIZER = {"vocab_size": 5, "vocab_sha256": "v1", "chat_template_sha256": "t1"}
+
+
+def test_check_target_compares_content_and_names_the_field():
+    m = {**manifest(1), "target": {"spec": "t", "weights": "weights-w1", "revision": "r1"}, "tokenizer": TOKENIZER}
+    # another spec and path, the same weights and tokenizer: accepted
+    writer.check_target(m, {"spec": "/elsewhere/t", "weights": "weights-w1", "name_or_path": "/x"}, TOKENIZER, "h2")
+    with pytest.raises(ValueError, match="generated with target.weights='weights-w1' but the target has "
+                                         "target.weights='weights-w2'"):
+        writer.check_target(m, {"weights": "weights-w2"}, TOKENIZER)
+    for key in ("vocab_sha256", "chat_template_sha256"):
+        with pytest.raises(ValueError, match=f"tokenizer.{key}='{TOKENIZER[key]}' but the target has "
+                                             f"tokenizer.{key}='other'"):
+            writer.check_target(m, {"weights": "weights-w1"}, {**TOKENIZER, key: "other"})
+
+
+def test_check_target_reads_older_manifests():
+    m = manifest(1)  # revision and one tokenizer hash only
+    writer.check_target(m, {"spec": "t", "revision": "r1", "weights": "weights-x"}, TOKENIZER, "h1")
+    with pytest.raises(ValueError, match="generated with target.revision='r1' but the target has target.revision='r2'"):
+        writer.check_target(m, {"revision": "r2"}, TOKENIZER, "h1")
     with pytest.raises(ValueError, match="tokenizer_hash='h1' but the target has tokenizer_hash='h2'"):
-        writer.check_target(m, {"spec": "t", "revision": "r1"}, "h2")
+        writer.check_target(m, {"revision": "r1", "weights": "weights-x"}, TOKENIZER, "h2")
+
+
+def test_an_older_gguf_manifest_survives_another_transformers_version():
+    # The shared Qwen2.5-Coder data: made where the old hash was 0cfe8c7b28467fb5 and the stop
+    # ids [151645]; read where transformers gives 60ee5e82eb81ae3c and [151645, 151643]. The
+    # GGUF digest (which covers the vocabulary inside the file) and the template agree.
+    m = {**manifest(1), "target": {"spec": "qwen25coder05b.gguf", "revision": "gguf-037fa5a3c28c1932"},
+         "tokenizer_hash": "0cfe8c7b28467fb5",
+         "template": {"chat_template_sha256": "cd8e9439f0570856", "stop_token_ids": [151645]}}
+    here = {"spec": "/models/q.gguf", "revision": "gguf-037fa5a3c28c1932", "weights": "gguf-037fa5a3c28c1932"}
+    tokenizer = {"vocab_size": 151665, "vocab_sha256": "any", "chat_template_sha256": "cd8e9439f0570856"}
+    writer.check_target(m, here, tokenizer, "60ee5e82eb81ae3c")
+    with pytest.raises(ValueError, match="tokenizer_hash='0cfe8c7b28467fb5'"):  # another template: refused
+        writer.check_target(m, here, {**tokenizer, "chat_template_sha256": "different"}, "60ee5e82eb81ae3c")

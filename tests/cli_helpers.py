@@ -1,0 +1,79 @@
+"""Shared by the tests of failures: run a console command as a user would, check that it
+failed with one line naming what is wrong, and that nothing of the user's changed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MODULES = {"dflash-train": "dflash_train.train", "dflash-datagen": "data_gen.cli",
+           "dflash-export": "dflash_train.export.cli", "dflash-eval": "dflash_train.eval.cli",
+           "dflash-quickstart": "dflash_train.quickstart"}
+
+
+def run_cli(prog: str, *args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
+    """The console script ``prog`` (as its module, with this interpreter) in a subprocess."""
+    full_env = {**os.environ, "WANDB_MODE": "disabled", **(env or {})}
+    return subprocess.run([sys.executable, "-m", MODULES[prog], *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=full_env, timeout=timeout)
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, prog: str, *needles: str) -> str:
+    """Exit status 2 and stderr holding exactly one line of error text, naming ``needles``.
+
+    Other stderr lines may be progress bars or warnings, never a traceback or another error."""
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    errors = [line for line in lines if any(w in line.lower() for w in ("error", "traceback", "exception"))]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert errors[0].startswith(f"{prog}: error: "), errors[0]
+    for needle in needles:
+        assert str(needle) in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` (relative path -> bytes), to prove nothing changed."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+@contextlib.contextmanager
+def read_only_dir(path: Path):
+    """``path`` as a folder nobody may write into: a read-only tmpfs for root (who ignores
+    permission bits), mode 0555 for anyone else."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@contextlib.contextmanager
+def full_disk(path: Path):
+    """``path`` on a 1 MiB tmpfs with no space left (root only)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("a full disk needs a small tmpfs, which only root can mount")
+    try:
+        with open(path / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)

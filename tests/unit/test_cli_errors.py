@@ -1,0 +1,126 @@
+"""Every command turns a foreseeable failure into one line naming the file, value or URL and
+a non-zero exit, and changes nothing of the user's: the real console commands, run as a user
+would, against bad inputs and a hostile machine."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from dflash_train.errors import RunError, one_line, run_command
+from dflash_train.model.target import load_tokenizer
+from tests.cli_helpers import assert_one_line_error, full_disk, run_cli, snapshot
+from tests.conftest import SMOLLM2
+from tests.train_data import save_tiny_target, tiny_train_args, write_datagen_dir
+
+OFFLINE_HUB_ID = "dflash-test-org/not-downloaded-model"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    tok = load_tokenizer(SMOLLM2)
+    target = save_tiny_target(root / "target", tok)
+    return {"root": root, "tok": tok, "target": target, "data": write_datagen_dir(root / "data", target, tok)}
+
+
+def test_run_command_maps_known_errors_to_one_line(capsys):
+    def fails(exc):
+        raise exc
+
+    for exc, text in [(ValueError("bad\nvalue"), "bad value"),
+                      (PermissionError(13, "Permission denied", "/ro/x"), "Permission denied: /ro/x"),
+                      (OSError(28, "No space left on device", "/full/y"), "No space left on device: /full/y"),
+                      (RunError("diverged"), "diverged")]:
+        with pytest.raises(SystemExit) as stop:
+            run_command("prog", fails, exc)
+        assert stop.value.code == 2
+        assert capsys.readouterr().err == f"prog: error: {text}\n"
+        assert one_line(exc) == text
+    with pytest.raises(KeyError):  # a bug keeps its traceback
+        run_command("prog", fails, KeyError("x"))
+
+
+@pytest.mark.parametrize("prog, args", [
+    ("dflash-train", ["data.path=DATA", "output_dir=OUT"]),
+    ("dflash-eval", ["drafter_path=random", "output_dir=OUT"]),
+    ("dflash-datagen", ["out_dir=OUT"]),
+])
+def test_a_nonexistent_target_path(tiny, prog, args, tmp_path):
+    args = [a.replace("OUT", str(tmp_path / "out")).replace("DATA", str(tiny["data"])) for a in args]
+    done = run_cli(prog, "target.name=/nonexistent/model", *args)
+    assert_one_line_error(done, prog, "target '/nonexistent/model': no such file or folder")
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_hub_id_that_cannot_be_fetched_fails_in_seconds(tmp_path, offline):
+    env = {"HF_HUB_OFFLINE": "1"} if offline else {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
+    env["HF_HOME"] = str(tmp_path / "hf")  # an empty cache
+    start = time.perf_counter()
+    done = run_cli("dflash-eval", f"target.name={OFFLINE_HUB_ID}", "drafter_path=random",
+                   f"output_dir={tmp_path / 'out'}", env=env)
+    cause = "HF_HUB_OFFLINE is set" if offline else "http://127.0.0.1:9 cannot be reached"
+    assert_one_line_error(done, "dflash-eval", f"target '{OFFLINE_HUB_ID}' is neither a local path nor in the "
+                                               "Hugging Face cache", cause)
+    assert time.perf_counter() - start < 45  # the hub client alone would retry for about a minute
+
+
+def test_cuda_without_a_gpu(tiny, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    done = run_cli("dflash-eval", "drafter_path=random", "device=cuda", f"output_dir={tmp_path / 'e'}")
+    assert_one_line_error(done, "dflash-eval", "device='cuda' but no CUDA GPU is available")
+    args = tiny_train_args(tiny["target"], tiny["data"], tmp_path / "t", "backend.device=cuda")
+    done = run_cli("dflash-train", *args)
+    assert_one_line_error(done, "dflash-train", "backend.device='cuda'")
+
+
+def test_a_missing_sharegpt_file(tmp_path):
+    done = run_cli("dflash-datagen", f"out_dir={tmp_path / 'out'}", "exclude_eval=[]",
+                   f"sources=[{{kind: sharegpt, path: {tmp_path / 'ShareGPT.json'}}}]")
+    assert_one_line_error(done, "dflash-datagen", f"no such file '{tmp_path / 'ShareGPT.json'}'")
+
+
+def test_a_non_utf8_prompt_file_is_named(tmp_path):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_bytes(json.dumps({"prompt": "fine"}).encode() + b"\n" + b'{"prompt": "caf\xe9"}\n')
+    done = run_cli("dflash-datagen", f"out_dir={tmp_path / 'out'}", "exclude_eval=[]",
+                   f"sources=[{{kind: jsonl, path: {bad}}}]")
+    assert_one_line_error(done, "dflash-datagen", f"{bad}:2 is not UTF-8 text")
+    done = run_cli("dflash-eval", "drafter_path=random", f"datasets=[{bad}]", f"output_dir={tmp_path / 'e'}")
+    assert_one_line_error(done, "dflash-eval", f"{bad}:2: not UTF-8 text")
+
+
+def test_a_truncated_arrow_file_and_an_empty_dataset(tiny, tmp_path):
+    data = write_datagen_dir(tmp_path / "data", tiny["target"], tiny["tok"])
+    arrow = next((data / "data").glob("*.arrow"))
+    os.truncate(arrow, arrow.stat().st_size // 2)
+    done = run_cli("dflash-train", *tiny_train_args(tiny["target"], data, tmp_path / "run"))
+    assert_one_line_error(done, "dflash-train", f"'{data / 'data'}': unreadable dataset, truncated or damaged")
+    empty = write_datagen_dir(tmp_path / "empty", tiny["target"], tiny["tok"], rows=[])
+    done = run_cli("dflash-train", *tiny_train_args(tiny["target"], empty, tmp_path / "run"))
+    assert_one_line_error(done, "dflash-train", "the training dataset is empty")
+    empty_prompts = tmp_path / "none.jsonl"
+    empty_prompts.write_text("\n")
+    done = run_cli("dflash-eval", "drafter_path=random", f"datasets=[{empty_prompts}]", f"output_dir={tmp_path / 'e'}")
+    assert_one_line_error(done, "dflash-eval", f"dataset '{empty_prompts}' has no prompts")
+
+
+def test_a_diverging_run_ends_in_one_line(tiny, tmp_path):
+    done = run_cli("dflash-train", *tiny_train_args(tiny["target"], tiny["data"], tmp_path / "run", "optim.lr=1e30",
+                                                    "optim.warmup_ratio=0", "max_nan_skips=0"))
+    assert_one_line_error(done, "dflash-train", "1 steps had a non-finite loss or gradients (max_nan_skips=0)")
+
+
+def test_export_onto_a_full_disk_fails_before_reading_the_checkpoint(tiny, tmp_path):
+    from dflash_train.training.trainer import Trainer
+    from tests.train_data import tiny_train_config
+
+    Trainer(tiny_train_config(tiny["target"], tiny["data"], tmp_path / "run", max_steps=1)).fit()
+    before = snapshot(tmp_path / "run")
+    with full_disk(tmp_path / "full") as full:
+        done = run_cli("dflash-export", tmp_path / "run", "--out", full / "export")
+        assert_one_line_error(done, "dflash-export", str(full / "export"), "MiB free on its disk")
+    assert snapshot(tmp_path / "run") == before
