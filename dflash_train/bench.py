@@ -4,11 +4,11 @@
     python -m dflash_train.bench +experiment=qwen3_8b_8xh100 --random-target --target-layers 36
     python -m dflash_train.bench --config-name train_quickstart --steps 3
 
-Prints conversations/s, tokens/s and supervised tokens/s of the real training step, a
-per-phase breakdown (target forward, mask build, drafter forward+backward, loss, optimizer)
-timed with device syncs, MFU against this GPU's measured bf16 matmul rate (useful work only:
-padding is not counted), peak memory, and how many graphs torch.compile built after warm-up
-(anything but 0 means recompilation on this data).
+Prints conversations/s, tokens/s and supervised slots/s (block predictions trained) of the
+real training step, a per-phase breakdown (target forward, mask build, drafter
+forward+backward, loss, optimizer) timed with device syncs, MFU against this GPU's measured
+bf16 matmul rate (useful work only: padding is not counted), peak memory, and how many
+graphs torch.compile built after warm-up (anything but 0 means recompilation on this data).
 
 With ``data.path=DIR`` the recipe runs on that dataset exactly as training would: its row
 lengths, loss masks, packing and fixed shapes, and its validation (one validation pass is
@@ -233,7 +233,7 @@ def format_result(r: dict) -> str:
         f"{r['queries_per_row']} block queries per row, drafter {r['drafter_params_m']:.1f}M params",
         f"step {r['step_s'] * 1000:.1f} ms  {r['samples_per_s']:.2f} samples/s (conversations)  "
         f"{r['rows_per_s']:.2f} rows/s  {r['tokens_per_s']:.0f} tokens/s  "
-        f"{r['supervised_tokens_per_s']:.0f} supervised tokens/s  peak memory {r['peak_memory_gib']:.2f} GiB",
+        f"{r['supervised_tokens_per_s']:.0f} supervised slots/s  peak memory {r['peak_memory_gib']:.2f} GiB",
     ]
     if r["fixed_shape"]:
         lines.append(f"fixed shape {r['fixed_shape'][0]} tokens x {r['fixed_shape'][1]} blocks per row: "

@@ -71,7 +71,7 @@ class OptimConfig:
 @dataclass
 class LossConfig:
     gamma: float | None = None  # None: the paper's value for the block size
-    chunk_size: int = 1024  # supervised slots per chunk of float32 logits
+    chunk_size: int = 1024  # supervised slots per chunk of logits (a fixed compiled shape on GPU)
 
 
 @dataclass

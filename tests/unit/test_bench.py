@@ -1,0 +1,47 @@
+"""The throughput benchmark on a dataset's own rows (CPU, tiny target): what it counts and reports."""
+
+import json
+
+import pytest
+
+from dflash_train import bench
+from dflash_train.model.target import load_tokenizer
+from tests.conftest import SMOLLM2
+from tests.train_data import save_tiny_target, write_datagen_dir
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    tok = load_tokenizer(SMOLLM2)
+    target = save_tiny_target(root / "target", tok)
+    return target, write_datagen_dir(root / "data", target, tok, repeat=3)  # 24 conversations
+
+
+def test_real_rows_packed_in_fixed_shapes_with_validation(tiny, tmp_path):
+    target, data = tiny
+    out = tmp_path / "bench.json"
+    # Flags before and after the Hydra overrides, in any order.
+    result = bench.main(["--steps", "2", f"target.name={target}", "target.mask_token_id=16", "target.num_layers=6",
+                         "--json", str(out), "drafter=cpu_small", "drafter.target_layer_ids=[1,3]",
+                         f"data.path={data}", "data.packing=true", "data.max_length=128", "data.num_anchors=8",
+                         "data.blocks_per_row=24", "data.val_rows=4", "optim.micro_batch_size=2", "--warmup", "1"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["fixed_shape"] == [128, 24] and result["queries_per_row"] == 24 * 8
+    # Several conversations per row: conversations/s exceeds rows/s by the packing factor.
+    assert result["conversations_per_row"] >= 2
+    assert result["samples_per_s"] == pytest.approx(result["rows_per_s"] * result["conversations_per_row"])
+    assert 0 < result["token_fill"] <= 1 and 0 < result["block_fill"] <= 1
+    assert 0 < result["supervised_tokens_per_s"] < result["tokens_per_s"]
+    assert result["validation_rows"] >= 1 and result["validation_s"] > 0
+    assert result["samples_per_s_with_validation"] <= result["samples_per_s"]
+    assert result["graphs_compiled_after_warmup"] == 0
+
+
+def test_random_rows_stay_full_length(tiny):
+    target, _ = tiny
+    result = bench.main([f"target.name={target}", "target.mask_token_id=16", "target.num_layers=6",
+                         "drafter=cpu_small", "drafter.target_layer_ids=[1,3]", "data.max_length=64",
+                         "data.num_anchors=4", "--steps", "1", "--warmup", "1"])
+    assert result["fixed_shape"] is None and result["conversations_per_row"] == 1
+    assert result["tokens_per_s"] == pytest.approx(64 * result["rows_per_s"], rel=1e-6)
