@@ -3,6 +3,7 @@ console command and the in-process reference run, so the two are the same config
 
 import json
 import sys
+from http.server import BaseHTTPRequestHandler
 
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
@@ -31,3 +32,19 @@ def compose_config(args: list[str]) -> DatagenConfig:
     with initialize_config_module("dflash_recipes", version_base=None):
         raw = compose("datagen", overrides=args)
     return DatagenConfig.from_dict(OmegaConf.to_container(raw, resolve=True))
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A quiet HTTP handler that answers JSON: the base of the tests' OpenAI-compatible servers."""
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, payload) -> None:
+        """Send ``payload`` (JSON-encoded, or raw bytes as they are) with status 200."""
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)

@@ -100,3 +100,14 @@ def tiny_train_args(target_dir: str, data_dir: Path, output_dir: Path, *override
             "optim.micro_batch_size=2", "optim.grad_accum_steps=2", "logging.every=1", "logging.wandb=disabled",
             "logging.progress_bar=false", "checkpoint.every=0", "backend=single", "backend.device=cpu", "epochs=2",
             "export=false", f"output_dir={output_dir}", *overrides]
+
+
+def tiny_inputs(root: Path) -> dict:
+    """The trainer tests' usual inputs under ``root``: the SmolLM2 tokenizer, a tiny random
+    Llama target saved with it, and a datagen folder of the 8 conversations for it."""
+    from dflash_train.model.target import load_tokenizer
+    from tests.conftest import SMOLLM2
+
+    tok = load_tokenizer(SMOLLM2)
+    target = save_tiny_target(root / "target", tok)
+    return {"root": root, "tok": tok, "target": target, "data": write_datagen_dir(root / "data", target, tok)}

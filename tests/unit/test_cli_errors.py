@@ -10,20 +10,15 @@ import pytest
 import torch
 
 from dflash_train.errors import RunError, one_line, run_command
-from dflash_train.model.target import load_tokenizer
 from tests.cli_helpers import assert_one_line_error, full_disk, run_cli, snapshot
-from tests.conftest import SMOLLM2
-from tests.train_data import save_tiny_target, tiny_train_args, write_datagen_dir
+from tests.train_data import tiny_inputs, tiny_train_args, write_datagen_dir
 
 OFFLINE_HUB_ID = "dflash-test-org/not-downloaded-model"
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
-    tok = load_tokenizer(SMOLLM2)
-    target = save_tiny_target(root / "target", tok)
-    return {"root": root, "tok": tok, "target": target, "data": write_datagen_dir(root / "data", target, tok)}
+    return tiny_inputs(tmp_path_factory.mktemp("cli"))
 
 
 def test_run_command_maps_known_errors_to_one_line(capsys):

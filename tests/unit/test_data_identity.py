@@ -6,19 +6,16 @@ import shutil
 
 import pytest
 
-from dflash_train.model.target import load_tokenizer, target_identity, tokenizer_identity, weights_digest
+from dflash_train.model.target import target_identity, tokenizer_identity, weights_digest
 from dflash_train.resources import resolve_path
 from dflash_train.training.trainer import Trainer
 from tests.conftest import SMOLLM2
-from tests.train_data import save_tiny_target, tiny_train_config, write_datagen_dir
+from tests.train_data import save_tiny_target, tiny_inputs, tiny_train_config
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ident")
-    tok = load_tokenizer(SMOLLM2)
-    target = save_tiny_target(root / "target", tok)
-    return {"root": root, "tok": tok, "target": target, "data": write_datagen_dir(root / "data", target, tok)}
+    return tiny_inputs(tmp_path_factory.mktemp("ident"))
 
 
 def test_the_same_weights_under_another_path_are_accepted(tiny, tmp_path):

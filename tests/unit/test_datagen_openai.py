@@ -4,7 +4,7 @@ never become data or committed shards, and a rerun against a healthy server fini
 import json
 import os
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
@@ -12,6 +12,7 @@ from data_gen.writer import load_generated
 from dflash_train.model.target import load_tokenizer
 from tests.cli_helpers import assert_one_line_error, run_cli, snapshot
 from tests.conftest import SMOLLM2
+from tests.datagen_helpers import JsonHandler
 from tests.train_data import save_tiny_target
 
 MODEL = "tiny"
@@ -24,24 +25,14 @@ class Server:
     def __init__(self):
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, body: bytes):
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
+        class Handler(JsonHandler):
             def do_GET(self):
-                self._send(json.dumps({"data": [{"id": MODEL}]}).encode())
+                self.reply({"data": [{"id": MODEL}]})
 
             def do_POST(self):
                 self.rfile.read(int(self.headers["Content-Length"]))
                 server.requests += 1
-                self._send(server.answer())
+                self.reply(server.answer())
 
         self.mode, self.requests = "healthy", 0
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

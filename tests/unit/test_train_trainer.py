@@ -8,13 +8,11 @@ import sys
 import pytest
 import torch
 
-from dflash_train.model.target import load_tokenizer
 from dflash_train.training import trainer as trainer_mod
 from dflash_train.training.checkpoint import list_checkpoints
 from dflash_train.training.logging import METRICS_FILE
 from dflash_train.training.trainer import NonFiniteLossError, Trainer, split_validation
-from tests.conftest import SMOLLM2
-from tests.train_data import save_tiny_target, tiny_train_config, write_datagen_dir
+from tests.train_data import save_tiny_target, tiny_inputs, tiny_train_config, write_datagen_dir
 
 # Loss of the first three steps on the tiny target (seed 0); 8 rows, global batch 4.
 GOLDEN_LOSSES = [10.8241842, 10.8074494, 10.6321191]
@@ -22,11 +20,7 @@ GOLDEN_LOSSES = [10.8241842, 10.8074494, 10.6321191]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    tok = load_tokenizer(SMOLLM2)
-    target = save_tiny_target(root / "target", tok)
-    data = write_datagen_dir(root / "data", target, tok)
-    return {"root": root, "tok": tok, "target": target, "data": data}
+    return tiny_inputs(tmp_path_factory.mktemp("tiny"))
 
 
 def _cfg(tiny, out, **kw):
