@@ -238,8 +238,8 @@ class Trainer:
             args = (batch.input_ids, self.layer_ids)
             kwargs = dict(attention_mask=mask, position_ids=batch.position_ids)
             if self.distill:
+                # final stays an inference tensor: the loss only gathers rows of it, outside autograd.
                 feats, final = self.target.features_and_final(*args, **kwargs)
-                final = final.clone()  # an ordinary tensor: the loss indexes it outside inference mode
             else:
                 feats = self.target.features(*args, **kwargs)
             noise = self.target.embed_tokens(batch.block_ids)

@@ -213,3 +213,11 @@ def test_cuda_distillation_and_dpace_never_wait_for_the_gpu():
         torch.autograd.grad(out.weighted_sum, hidden)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=NEEDS_CXX)])
+def test_fused_distillation_with_temperature_matches_full_logits(compiled):
+    head, hidden, labels = _case(True)
+    teacher = _teacher()
+    out, grad = _run(head, hidden, labels, 3, teacher, 0.5, 2.0, fused=True, compiled=compiled)
+    _check(out, grad, _reference(head, hidden, labels, contract.slot_weights(B, 2.0), teacher, 0.5, 2.0), hidden)
