@@ -19,6 +19,7 @@ ATTENTION_KINDS = ("flex", "dense")
 SCHEDULES = ("cosine", "constant")
 WANDB_MODES = ("offline", "online", "disabled")
 RESUME_CHOICES = (True, False, "force")
+POSITION_WEIGHTINGS = ("decay", "dpace")
 
 
 @dataclass
@@ -38,6 +39,9 @@ class DrafterConfig:
     attention: str = "flex"  # mask implementation: flex BlockMask or a dense boolean mask
     activation_checkpointing: bool = False
     compile: bool = False
+    # Start draft layer i from the target's decoder layer L - n + i (its last n layers) and the
+    # final norm from the target's; fc and hidden_norm stay fresh (see model/init.py).
+    init_from_target: bool = False
 
 
 @dataclass
@@ -63,6 +67,9 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_ratio: float = 0.04
     schedule: str = "cosine"
+    # Steps the warmup + decay schedule spans; None: every step of all epochs. A budgeted run
+    # sets it to its max_steps so that the schedule ends where training does.
+    schedule_steps: int | None = None
     grad_clip: float = 1.0
     micro_batch_size: int = 1
     grad_accum_steps: int = 1
@@ -72,6 +79,16 @@ class OptimConfig:
 class LossConfig:
     gamma: float | None = None  # None: the paper's value for the block size
     chunk_size: int = 1024  # supervised slots per chunk of logits (a fixed compiled shape on GPU)
+    # Distillation from the target's own next-token distribution at every slot: per slot
+    # (1 - a) * CE(hard label) + a * t^2 * KL(target || drafter) with a = distill_weight and
+    # t = distill_temperature. 0: the contract's hard-label loss only. Costs the target's
+    # remaining layers (its final hidden states) and a second pass through the LM head.
+    distill_weight: float = 0.0
+    distill_temperature: float = 1.0
+    # decay: the contract's exp(-(k-1)/gamma); dpace: D-PACE weights from the drafter's own
+    # per-slot confidences (arXiv 2605.18810), smoothed by dpace_alpha.
+    position_weighting: str = "decay"
+    dpace_alpha: float = 0.5
 
 
 @dataclass
@@ -115,7 +132,7 @@ class TrainConfig:
     output_dir: str = MISSING
     seed: int = 0
     epochs: int = 6
-    max_steps: int | None = None  # stop early (smoke runs); the schedule still spans all epochs
+    max_steps: int | None = None  # stop early; the schedule still spans all epochs (see optim.schedule_steps)
     max_nan_skips: int = 10  # abort after this many micro-batches with a non-finite loss
     export: bool = True  # write the contract-format drafter to <output_dir>/export at the end
 
@@ -153,6 +170,7 @@ def validate(cfg: TrainConfig) -> None:
     _check_choice("drafter.attention", d.attention, ATTENTION_KINDS)
     _check_choice("optim.schedule", o.schedule, SCHEDULES)
     _check_choice("logging.wandb", cfg.logging.wandb, WANDB_MODES)
+    _check_choice("loss.position_weighting", cfg.loss.position_weighting, POSITION_WEIGHTINGS)
     _check_positive(
         **{
             "drafter.num_hidden_layers": d.num_hidden_layers,
@@ -174,6 +192,14 @@ def validate(cfg: TrainConfig) -> None:
         default_gamma(d.block_size)  # raises for block sizes without a paper value
     elif cfg.loss.gamma <= 0:
         raise ValueError(f"loss.gamma={cfg.loss.gamma} must be positive")
+    if not 0 <= cfg.loss.distill_weight <= 1:
+        raise ValueError(f"loss.distill_weight={cfg.loss.distill_weight} must be in [0, 1]")
+    if cfg.loss.distill_temperature <= 0:
+        raise ValueError(f"loss.distill_temperature={cfg.loss.distill_temperature} must be positive")
+    if not 0 < cfg.loss.dpace_alpha <= 1:
+        raise ValueError(f"loss.dpace_alpha={cfg.loss.dpace_alpha} must be in (0, 1]")
+    if o.schedule_steps is not None and o.schedule_steps <= 0:
+        raise ValueError(f"optim.schedule_steps={o.schedule_steps} must be positive or null")
     bpr = cfg.data.blocks_per_row
     if bpr is not None and bpr < cfg.data.num_anchors:
         raise ValueError(f"data.blocks_per_row={bpr} must be at least data.num_anchors={cfg.data.num_anchors} "
@@ -199,6 +225,9 @@ def validate(cfg: TrainConfig) -> None:
             )
         if d.num_features is not None and d.num_features != len(ids):
             raise ValueError(f"drafter.num_features={d.num_features} but target_layer_ids has {len(ids)} entries")
+    if d.init_from_target and d.num_hidden_layers > cfg.target.num_layers:
+        raise ValueError(f"drafter.init_from_target with drafter.num_hidden_layers={d.num_hidden_layers} needs a "
+                         f"target with at least as many layers; target.num_layers={cfg.target.num_layers}")
     if cfg.checkpoint.resume not in RESUME_CHOICES or not isinstance(cfg.checkpoint.resume, (bool, str)):
         raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}; expected true, false or force")
     if cfg.max_steps is not None and cfg.max_steps <= 0:

@@ -251,14 +251,30 @@ class TargetModel:
         layer's entry in HF's ``hidden_states`` is taken after the final norm, so that id
         is served by a full forward to keep the semantics of ``hidden_states[i + 1]``.
         """
+        return self._forward(input_ids, layer_ids, attention_mask, position_ids, final=False)[0]
+
+    def features_and_final(self, input_ids, layer_ids, attention_mask=None,
+                           position_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``features`` and the final hidden states after the final norm, (b, T, hidden):
+        what the LM head turns into the target's next-token logits (for distillation).
+
+        The forward then runs every layer instead of stopping after ``max(layer_ids)``
+        (the default ids stop 3 layers early, so about 10% more target compute on 36
+        layers); the LM head is still not run here.
+        """
+        return self._forward(input_ids, layer_ids, attention_mask, position_ids, final=True)
+
+    def _forward(self, input_ids, layer_ids, attention_mask, position_ids, final: bool):
         n = self.num_layers
         bad = [i for i in layer_ids if not 0 <= i < n]
         if bad:
             raise ValueError(f"target_layer_ids={list(layer_ids)} but the target has {n} layers (0..{n - 1})")
         kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        base = getattr(self.model, "model", self.model)  # the decoder stack without the LM head
         if max(layer_ids) == n - 1:
-            out = self.model(input_ids, output_hidden_states=True, **kwargs)
-            return torch.cat([out.hidden_states[i + EMBEDDING_OFFSET] for i in layer_ids], dim=-1)
+            out = (base if final else self.model)(input_ids, output_hidden_states=True, **kwargs)
+            feats = torch.cat([out.hidden_states[i + EMBEDDING_OFFSET] for i in layer_ids], dim=-1)
+            return feats, (out.last_hidden_state if final else None)
         captured: dict[int, torch.Tensor] = {}
         last = max(layer_ids)
         layers = decoder_layers(self.model)
@@ -266,20 +282,22 @@ class TargetModel:
         def hook(idx):
             def fn(_module, _inputs, output):
                 captured[idx] = output[0] if isinstance(output, tuple) else output
-                if idx == last:
+                if idx == last and not final:
                     raise _StopForward
 
             return fn
 
         handles = [layers[i].register_forward_hook(hook(i)) for i in sorted(set(layer_ids))]
+        out = None
         try:
-            getattr(self.model, "model", self.model)(input_ids, **kwargs)
+            out = base(input_ids, **kwargs)
         except _StopForward:
             pass
         finally:
             for h in handles:
                 h.remove()
-        return torch.cat([captured[i] for i in layer_ids], dim=-1)
+        feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
+        return feats, (out.last_hidden_state if final else None)
 
 
 def load_target(

@@ -54,9 +54,10 @@ def drafter_train_flops(drafter: torch.nn.Module, shape: StepShape) -> float:
     return 3.0 * 2 * (fc + cfg.num_hidden_layers * (per_layer + attention))
 
 
-def loss_flops(hidden_size: int, vocab: int, slots: int) -> float:
-    """Logits and the gradient wrt the hidden states through the frozen head (no weight grad)."""
-    return 2.0 * 2 * slots * vocab * hidden_size
+def loss_flops(hidden_size: int, vocab: int, slots: int, distill: bool = False) -> float:
+    """Logits and the gradient wrt the hidden states through the frozen head (no weight grad);
+    distilling adds the target's logits at the same slots (one more forward matmul)."""
+    return (3.0 if distill else 2.0) * 2 * slots * vocab * hidden_size
 
 
 def measure_matmul_flops(device: torch.device, size: int = 8192, iters: int = 20) -> float | None:

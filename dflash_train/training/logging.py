@@ -149,6 +149,7 @@ class MetricWindow:
             "grad_norm": self.grad_norm,
             "tokens_per_s": self.tokens / self.seconds,
             "samples_per_s": self.samples / self.seconds,  # conversations, packed or not
+            "conversations": self.samples,  # trained on since the previous metric line
             "peak_memory_gib": peak_memory_gib(device),
             "nan_skipped": nan_skipped,
         }

@@ -11,6 +11,27 @@ own op; on a GPU each of those ops is a full memory pass over a (chunk, vocab) f
 tensor while the matmuls are cheap. The fused one (CUDA by default) keeps the logits in the
 head's dtype and computes loss, argmax hits and d loss / d logits in one compiled function
 over fixed-size chunks, so it compiles once whatever the number of supervised slots.
+
+Two options beside the contract's loss (both off by default, which leaves the hard-label
+path exactly as it was):
+  * distillation (``Distillation``): slot k of the block at anchor p also learns the
+    target's own next-token distribution after position p + k - 1 (the position whose next
+    token x[p + k] is the hard label). The soft targets come from the target's final hidden
+    states through the same frozen head, chunk by chunk like the drafter's logits. Per slot:
+        (1 - a) * CE(z, y) + a * t^2 * KL(softmax(s / t) || softmax(z / t))
+    with z the drafter's logits, s the target's, y the hard label, a = ``weight``,
+    t = ``temperature`` (Hinton's t^2 keeps the gradient scale independent of t). KL rather
+    than cross-entropy to the soft targets: the gradient is the same (they differ by the
+    targets' entropy, a constant), but KL is 0 for a perfect drafter, so the logged loss
+    reads as a distance.
+  * D-PACE position weights (``dpace_alpha``; arXiv 2605.18810, "Dynamic Position-Aware
+    Cross-Entropy"): instead of exp(-(k-1)/gamma), slot j of a block is weighted by
+        w_j = sum_{m >= j} prod_{i <= m} q~_i,   q~_i = (1 - alpha) * q_i + alpha,
+    where q_i = exp(-CE_i) is the drafter's probability of the label at slot i in this very
+    forward (detached). prod_{i<=m} q~_i estimates the chance the draft is accepted up to
+    slot m, so w_j is the expected accepted length that slot j is a prefix of: the weight
+    moves to later slots as earlier ones become reliable. Unsupervised slots count as
+    q~ = 1 in the products and add nothing to the sums.
 """
 
 from __future__ import annotations
@@ -25,102 +46,185 @@ from torch import nn
 
 from dflash_train.contract import IGNORE_INDEX
 
-# (logits, labels, slot_w, with_grad) -> (weighted CE sum, argmax hits, w * dCE/dlogits or None)
-FusedKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool],
-                       tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+# One chunk: (logits (c, V), teacher logits (c, V) or None, labels (c,), slot_w (c,) float32, with_grad)
+# -> (w * loss per row (c,), hard CE per row (c,), argmax hits (c,), w * dloss/dlogits or None)
+ChunkKernel = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, bool],
+                       tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
-def _fused_ce(logits: torch.Tensor, labels: torch.Tensor, slot_w: torch.Tensor,
-              with_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _fused_ce(logits: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor, slot_w: torch.Tensor,
+              with_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk of weighted CE from logits (c, V), labels (c,), slot weights (c,) float32.
 
     Written as plain torch so that inductor fuses it: float32 exists only in registers, the
     logits are read by one reduction and one pointwise kernel, and the gradient is written
-    once, in the logits' dtype, ready for the matmul back to the hidden states.
+    once, in the logits' dtype, ready for the matmul back to the hidden states. ``teacher``
+    is unused (the signature is the one every chunk kernel has).
     """
     x = logits.float()  # (c, V)
     top, argmax = x.max(dim=-1)  # (c,)
     exp = (x - top[:, None]).exp()  # (c, V)
     norm = exp.sum(dim=-1)  # (c,)
     target = x.gather(1, labels[:, None]).squeeze(1)  # (c,)
-    total = ((top + norm.log() - target) * slot_w).sum()
+    ce = top + norm.log() - target  # (c,)
     hit = argmax == labels
     if not with_grad:
-        return total, hit, None
+        return ce * slot_w, ce, hit, None
     # d CE / d logits = softmax - onehot, scaled by the slot weight. A where over an iota
     # comparison is pointwise, so it fuses; an index_put would be a separate kernel.
     onehot = torch.arange(x.shape[1], device=x.device) == labels[:, None]  # (c, V)
     probs = exp / norm[:, None]
     grad = torch.where(onehot, probs - 1, probs) * slot_w[:, None]
-    return total, hit, grad.to(logits.dtype)
+    return ce * slot_w, ce, hit, grad.to(logits.dtype)
+
+
+def _soft_ce(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, slot_w: torch.Tensor,
+             with_grad: bool, distill_weight: float,
+             temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk of (1 - a) * CE + a * t^2 * KL(target || drafter), a = ``distill_weight``.
+
+    The kernel of both walks when distilling: run eagerly on the plain walk's float32
+    logits, compiled on the fused walk's (head-dtype) ones. Shapes as ``_fused_ce``;
+    ``teacher`` (c, V) are the target's logits at the positions the slots' labels follow.
+    d/dz = (1 - a) * (softmax(z) - onehot) + a * t * (softmax(z / t) - softmax(s / t)).
+    """
+    a, t = distill_weight, temperature
+    z = logits.float()  # (c, V)
+    top, argmax = z.max(dim=-1)  # (c,)
+    exp = (z - top[:, None]).exp()  # (c, V)
+    norm = exp.sum(dim=-1)  # (c,)
+    ce = top + norm.log() - z.gather(1, labels[:, None]).squeeze(1)  # (c,)
+    if t == 1.0:
+        zt, zt_exp, zt_lse = z, exp, top + norm.log()
+    else:  # the max of z / t is top / t for t > 0
+        zt = z / t
+        zt_exp = (zt - (top / t)[:, None]).exp()
+        zt_lse = top / t + zt_exp.sum(dim=-1).log()
+    st = teacher.float() / t  # (c, V)
+    st_top = st.amax(dim=-1)
+    st_exp = (st - st_top[:, None]).exp()
+    st_norm = st_exp.sum(dim=-1)
+    p_target = st_exp / st_norm[:, None]  # (c, V) the soft targets
+    # KL(p || q) = sum p (log p - log q) = sum p (st - zt) - lse(st) + lse(zt), as sum p = 1.
+    kl = (p_target * (st - zt)).sum(dim=-1) - (st_top + st_norm.log()) + zt_lse  # (c,)
+    loss = (1 - a) * ce + (a * t * t) * kl
+    hit = argmax == labels
+    if not with_grad:
+        return loss * slot_w, ce, hit, None
+    onehot = torch.arange(z.shape[1], device=z.device) == labels[:, None]  # (c, V)
+    probs = exp / norm[:, None]
+    q_t = probs if t == 1.0 else zt_exp / zt_exp.sum(dim=-1, keepdim=True)
+    grad = (1 - a) * torch.where(onehot, probs - 1, probs) + (a * t) * (q_t - p_target)
+    return loss * slot_w, ce, hit, (grad * slot_w[:, None]).to(logits.dtype)
 
 
 @functools.cache
-def _compiled_fused_ce() -> FusedKernel:
+def _compiled(kernel: Callable) -> Callable:
     # Built on first use, not at import: importing dynamo costs seconds. Chunks have one fixed
     # shape, so each (chunk, vocab, dtype, with_grad) compiles once; dynamic=False keeps dynamo
-    # from generalising to symbolic shapes after a second shape.
-    return torch.compile(_fused_ce, dynamic=False, fullgraph=True)
+    # from generalising to symbolic shapes after a second shape. The distillation weight and
+    # temperature are Python floats: constants of the graph, fixed for a run.
+    return torch.compile(kernel, dynamic=False, fullgraph=True)
 
 
-def _plain_chunks(hidden, weight, bias, labels, slot_w, chunk_size, with_grad):
+@dataclass
+class _Walk:
+    """What one pass over the supervised slots needs besides hidden, head and labels."""
+
+    chunk_size: int
+    kernel: ChunkKernel | None  # None: the plain walk's own hard-label code
+    fused: bool  # fixed-size chunks in the head's dtype
+    teacher: torch.Tensor | None  # (M, H): the target's final hidden state per slot, to distil from
+    keep_rows: bool  # also return per-row losses and CE (D-PACE reweights them afterwards)
+
+
+def _plain_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
+    m = hidden.shape[0]
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     correct = torch.zeros(labels.shape, dtype=torch.bool, device=hidden.device)
     grad = torch.empty_like(hidden) if with_grad else None
-    for start in range(0, hidden.shape[0], chunk_size):
-        sl = slice(start, start + chunk_size)
+    rows = torch.empty(2, m, dtype=torch.float32, device=hidden.device) if walk.keep_rows else None  # loss, CE
+    for start in range(0, m, walk.chunk_size):
+        sl = slice(start, start + walk.chunk_size)
         logits = F.linear(hidden[sl], weight, bias).float()  # (c, V): the only big tensor
+        if walk.kernel is not None:  # distillation: the shared soft kernel, eagerly
+            teacher = F.linear(walk.teacher[sl], weight, bias).float()  # (c, V)
+            loss, ce, hit, grad_logits = walk.kernel(logits, teacher, labels[sl], slot_w[sl], grad is not None)
+            total += loss.sum()
+            correct[sl] = hit
+            if grad is not None:
+                grad[sl] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            if rows is not None:
+                rows[0, sl], rows[1, sl] = loss, ce
+            continue
         target = logits.gather(1, labels[sl, None]).squeeze(1)  # (c,)
         # logsumexp by hand: the exponentials are kept for the gradient, and on CPU this is
         # twice as fast as torch.logsumexp followed by a second exp pass.
         top, argmax = logits.max(dim=-1)  # (c,)
         probs = logits.sub_(top[:, None]).exp_()  # unnormalised, in place of the logits
         norm = probs.sum(dim=-1)  # (c,)
-        total += ((top + norm.log() - target) * slot_w[sl]).sum()
+        ce = top + norm.log() - target  # (c,)
+        total += (ce * slot_w[sl]).sum()
         correct[sl] = argmax == labels[sl]
+        if rows is not None:
+            rows[0, sl], rows[1, sl] = ce * slot_w[sl], ce
         if grad is not None:
             # d CE / d logits = softmax - onehot, scaled by the slot weight.
             probs /= norm[:, None]
             probs[torch.arange(probs.shape[0], device=probs.device), labels[sl]] -= 1
             probs *= slot_w[sl, None]
             grad[sl] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
-    return total, correct, grad
+    return total, correct, grad, rows
 
 
-def _fused_chunks(hidden, weight, bias, labels, slot_w, chunk_size, with_grad, kernel: FusedKernel):
-    m = hidden.shape[0]
+def _fused_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
+    m, c = hidden.shape[0], walk.chunk_size
     # The last chunk is padded to the fixed size with zero hidden rows, label 0 and weight 0:
-    # their CE is finite (logits = bias) and multiplied by 0, so they add exactly nothing;
-    # their hits and gradient rows are cut off below.
-    pad = -m % chunk_size
+    # their loss is finite (logits = bias) and multiplied by 0, so they add exactly nothing;
+    # their hits, rows and gradient rows are cut off below.
+    pad = -m % c
     labels, slot_w = F.pad(labels, (0, pad)), F.pad(slot_w, (0, pad))  # (M + pad,)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     correct = torch.empty(m, dtype=torch.bool, device=hidden.device)
     grad = torch.empty_like(hidden) if with_grad else None
-    for start in range(0, m, chunk_size):
-        sl = slice(start, start + chunk_size)
-        rows = min(chunk_size, m - start)
-        h = hidden[sl] if rows == chunk_size else F.pad(hidden[sl], (0, 0, 0, chunk_size - rows))  # (c, H)
-        logits = F.linear(h, weight, bias)  # (c, V) in the head's dtype, never upcast in memory
-        chunk_total, hit, grad_logits = kernel(logits, labels[sl], slot_w[sl], with_grad)
-        total += chunk_total
-        correct[sl] = hit[:rows]
+    rows = torch.empty(2, m, dtype=torch.float32, device=hidden.device) if walk.keep_rows else None  # loss, CE
+
+    def fixed(x, sl, n):  # (n, H) -> (c, H) zero-padded
+        return x[sl] if n == c else F.pad(x[sl], (0, 0, 0, c - n))
+
+    for start in range(0, m, c):
+        sl = slice(start, start + c)
+        n = min(c, m - start)
+        logits = F.linear(fixed(hidden, sl, n), weight, bias)  # (c, V) in the head's dtype, never upcast in memory
+        teacher = None if walk.teacher is None else F.linear(fixed(walk.teacher, sl, n), weight, bias)  # (c, V)
+        loss, ce, hit, grad_logits = walk.kernel(logits, teacher, labels[sl], slot_w[sl], grad is not None)
+        total += loss.sum()
+        correct[sl] = hit[:n]
+        if rows is not None:
+            rows[0, sl], rows[1, sl] = loss[:n], ce[:n]
         if grad is not None:
-            grad[sl] = (grad_logits @ weight)[:rows].to(hidden.dtype)  # (rows, H)
-    return total, correct, grad
+            grad[sl] = (grad_logits @ weight)[:n].to(hidden.dtype)  # (n, H)
+    return total, correct, grad, rows
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * CE(hidden_i @ W^T + b, label_i), with grad only for ``hidden``.
+    """sum_i w_i * loss(hidden_i @ W^T + b, label_i), with grad only for ``hidden``.
 
-    ``kernel`` None walks the plain chunks; a ``FusedKernel`` walks fixed-size fused chunks.
+    ``reweight`` None: w = ``slot_w``. Otherwise the walk runs with ``slot_w`` (all ones)
+    and ``reweight(ce_rows)`` gives the weights afterwards (D-PACE needs every slot's CE of a
+    block first); loss and gradient are linear in w, so scaling rows afterwards is exact.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, slot_w, chunk_size, kernel):
+    def forward(ctx, hidden, weight, bias, labels, slot_w, walk, reweight):
         # hidden (M, H), weight (V, H), labels (M,), slot_w (M,) float32
-        args = (hidden, weight, bias, labels, slot_w, chunk_size, ctx.needs_input_grad[0])
-        total, correct, grad = _plain_chunks(*args) if kernel is None else _fused_chunks(*args, kernel)
+        walker = _fused_chunks if walk.fused else _plain_chunks
+        total, correct, grad, rows = walker(hidden, weight, bias, labels, slot_w, walk, ctx.needs_input_grad[0])
+        if reweight is not None:
+            w = reweight(rows[1])  # (M,)
+            total = (rows[0] * w).sum()
+            if grad is not None:
+                grad *= w[:, None].to(grad.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(correct)
         return total, correct
@@ -131,28 +235,82 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad * grad_total.to(grad.dtype), None, None, None, None, None, None
 
 
+def dpace_weights(ce: torch.Tensor, block: torch.Tensor, slot: torch.Tensor, num_blocks: int, block_size: int,
+                  alpha: float) -> torch.Tensor:
+    """(M,) D-PACE weights of supervised slots from their CE (M,) (see the module docstring).
+
+    ``block`` (M,) and ``slot`` (M,) place each row in a dense (num_blocks, B) grid; slots
+    that are not supervised hold q~ = 1 and no credit. Detached, and without host syncs.
+    """
+    q = (1 - alpha) * torch.exp(-ce.detach().float()) + alpha  # (M,) smoothed confidences
+    grid = torch.ones(num_blocks, block_size, dtype=torch.float32, device=ce.device)
+    grid.index_put_((block, slot), q)
+    valid = torch.zeros_like(grid).index_put_((block, slot), torch.ones_like(q))
+    reach = grid.cumprod(dim=1) * valid  # (num_blocks, B): P(accepted up to slot m), supervised m only
+    suffix = reach.flip(1).cumsum(dim=1).flip(1)  # w_j = sum_{m >= j} reach_m
+    return suffix[block, slot]
+
+
+def supervised_blocks(labels: torch.Tensor, block_size: int) -> torch.Tensor:
+    """() float32: blocks with at least one supervised slot, D-PACE's loss normaliser.
+
+    D-PACE's weights are expected accepted lengths; dividing by their own sum would cancel
+    that scale (the D-PACE author's advice), so the loss is averaged over blocks instead.
+    """
+    return (labels.reshape(-1, block_size) != IGNORE_INDEX).any(dim=1).float().sum()
+
+
+@dataclass
+class Distillation:
+    """The target's own next-token distributions as soft targets (see the module docstring)."""
+
+    hidden: torch.Tensor  # (b, T, H): the target's final hidden states, after its final norm
+    anchors: torch.Tensor  # (b, N) long: each block's anchor position in its row
+    weight: float  # a in [0, 1]: 0 hard labels only, 1 soft targets only
+    temperature: float = 1.0
+
+
+def soft_target_index(index: torch.Tensor, anchors: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
+    """(M,) flat indices into the target's (b * T) positions of the supervised slots' soft targets.
+
+    Slot k of the block at anchor p is labelled x[p + k]; the target's prediction of that
+    token is its distribution after position p + k - 1. ``index`` (M,) are flat indices into
+    (b * Q) with Q = N * B, so index // B is the block's flat number and index % B its slot.
+    """
+    block = index // block_size
+    slot = index % block_size
+    row = index // (anchors.shape[1] * block_size)
+    return row * seq_len + anchors.flatten().index_select(0, block) + slot - 1
+
+
 @dataclass
 class LossOutput:
-    weighted_sum: torch.Tensor  # () float32, differentiable: sum of w_k * CE over valid slots
-    weight_sum: torch.Tensor  # () float32: sum of w_k over valid slots of this micro-batch
+    weighted_sum: torch.Tensor  # () float32, differentiable: sum of w_k * loss over valid slots
+    # () float32: this micro-batch's share of the loss normaliser: the sum of w_k over valid
+    # slots (static weights) or the number of blocks with a supervised slot (D-PACE)
+    weight_sum: torch.Tensor
     correct: torch.Tensor  # (B,) float32: argmax hits per slot
     count: torch.Tensor  # (B,) float32: supervised slots per slot index
 
 
 def dflash_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, weights: torch.Tensor,
                 chunk_size: int, *, index: torch.Tensor | None = None, fused: bool | None = None,
-                compiled: bool = True) -> LossOutput:
-    """Weighted CE of drafter outputs ``hidden`` (b, Q, H) against ``labels`` (b, Q).
+                compiled: bool = True, distill: Distillation | None = None,
+                dpace_alpha: float | None = None) -> LossOutput:
+    """Weighted loss of drafter outputs ``hidden`` (b, Q, H) against ``labels`` (b, Q).
 
     ``weights`` (B,) are the per-slot weights; slot k of a block is query q with q % B == k.
-    The caller divides ``weighted_sum`` by the (global) sum of valid weights.
+    The caller divides ``weighted_sum`` by the (global) loss normaliser (``weight_sum``
+    summed over micro-batches and ranks).
 
     ``index`` (M,) long: flat indices into ``hidden.flatten(0, 1)`` of the supervised slots
     (label != IGNORE_INDEX), each once, computed by the caller on the host; in ascending order the sums match the
     masked ones bit for bit. Without it they are found from ``labels``, which makes a GPU
     wait for the count; with it nothing here waits for the device.
     ``fused`` picks the fused walk (default: on CUDA); ``compiled`` False runs its kernel
-    eagerly (tests, debugging).
+    eagerly (tests, debugging). ``distill`` mixes in the target's soft targets (None or
+    weight 0: hard labels only, the contract's loss unchanged); ``dpace_alpha`` replaces
+    ``weights`` by D-PACE weights with that smoothing.
     """
     block_size, queries = weights.numel(), labels.shape[1]
     if index is None:
@@ -166,11 +324,24 @@ def dflash_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, 
     w = weights.to(hidden.device, torch.float32, non_blocking=True).index_select(0, slot)  # (M,)
     if fused is None:
         fused = hidden.is_cuda
-    kernel = (_compiled_fused_ce() if compiled else _fused_ce) if fused else None
-    total, hit = _LinearCrossEntropy.apply(h, lm_head.weight, getattr(lm_head, "bias", None), y, w, chunk_size,
-                                           kernel)
+    teacher, kernel = None, None
+    if distill is not None and distill.weight > 0:
+        t_index = soft_target_index(index, distill.anchors.to(labels.device), block_size, distill.hidden.shape[1])
+        teacher = distill.hidden.flatten(0, 1).index_select(0, t_index).to(lm_head.weight.dtype)  # (M, H)
+        soft = _compiled(_soft_ce) if fused and compiled else _soft_ce
+        kernel = functools.partial(soft, distill_weight=distill.weight, temperature=distill.temperature)
+    elif fused:
+        kernel = _compiled(_fused_ce) if compiled else _fused_ce
+    reweight = None
+    if dpace_alpha is not None:
+        w = torch.ones_like(w)
+        reweight = functools.partial(dpace_weights, block=index // block_size, slot=slot,
+                                     num_blocks=labels.numel() // block_size, block_size=block_size, alpha=dpace_alpha)
+    walk = _Walk(chunk_size, kernel, fused, teacher, keep_rows=reweight is not None)
+    total, hit = _LinearCrossEntropy.apply(h, lm_head.weight, getattr(lm_head, "bias", None), y, w, walk, reweight)
     # scatter_add, not bincount: bincount reads its maximum back to the host on CUDA.
     zeros = torch.zeros(block_size, dtype=torch.float32, device=hidden.device)
     count = zeros.scatter_add(0, slot, torch.ones_like(w))
     correct = zeros.scatter_add(0, slot, hit.float())
-    return LossOutput(weighted_sum=total, weight_sum=w.sum(), correct=correct, count=count)
+    norm = w.sum() if reweight is None else supervised_blocks(labels, block_size)
+    return LossOutput(weighted_sum=total, weight_sum=norm, correct=correct, count=count)

@@ -32,6 +32,7 @@ from dflash_train.distributed.backend import Backend, build_backend
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 from dflash_train.errors import RunError, check_writable_dir
 from dflash_train.model.io import check_export_destination, save_drafter
+from dflash_train.model.init import init_from_target
 from dflash_train.model.masks import build_training_masks
 from dflash_train.model.target import (
     TargetModel,
@@ -55,7 +56,7 @@ from dflash_train.training.checkpoint import (
     step_dir_name,
 )
 from dflash_train.training.logging import MetricsLogger, MetricWindow, check_sinks, position_accuracy
-from dflash_train.training.loss import LossOutput, dflash_loss
+from dflash_train.training.loss import Distillation, LossOutput, dflash_loss, supervised_blocks
 from dflash_train.training.optim import optimizer_factory, scheduler_factory
 
 log = logging.getLogger(__name__)
@@ -164,12 +165,17 @@ class Trainer:
         if not 0 <= cfg.target.mask_token_id < target.vocab_rows:
             raise ValueError(f"target.mask_token_id={cfg.target.mask_token_id} is outside the embedding "
                              f"(0..{target.vocab_rows - 1})")
-        target.model = self.backend.prepare_target(target.model)
         self.target = target
         d = cfg.drafter
         self.drafter_config = drafter_config(cfg, target.config)
         torch.manual_seed(cfg.seed)  # the drafter's initial weights depend on the seed only
         self.drafter = DFlashDraftModel(self.drafter_config)
+        if d.init_from_target:
+            copied = init_from_target(self.drafter, target.model)
+            if self.backend.is_main:
+                log.info("drafter initialised from target layers: %s", copied)
+        # After the copy: a sharded target's weights are no longer plain tensors.
+        target.model = self.backend.prepare_target(target.model)
         self.drafter.activation_checkpointing = d.activation_checkpointing
         if d.compile:
             for layer in self.drafter.layers:
@@ -178,13 +184,15 @@ class Trainer:
         gamma = cfg.loss.gamma or contract.default_gamma(d.block_size)
         # On the device: a host tensor would be copied (and waited for) at every use.
         self.slot_weights = contract.slot_weights(d.block_size, gamma).to(self.backend.device)
+        self.dpace_alpha = cfg.loss.dpace_alpha if cfg.loss.position_weighting == "dpace" else None
+        self.distill = cfg.loss.distill_weight > 0
         # Compute dtype of the drafter's inputs: bf16 under the backend's mixed precision.
         self.input_dtype = self.backend.mixed_dtype or torch.float32
 
     def _setup_optimizer(self) -> None:
         o = self.cfg.optim
         self.backend.setup(
-            self.drafter, optimizer_factory(o), scheduler_factory(o, self.total_steps),
+            self.drafter, optimizer_factory(o), scheduler_factory(o, o.schedule_steps or self.total_steps),
             clip_grad_norm=o.grad_clip, grad_accum_steps=o.grad_accum_steps,
         )
 
@@ -220,16 +228,23 @@ class Trainer:
         self._prefetched = {step + 1: self._prefetcher.submit(self._host_batches, step + 1)}
         return [b.to(self.backend.device) for b in batches]
 
-    def target_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Frozen-target features (b, T, n*H) and block-token embeddings (b, Q, H)."""
+    def target_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Frozen-target features (b, T, n*H), block-token embeddings (b, Q, H) and, when
+        distilling, the target's final hidden states (b, T, H) in the head's dtype (else None)."""
         # Packed rows keep their conversations apart with a block-diagonal causal mask.
         mask = batch.attention_mask if batch.doc_ids is None else document_causal_mask(batch.doc_ids)
+        final = None
         with torch.inference_mode():
-            feats = self.target.features(batch.input_ids, self.layer_ids, attention_mask=mask,
-                                         position_ids=batch.position_ids)
+            args = (batch.input_ids, self.layer_ids)
+            kwargs = dict(attention_mask=mask, position_ids=batch.position_ids)
+            if self.distill:
+                # final stays an inference tensor: the loss only gathers rows of it, outside autograd.
+                feats, final = self.target.features_and_final(*args, **kwargs)
+            else:
+                feats = self.target.features(*args, **kwargs)
             noise = self.target.embed_tokens(batch.block_ids)
         # copy=True turns inference tensors into ordinary ones that autograd may save.
-        return feats.to(self.input_dtype, copy=True), noise.to(self.input_dtype, copy=True)
+        return feats.to(self.input_dtype, copy=True), noise.to(self.input_dtype, copy=True), final
 
     def masks(self, batch: Batch) -> dict:
         return build_training_masks(self.drafter_config, batch.anchors, batch.anchor_valid,
@@ -239,18 +254,28 @@ class Trainer:
         position_ids = torch.cat([batch.position_ids, batch.block_position_ids], dim=1)  # (b, T + Q)
         return self.backend.model(noise, feats, position_ids, attention_mask=masks)  # (b, Q, H)
 
-    def loss(self, batch: Batch, hidden: torch.Tensor) -> LossOutput:
-        return dflash_loss(hidden, batch.labels, self.target.lm_head, self.slot_weights, self.cfg.loss.chunk_size,
-                           index=batch.supervised_index)
+    def loss(self, batch: Batch, hidden: torch.Tensor, final: torch.Tensor | None = None) -> LossOutput:
+        """The step's loss; ``final`` (b, T, H): the target's final hidden states when distilling."""
+        lc = self.cfg.loss
+        distill = None if final is None else Distillation(final, batch.anchors, lc.distill_weight,
+                                                          lc.distill_temperature)
+        return dflash_loss(hidden, batch.labels, self.target.lm_head, self.slot_weights, lc.chunk_size,
+                           index=batch.supervised_index, distill=distill, dpace_alpha=self.dpace_alpha)
+
+    def loss_normaliser(self, labels: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the loss denominator (see ``LossOutput.weight_sum``)."""
+        if self.dpace_alpha is not None:
+            return supervised_blocks(labels, self.drafter.block_size)
+        return contract.loss_weight_sum(labels, self.slot_weights)
 
     def micro_step(self, batch: Batch) -> LossOutput:
-        feats, noise = self.target_inputs(batch)
-        return self.loss(batch, self.draft(batch, feats, noise, self.masks(batch)))
+        feats, noise, final = self.target_inputs(batch)
+        return self.loss(batch, self.draft(batch, feats, noise, self.masks(batch)), final)
 
     def train_step(self, step: int) -> dict:
         """One optimizer step; returns globally reduced sums for the metric window."""
         batches = self.micro_batches(step)
-        weight_sum = sum(contract.loss_weight_sum(b.labels, self.slot_weights) for b in batches)
+        weight_sum = sum(self.loss_normaliser(b.labels) for b in batches)
         global_weight = self.backend.all_reduce_sum(weight_sum).clamp(min=1e-12)
         scale = self.slice.grad_accum_steps * self.slice.world_size / global_weight
         loss_sum = torch.zeros((), device=self.backend.device)
@@ -289,9 +314,10 @@ class Trainer:
                                 supervised_slots=s.supervised, mean_anchor=s.context_sum / max(s.blocks, 1))
         cfg = self.target.config
         # attention_pairs / tokens: the mean causal span that makes the target's attention exact.
-        target = flops.target_forward_flops(cfg, max(self.layer_ids) + 1, s.tokens, s.attention_pairs / s.tokens)
+        layers_run = self.target.num_layers if self.distill else max(self.layer_ids) + 1
+        target = flops.target_forward_flops(cfg, layers_run, s.tokens, s.attention_pairs / s.tokens)
         return (target + flops.drafter_train_flops(self.drafter, shape)
-                + flops.loss_flops(cfg.hidden_size, self.target.vocab_rows, s.supervised))
+                + flops.loss_flops(cfg.hidden_size, self.target.vocab_rows, s.supervised, distill=self.distill))
 
     @torch.no_grad()
     def validate(self) -> dict:

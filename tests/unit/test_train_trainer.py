@@ -70,8 +70,8 @@ def _spoil_loss_calls(monkeypatch, calls: set[int], spoil) -> None:
     """Trainer.loss with ``spoil(weighted_sum)`` applied on the given (1-based) calls."""
     real_loss, seen = Trainer.loss, {"n": 0}
 
-    def loss(self, batch, hidden):
-        out = real_loss(self, batch, hidden)
+    def loss(self, batch, hidden, *rest):
+        out = real_loss(self, batch, hidden, *rest)
         seen["n"] += 1
         if seen["n"] in calls:
             out.weighted_sum = spoil(out.weighted_sum)
@@ -90,7 +90,7 @@ def test_nan_loss_is_skipped_and_counted_then_aborts(tiny, tmp_path, monkeypatch
     assert [m["nan_skipped"] for m in lines] == [0, 1, 1]
     assert all(torch.isfinite(p).all() for p in t.drafter.parameters())
 
-    monkeypatch.setattr(Trainer, "loss", lambda self, b, h: _nan(real_loss(self, b, h)))
+    monkeypatch.setattr(Trainer, "loss", lambda self, b, h, *rest: _nan(real_loss(self, b, h, *rest)))
     with pytest.raises(NonFiniteLossError, match="max_nan_skips=1"):
         Trainer(_cfg(tiny, tmp_path / "always", max_nan_skips=1)).fit()
 

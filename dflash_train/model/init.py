@@ -1,0 +1,50 @@
+"""Starting a drafter from the target's own decoder layers (``drafter.init_from_target``).
+
+Draft layer i starts from target layer L - n + i: the target's last n layers (n draft
+layers, L target layers). Those are the layers that turn the target's mid-depth features
+into next-token predictions and feed its final norm and LM head, which the drafter shares;
+the drafter's job is the same mapping, from fused features of its context. Every tensor
+whose name and shape match is copied (q/k/v/o projections, MLP, input and post-attention
+norms; q_norm/k_norm only if the target has them, as Qwen3 does). The drafter's final
+``norm`` starts from the target's final norm, the one its LM head was trained behind.
+``fc`` and ``hidden_norm`` have no counterpart and stay freshly initialised, as do q/k
+biases (Qwen2's) that the drafter does not have.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_train.model.target import decoder_layers
+
+
+def source_layers(num_draft_layers: int, num_target_layers: int) -> list[int]:
+    """The target layer each draft layer starts from: the last ``num_draft_layers``."""
+    if num_draft_layers > num_target_layers:
+        raise ValueError(f"drafter.init_from_target with drafter.num_hidden_layers={num_draft_layers} needs a "
+                         f"target with at least as many layers; it has {num_target_layers}")
+    return [num_target_layers - num_draft_layers + i for i in range(num_draft_layers)]
+
+
+@torch.no_grad()
+def init_from_target(drafter: nn.Module, target: nn.Module) -> dict[str, str]:
+    """Copy matching target weights into ``drafter`` in place; returns {drafter name: target name}."""
+    t_layers = decoder_layers(target)
+    copied: dict[str, str] = {}
+
+    def copy(dst_prefix: str, dst: nn.Module, src_prefix: str, src: nn.Module) -> None:
+        src_params = dict(src.named_parameters())
+        for name, param in dst.named_parameters():
+            other = src_params.get(name)
+            if other is not None and other.shape == param.shape:
+                param.copy_(other.to(param.dtype))
+                copied[dst_prefix + name] = src_prefix + name
+
+    for i, j in enumerate(source_layers(len(drafter.layers), len(t_layers))):
+        copy(f"layers.{i}.", drafter.layers[i], f"model.layers.{j}.", t_layers[j])
+    norm = getattr(getattr(target, "model", target), "norm", None)
+    if norm is not None and norm.weight.shape == drafter.norm.weight.shape:
+        drafter.norm.weight.copy_(norm.weight.to(drafter.norm.weight.dtype))
+        copied["norm.weight"] = "model.norm.weight"
+    return copied

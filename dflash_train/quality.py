@@ -1,0 +1,178 @@
+"""A quality run within a wall-clock budget: `dflash-quality`.
+
+    dflash-quality --target qwen25_coder_05b --data ../shared/data/sharegpt-qwen25-coder-05b \\
+        --budget-min 20 --run-dir runs/quality-qwen25-coder -- +experiment=qwen25_coder_05b_1xh100
+
+Four stages, each the project's own command:
+  1. probe   dflash-train for a few steps (a metric line per step, no export): seconds per
+             step after the warm-up steps (compilation) and the start-up time before them
+  2. plan    max_steps = (budget - start-up) / seconds per step; the warmup + cosine schedule
+             spans exactly those steps (optim.schedule_steps), whatever the epochs would say
+  3. train   dflash-train with that plan and data.val_rows held out; exports the drafter
+  4. eval    dflash-eval of the export on MT-Bench and HumanEval (first N prompts, M tokens)
+and prints one table: training minutes, steps, conversations seen, held-out expected tau,
+tau per eval dataset (also written to <run-dir>/quality.json). Arguments after `--` are
+dflash-train overrides; `--set KEY=VALUE` goes to both dflash-train and dflash-eval (a
+local target folder: `--set target.name=/models/qwen25-coder-05b`). A finished stage is
+reused, so an interrupted run continues with the same plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dflash_train.errors import check_writable_dir, run_command
+from dflash_train.training.logging import METRICS_FILE
+
+# The budget ends the run, not the epochs: this only has to exceed any budget's steps.
+UNBOUNDED_EPOCHS = 1000
+DATASETS = ("mtbench", "humaneval")
+
+
+def _metrics(out_dir: Path) -> list[dict]:
+    path = out_dir / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def step_timing(lines: list[dict], warmup: int, launched: float) -> tuple[float, float]:
+    """(seconds per step after ``warmup`` steps, start-up seconds) from one-line-per-step metrics.
+
+    Start-up is what the first ``warmup`` steps took beyond steady steps: loading, compiling.
+    """
+    times = {m["step"]: m["time"] for m in lines}
+    last = max(times, default=0)
+    if warmup < 1 or last <= warmup:
+        raise ValueError(f"the probe logged {last} steps; it needs more than --warmup-steps={warmup}")
+    per_step = (times[last] - times[warmup]) / (last - warmup)
+    startup = max(0.0, times[warmup] - launched - warmup * per_step)
+    return per_step, startup
+
+
+def plan_steps(budget_s: float, per_step: float, startup: float) -> int:
+    """Optimizer steps that fit the budget after start-up (at least one)."""
+    return max(1, math.floor((budget_s - startup) / per_step))
+
+
+def summarise(lines: list[dict], train_seconds: float, evals: dict) -> dict:
+    """The quality table's numbers from the training metrics and dflash-eval's results."""
+    held_out = next((m for m in reversed(lines) if "val_expected_tau" in m), None)
+    return {"train_minutes": train_seconds / 60, "steps": max((m["step"] for m in lines), default=0),
+            "conversations": int(sum(m.get("conversations", 0) for m in lines)),
+            "val_expected_tau": None if held_out is None else held_out["val_expected_tau"],
+            "tau": {name: d["tau"] for name, d in evals.items()},
+            "prompts": {name: d["num_prompts"] for name, d in evals.items()}}
+
+
+def table(s: dict) -> str:
+    """A Markdown table, pasteable into the README."""
+    names = list(s["tau"])
+    head = ["training min", "steps", "conversations", "held-out expected tau"] + [
+        f"tau {n} ({s['prompts'][n]})" for n in names]
+    val = "-" if s["val_expected_tau"] is None else f"{s['val_expected_tau']:.2f}"
+    row = [f"{s['train_minutes']:.1f}", str(s["steps"]), str(s["conversations"]), val] + [
+        f"{s['tau'][n]:.2f}" for n in names]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), "| " + " | ".join(row) + " |"])
+
+
+def _run_stage(name: str, command: list[str]) -> float:
+    print(f"[{name}] {' '.join(command[2:])}", flush=True)
+    start = time.perf_counter()
+    if subprocess.run(command).returncode != 0:
+        raise SystemExit(f"dflash-quality: stage {name} failed; fix the error above and run again "
+                         "(finished stages are reused)")
+    return time.perf_counter() - start
+
+
+def _train_command(args, out_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "dflash_train.train", f"target={args.target}", f"data.path={args.data}",
+            *args.set, *args.train, f"output_dir={out_dir}", f"epochs={UNBOUNDED_EPOCHS}", *extra]
+
+
+def _plan(args, run_dir: Path) -> dict:
+    """Seconds per step (probed, or given) and the steps the budget allows; kept in plan.json."""
+    path = run_dir / "plan.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    if args.seconds_per_step:
+        per_step, startup = args.seconds_per_step, args.startup_s
+    else:
+        probe = run_dir / "probe"
+        shutil.rmtree(probe, ignore_errors=True)
+        launched = time.time()
+        _run_stage("probe", _train_command(
+            args, probe, f"max_steps={args.probe_steps}", "logging.every=1", "logging.progress_bar=false",
+            "logging.wandb=disabled", "export=false", "checkpoint.every=0", "checkpoint.resume=false",
+            "data.val_rows=0"))
+        per_step, startup = step_timing(_metrics(probe), args.warmup_steps, launched)
+        shutil.rmtree(probe)
+    plan = {"budget_min": args.budget_min, "seconds_per_step": per_step, "startup_s": startup,
+            "steps": plan_steps(args.budget_min * 60, per_step, startup)}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=2))
+    return plan
+
+
+def _run(argv: list[str] | None) -> None:
+    args = _parser().parse_args(argv)
+    run_dir = args.run_dir
+    check_writable_dir(run_dir, "--run-dir")
+    plan = _plan(args, run_dir)
+    print(f"[plan] {plan['seconds_per_step']:.3f} s per step, {plan['startup_s']:.0f} s start-up: "
+          f"{plan['steps']} steps in {args.budget_min:g} min", flush=True)
+    train_dir, eval_dir = run_dir / "train", run_dir / "eval"
+    timing = run_dir / "train_seconds.json"
+    if not (train_dir / "export" / "model.safetensors").exists():
+        n = plan["steps"]
+        seconds = _run_stage("train", _train_command(
+            args, train_dir, f"max_steps={n}", f"optim.schedule_steps={n}", f"data.val_rows={args.val_rows}"))
+        timing.write_text(json.dumps({"seconds": seconds}))
+    if not (eval_dir / "results.json").exists():
+        _run_stage("eval", [sys.executable, "-m", "dflash_train.eval.cli", f"target={args.target}", *args.set,
+                            f"drafter_path={train_dir / 'export'}", f"output_dir={eval_dir}",
+                            f"datasets=[{','.join(args.datasets)}]", f"limit={args.limit}",
+                            f"max_new_tokens={args.max_new_tokens}", f"device={args.device}", *args.eval])
+    evals = json.loads((eval_dir / "results.json").read_text())["datasets"]
+    seconds = json.loads(timing.read_text())["seconds"] if timing.exists() else float("nan")
+    summary = summarise(_metrics(train_dir), seconds, evals)
+    (run_dir / "quality.json").write_text(json.dumps({"plan": plan, **summary}, indent=2))
+    print(f"\nquality run: target={args.target} data={args.data} budget={args.budget_min:g} min")
+    print(table(summary))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-quality", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="target recipe (recipes/target/<name>.yaml)")
+    p.add_argument("--data", required=True, help="a dflash-datagen output folder")
+    p.add_argument("--budget-min", type=float, required=True, help="training wall-clock budget in minutes")
+    p.add_argument("--run-dir", type=Path, default=Path("runs/quality"))
+    p.add_argument("--probe-steps", type=int, default=8, help="steps of the timing probe")
+    p.add_argument("--warmup-steps", type=int, default=3, help="probe steps left out of the timing (compilation)")
+    p.add_argument("--seconds-per-step", type=float, default=None,
+                   help="skip the probe: seconds per step (e.g. from python -m dflash_train.bench)")
+    p.add_argument("--startup-s", type=float, default=0.0, help="with --seconds-per-step: start-up seconds")
+    p.add_argument("--val-rows", type=int, default=64, help="held-out conversations (held-out expected tau)")
+    p.add_argument("--datasets", type=lambda s: s.split(","), default=list(DATASETS))
+    p.add_argument("--limit", type=int, default=40, help="first N prompts per eval dataset")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--device", default="cuda", help="dflash-eval device")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override for both dflash-train and dflash-eval (repeatable)")
+    p.add_argument("--eval", nargs="*", default=[], metavar="KEY=VALUE", help="dflash-eval overrides")
+    p.add_argument("train", nargs="*", metavar="KEY=VALUE", help="after --: dflash-train overrides")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_command("dflash-quality", _run, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""dflash-quality: the budget plan, the summary table, and a CPU smoke run on a tiny target."""
+
+import json
+
+import pytest
+
+from dflash_train import quality
+from dflash_train.model.target import load_tokenizer
+from tests.conftest import SMOLLM2
+from tests.train_data import save_tiny_target, write_datagen_dir
+
+
+def test_step_timing_leaves_out_the_warmup_steps():
+    # Launched at t=100; steps 1-2 carry 30 s of loading and compiling, then 2 s per step.
+    lines = [{"step": s, "time": t} for s, t in [(1, 130.0), (2, 132.0), (3, 134.0), (4, 136.0), (5, 138.0)]]
+    per_step, startup = quality.step_timing(lines, warmup=2, launched=100.0)
+    assert per_step == pytest.approx(2.0) and startup == pytest.approx(28.0)
+    with pytest.raises(ValueError, match="the probe logged 2 steps; it needs more than --warmup-steps=2"):
+        quality.step_timing(lines[:2], warmup=2, launched=100.0)
+
+
+def test_plan_fits_the_budget_after_startup():
+    assert quality.plan_steps(20 * 60, 0.5, 60.0) == 2280
+    assert quality.plan_steps(10, 5.0, 60.0) == 1  # never zero steps
+
+
+def test_summary_table():
+    lines = [{"step": 10, "time": 0, "conversations": 40.0},
+             {"step": 20, "time": 0, "conversations": 40.0, "val_expected_tau": 1.234}]
+    evals = {"mtbench": {"tau": 1.5, "num_prompts": 40}, "humaneval": {"tau": 2.25, "num_prompts": 40}}
+    s = quality.summarise(lines, 600.0, evals)
+    assert quality.table(s) == (
+        "| training min | steps | conversations | held-out expected tau | tau mtbench (40) | tau humaneval (40) |\n"
+        "|---|---|---|---|---|---|\n"
+        "| 10.0 | 20 | 80 | 1.23 | 1.50 | 2.25 |")
+
+
+TINY_TRAIN = ["drafter.num_hidden_layers=1", "drafter.block_size=8", "drafter.attention=dense",
+              "drafter.compile=false", "data.num_anchors=6", "data.max_length=64", "optim.lr=3e-3",
+              "optim.micro_batch_size=2", "optim.grad_accum_steps=1", "logging.wandb=disabled",
+              "logging.progress_bar=false", "backend.device=cpu", "checkpoint.every=0"]
+
+
+@pytest.mark.slow
+def test_quality_run_on_a_tiny_target(tmp_path, capsys):
+    tok = load_tokenizer(SMOLLM2)
+    target = save_tiny_target(tmp_path / "target", tok)
+    data = write_datagen_dir(tmp_path / "data", target, tok, repeat=4)
+    run = tmp_path / "run"
+    both = [f"target.name={target}", "target.num_layers=6", "target.mask_token_id=16", "target.dtype=float32"]
+    argv = ["--target", "smollm2_135m", "--data", str(data), "--budget-min", "0.25", "--run-dir", str(run),
+            "--probe-steps", "4", "--warmup-steps", "1", "--val-rows", "4", "--limit", "2",
+            "--max-new-tokens", "8", "--device", "cpu", *[a for s in both for a in ("--set", s)], "--", *TINY_TRAIN]
+    quality.main(argv)
+    out = json.loads((run / "quality.json").read_text())
+    plan = out["plan"]
+    assert out["steps"] == plan["steps"] >= 1 and not (run / "probe").exists()
+    assert set(out["tau"]) == {"mtbench", "humaneval"} and all(t >= 1 for t in out["tau"].values())
+    assert out["val_expected_tau"] >= 1 and out["conversations"] == 2 * plan["steps"]
+    lines = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # the schedule ends with the budgeted steps
+    printed = capsys.readouterr().out
+    assert "| training min | steps | conversations | held-out expected tau |" in printed
+    # Run again: every stage is reused and the same table printed.
+    quality.main(argv)
+    assert quality.table(out) in capsys.readouterr().out
