@@ -38,7 +38,7 @@ def _random_conversations(out_dir, vocab: int, count: int = 24):
     return out_dir
 
 
-def test_packed_flex_rows_compile_once_on_gpu(tmp_path, monkeypatch):
+def test_packed_flex_rows_compile_once_on_gpu(tmp_path):
     """The GPU path of the CPU no-recompilation test: flex attention compiled, with backward."""
     from torch._dynamo.utils import counters
 
@@ -62,8 +62,8 @@ def test_packed_flex_rows_compile_once_on_gpu(tmp_path, monkeypatch):
     trainer.train_step(0)
     trainer.validate()
     warm = counters["stats"]["unique_graphs"]
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    for step in range(1, 5):
-        assert trainer.train_step(step)["finite"]
-    trainer.validate()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(1, 5):
+            assert trainer.train_step(step)["finite"]
+        trainer.validate()
     assert counters["stats"]["unique_graphs"] == warm

@@ -13,7 +13,7 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def test_fixed_shapes_compile_once_for_training_and_validation(tmp_path, monkeypatch):
+def test_fixed_shapes_compile_once_for_training_and_validation(tmp_path):
     """Dense masks: on CPU flex attention has no backward; tests/gpu covers the flex path."""
     tok = load_tokenizer(SMOLLM2)
     target = save_tiny_target(tmp_path / "target", tok)
@@ -32,9 +32,9 @@ def test_fixed_shapes_compile_once_for_training_and_validation(tmp_path, monkeyp
     trainer.validate()
     warm = _graphs()
     assert warm > 0  # the layers were compiled
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    for step in range(1, 5):
-        trainer.train_step(step)
-        if step % 2 == 0:
-            trainer.validate()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(1, 5):
+            trainer.train_step(step)
+            if step % 2 == 0:
+                trainer.validate()
     assert _graphs() == warm
