@@ -8,6 +8,8 @@ import torch
 from dflash_train.model.dflash import ContextCache, DFlashConfig, DFlashDraftModel, Sampling
 from tests.conftest import make_tiny_target
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 8
 NEW = 4
 DRAWS = 3000
@@ -43,10 +45,14 @@ def _chi2(counts, probs):
     return float(((counts - expected) ** 2 / expected.clamp_min(1e-9)).sum())
 
 
-def test_rejection_sampling_matches_target_distribution(models):
+# Not 1: a sampler that ignores the temperature would pass there. Both sides of 1: peaked
+# (more drafts accepted) and flat (more rejections and residual samples). A sampler that
+# draws at temperature 1 instead expects a chi-square of 2100..2900 per position here at
+# 0.6 and 340..730 at 1.5, far above the critical 29.88.
+@pytest.mark.parametrize("temperature", [0.6, 1.5])
+def test_rejection_sampling_matches_target_distribution(models, temperature):
     target, drafter = models
     prompt = torch.tensor([[1, 5, 2, 3]])
-    temperature = 1.0
     exact = _exact_marginals(target, prompt, temperature)
     gen = torch.Generator().manual_seed(1234)
     counts = torch.zeros(NEW, VOCAB)
