@@ -1,9 +1,21 @@
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 
-from dflash_train.eval.acceptance import PromptResult, summarize
-from dflash_train.eval.cli import _check_config, _dataset_entries, format_table, stop_token_ids
+from dflash_train.eval.acceptance import PromptResult, summarize, target_generate
+from dflash_train.eval.benchmarks import Prompt
+from dflash_train.eval.cli import (
+    _check_config,
+    _dataset_entries,
+    decode_conversation,
+    encode_messages,
+    format_table,
+    stop_token_ids,
+)
 from dflash_train.eval.plot import plot_acceptance
+from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
+from dflash_train.model.target import TargetModel
+from tests.conftest import make_tiny_target
 
 
 def _cfg(*overrides):
@@ -22,6 +34,9 @@ def test_eval_recipe_composes_with_required_drafter():
         _check_config(_cfg())
     with pytest.raises(ValueError, match="drafter_path '/no/such/dir' is not a directory"):
         _check_config(_cfg("drafter_path=/no/such/dir"))
+    assert _cfg("drafter_path=random").max_turns is None  # MT-Bench's second question is asked
+    with pytest.raises(ValueError, match="max_turns must be >= 1 or null .every turn., got 0"):
+        _check_config(_cfg("drafter_path=random", "max_turns=0"))
 
 
 def test_dataset_entries_labels_and_limits():
@@ -80,3 +95,54 @@ def test_format_table_explains_divergences():
 def test_plot_writes_png(tmp_path):
     path = plot_acceptance({"mtbench": _summary(), "humaneval": _summary()}, tmp_path / "acc.png", title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_format_table_turns_sampling_and_step_times():
+    times = {"draft": 0.5, "verify": 1.0, "bookkeeping": 0.25}
+    results = [PromptResult("q", 10, [2, 2], [1, 2, 3, 4], [1, 9, 9, 9], 1.0, 1.0, step_times=times),
+               PromptResult("q", 30, [3, 1], [5, 6, 7, 8], [5, 6], 1.0, 1.0, turn=2, step_times=times)]
+    sampled = {**summarize(results, 4, greedy=False), "temperature": 0.7}
+    lines = format_table({"mtbench": sampled}).splitlines()
+    assert lines[2].split()[:4] == ["mtbench", "1", "2.00", "-"]
+    assert lines[3] == "mtbench: tau by turn 1: 2.00, 2: 2.00"
+    assert lines[4].startswith("mtbench: sampled (temperature 0.7): tau is acceptance under rejection sampling; "
+                               "agreement with plain decoding does not apply")
+    assert lines[5].split() == ["ms/step", "draft", "verify", "bookkeep"]
+    assert lines[6].split() == ["mtbench", "250.00", "500.00", "125.00"]
+
+
+class _CharTokenizer:
+    """A chat template that writes `role:content|` per message; characters are tokens."""
+
+    chat_template = "role:content|"
+    name_or_path = "chars"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, enable_thinking):
+        return "".join(f"{m['role']}:{m['content']}|" for m in messages) + ("assistant:" * add_generation_prompt)
+
+    def __call__(self, text, add_special_tokens):
+        return {"input_ids": [ord(c) % 90 for c in text]}
+
+    def decode(self, ids, skip_special_tokens):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_second_turn_follows_the_targets_own_first_answer():
+    target = TargetModel(make_tiny_target("qwen3"))
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(DFlashConfig.from_target(target.config, mask_token_id=96, num_hidden_layers=1,
+                                                        block_size=4)).eval()
+    tok = _CharTokenizer()
+    prompt = Prompt("chat/1", [{"role": "user", "content": "hi"}], "chat", turns=["hi", "and then?"])
+    first_ids = torch.tensor([encode_messages(tok, prompt.messages, None, False)])
+    cfg = _cfg("drafter_path=random", "max_new_tokens=6", "step_timing=true")
+    first, second = decode_conversation(cfg, drafter, target, tok, prompt, first_ids, [], seed=0)
+    assert (first.turn, second.turn) == (1, 2) and first.step_times and second.step_times
+    chat = [*prompt.messages, {"role": "assistant", "content": tok.decode(first.plain_ids, True)},
+            {"role": "user", "content": "and then?"}]
+    second_ids = torch.tensor([encode_messages(tok, chat, None, False)])
+    assert second.prompt_tokens == second_ids.shape[1]
+    assert second.plain_ids == target_generate(target.model, second_ids, 6)[0, second_ids.shape[1]:].tolist()
+    assert second.spec_ids == second.plain_ids and first.spec_ids == first.plain_ids
+    assert len(decode_conversation(_cfg("drafter_path=random", "max_new_tokens=6", "max_turns=1"), drafter,
+                                   target, tok, prompt, first_ids, [], seed=0)) == 1

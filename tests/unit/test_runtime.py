@@ -115,3 +115,15 @@ def test_greedy_lossless_and_budget_on_tiny_targets():
             out = drafter.spec_generate(target, ids, new, return_stats=True)
             assert torch.equal(out.output_ids, target.generate(ids, max_new_tokens=new, do_sample=False))
             assert out.num_new_tokens == new and sum(out.acceptance_lengths) == new - 1
+
+
+def test_step_times_split_the_decode_without_changing_it(models):
+    target, drafter = models
+    prompt = torch.tensor([[1, 5, 2, 3]])
+    plain = drafter.spec_generate(target, prompt, 12, return_stats=True)
+    timed = drafter.spec_generate(target, prompt, 12, return_stats=True, time_steps=True)
+    assert plain.step_times is None
+    assert torch.equal(timed.output_ids, plain.output_ids)
+    assert set(timed.step_times) == {"draft", "verify", "bookkeeping"}
+    assert all(t > 0 for t in timed.step_times.values())
+    assert sum(timed.step_times.values()) <= timed.decode_s
