@@ -112,13 +112,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def step_time_summary(results: list[PromptResult], num_steps: int) -> dict | None:
+def step_time_summary(results: list[PromptResult]) -> dict | None:
     """Seconds per part of the decode steps summed over ``results``, and milliseconds per
-    step; None unless every result was timed."""
+    decode step; None unless every result was timed. A batched result carries its share of
+    the batch's steps (``steps``), so a batch step counts once however many rows it served."""
     if not results or any(r.step_times is None for r in results):
         return None
-    totals = {part: sum(r.step_times[part] for r in results) for part in results[0].step_times}
-    return {"seconds": totals, "ms_per_step": {k: 1000 * v / max(num_steps, 1) for k, v in totals.items()}}
+    parts = [k for k in results[0].step_times if k != "steps"]
+    totals = {part: sum(r.step_times[part] for r in results) for part in parts}
+    steps = sum(r.step_times.get("steps", len(r.acceptance_lengths)) for r in results)
+    return {"seconds": totals, "ms_per_step": {k: 1000 * v / max(steps, 1) for k, v in totals.items()}}
 
 
 def summarize(results: list[PromptResult], block_size: int, greedy: bool) -> dict:
@@ -162,7 +165,7 @@ def summarize(results: list[PromptResult], block_size: int, greedy: bool) -> dic
         "spec_tok_s": spec_tps,
         "plain_tok_s": plain_tps,
         "speedup": spec_tps / plain_tps if plain_tps > 0 else 0.0,
-        "step_times": step_time_summary(results, len(steps)),
+        "step_times": step_time_summary(results),
     }
 
 

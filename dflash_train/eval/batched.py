@@ -198,3 +198,35 @@ def target_generate_batch(model, prompts: list[list[int]], max_new_tokens: int, 
             return rows.new
         mask, position = torch.cat([mask, mask.new_ones(len(prompts), 1)], 1), position + 1
         out = model(token, attention_mask=mask, position_ids=position[:, None], past_key_values=cache, use_cache=True)
+
+
+def compare_batch(drafter, model, prompt_ids: list[str], prompts: list[list[int]], max_new_tokens: int,
+                  stop_token_ids: list[int], temperature: float = 0.0, seed: int = 0, turn: int = 1,
+                  time_steps: bool = False):
+    """`compare_prompt` for several prompts decoded together, each run timed as a whole.
+
+    Each row's spec_s / plain_s is its share of the batch's wall time (the time split
+    evenly), so tokens/s summed over a dataset is the batches' throughput.
+    """
+    from dflash_train.eval.acceptance import PromptResult, _timed, trim_output
+    from dflash_train.model.dflash import StepClock
+
+    device = model.device
+    clock = StepClock(device) if time_steps else NO_CLOCK
+    torch.manual_seed(seed)
+    spec, spec_s = _timed(lambda: spec_generate_batch(drafter, model, prompts, max_new_tokens, Sampling(temperature),
+                                                      stop_token_ids, clock=clock), device)
+    torch.manual_seed(seed)
+    gaps = [[] for _ in prompts]
+    plain, plain_s = _timed(lambda: target_generate_batch(model, prompts, max_new_tokens, stop_token_ids,
+                                                          temperature, gaps), device)
+    share = 1 / len(prompts)
+    step_times = None
+    if spec[0].step_times is not None:  # the batch's decode steps: as many as its longest-running row took
+        steps = max(len(out.acceptance_lengths) for out in spec)
+        step_times = {**{k: v * share for k, v in spec[0].step_times.items()}, "steps": steps * share}
+    return [PromptResult(id=pid, prompt_tokens=len(p), acceptance_lengths=out.acceptance_lengths,
+                         spec_ids=trim_output(out.output_ids[0, len(p):].tolist(), max_new_tokens, stop_token_ids),
+                         plain_ids=trim_output(new, max_new_tokens, stop_token_ids), spec_s=spec_s * share,
+                         plain_s=plain_s * share, plain_gaps_ulps=g, turn=turn, step_times=step_times)
+            for pid, p, out, new, g in zip(prompt_ids, prompts, spec, plain, gaps)]

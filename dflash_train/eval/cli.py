@@ -8,8 +8,9 @@ with follow-up questions (MT-Bench's second turn) then asks each of them after t
 target's own previous answer (the plain run's, greedy or sampled). Writes
 ``results.json`` and ``acceptance.png`` under ``output_dir`` and prints a table. Tokens/s
 is new tokens over the wall time of whole generations (prefill included), summed over the
-dataset's prompts; speedup is the ratio of the two rates. ``step_timing=true`` adds the
-speculative steps' draft / verify / bookkeeping time per step.
+dataset's prompts; speedup is the ratio of the two rates. ``batch_size=N`` decodes N
+prompts at once in both runs (throughput; 1, the default, gives latency numbers).
+``step_timing=true`` adds the speculative steps' draft / verify / bookkeeping time per step.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from dflash_train.errors import check_writable_dir, run_command
 from dflash_train.eval.acceptance import NEAR_TIE_ULPS, PromptResult, compare_prompt, summarize
+from dflash_train.eval.batched import compare_batch
 from dflash_train.eval.benchmarks import BUILTIN, HF_SCHEME, Prompt, load_benchmark
 from dflash_train.eval.plot import plot_acceptance
 
@@ -146,6 +148,10 @@ def _footnotes(summaries: dict[str, dict]) -> list[str]:
             rows.append(f"{label}: sampled (temperature {s.get('temperature', '>0')}): tau is acceptance under "
                         "rejection sampling; agreement with plain decoding does not apply (two draws of the "
                         "same distribution differ)")
+    batched = {s.get("batch_size", 1) for s in summaries.values()} - {1}
+    if batched:
+        rows.append(f"batch_size={max(batched)}: tok/s is the batches' throughput (new tokens over the batches' "
+                    "wall time); batch_size=1 gives the per-prompt latency numbers")
     timed = {label: s["step_times"]["ms_per_step"] for label, s in summaries.items() if s.get("step_times")}
     if timed:
         w = max(7, *(len(label) for label in timed))
@@ -164,6 +170,8 @@ def _check_config(cfg: DictConfig) -> None:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {cfg.temperature}")
+    if cfg.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
     if cfg.max_turns is not None and cfg.max_turns < 1:
         raise ValueError(f"max_turns must be >= 1 or null (every turn), got {cfg.max_turns}")
     if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
@@ -193,21 +201,40 @@ def setup(cfg: DictConfig):
     return datasets, target, drafter, stop_token_ids(tokenizer, target.model), tokenizer
 
 
-def decode_conversation(cfg: DictConfig, drafter, target, tokenizer, prompt: Prompt, input_ids: torch.Tensor,
-                        stops: list[int], seed: int) -> list[PromptResult]:
-    """The prompt, then each follow-up question (up to ``max_turns`` turns) after the
-    target's own previous answer, the plain run's: both runs of a turn see the same chat."""
-    results, messages = [], list(prompt.messages)
-    follow_ups = prompt.follow_ups[: None if cfg.max_turns is None else cfg.max_turns - 1]
-    for turn in range(1, len(follow_ups) + 2):
-        if turn > 1:
-            answer = tokenizer.decode(results[-1].plain_ids, skip_special_tokens=True).strip()
-            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow_ups[turn - 2]}]
-            ids = encode_messages(tokenizer, messages, cfg.system_prompt, cfg.enable_thinking)
-            input_ids = torch.tensor([ids], device=input_ids.device)
-        results.append(compare_prompt(drafter, target.model, prompt.id, input_ids, cfg.max_new_tokens, stops,
-                                      cfg.temperature, seed, turn=turn, time_steps=cfg.step_timing))
-    return results
+def _compare(cfg: DictConfig, drafter, target, prompt_ids: list[str], prompts: list[list[int]], max_new_tokens: int,
+             stops: list[int], seed: int, turn: int = 1) -> list[PromptResult]:
+    """One turn of several prompts: one by one (the latency numbers) or as one batch."""
+    if cfg.batch_size == 1:
+        return [compare_prompt(drafter, target.model, pid, torch.tensor([ids], device=target.device), max_new_tokens,
+                               stops, cfg.temperature, seed, turn=turn, time_steps=cfg.step_timing)
+                for pid, ids in zip(prompt_ids, prompts)]
+    return compare_batch(drafter, target.model, prompt_ids, prompts, max_new_tokens, stops, cfg.temperature, seed,
+                         turn=turn, time_steps=cfg.step_timing)
+
+
+def decode_conversations(cfg: DictConfig, drafter, target, tokenizer, items: list[tuple[Prompt, torch.Tensor]],
+                         stops: list[int], seed: int) -> list[PromptResult]:
+    """Each prompt, then each of its follow-up questions (up to ``max_turns`` turns) after
+    the target's own previous answer, the plain run's: both runs of a turn see the same
+    chat. Results come prompt by prompt, turns in order."""
+    limit = None if cfg.max_turns is None else cfg.max_turns - 1
+    follow_ups = [p.follow_ups[:limit] for p, _ in items]
+    chats = [list(p.messages) for p, _ in items]
+    ids = [x[0].tolist() for _, x in items]
+    results: list[list[PromptResult]] = [[] for _ in items]
+    active, turn = list(range(len(items))), 1
+    while active:
+        for i in active if turn > 1 else []:
+            answer = tokenizer.decode(results[i][-1].plain_ids, skip_special_tokens=True).strip()
+            chats[i] += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow_ups[i][turn - 2]}]
+            ids[i] = encode_messages(tokenizer, chats[i], cfg.system_prompt, cfg.enable_thinking)
+        outs = _compare(cfg, drafter, target, [items[i][0].id for i in active], [ids[i] for i in active],
+                        cfg.max_new_tokens, stops, seed, turn)
+        for i, r in zip(active, outs):
+            results[i].append(r)
+        turn += 1
+        active = [i for i in active if len(follow_ups[i]) >= turn - 1]
+    return [r for rs in results for r in rs]
 
 
 def evaluate(cfg: DictConfig, datasets, target, drafter, stops: list[int], tokenizer) -> dict:
@@ -215,21 +242,25 @@ def evaluate(cfg: DictConfig, datasets, target, drafter, stops: list[int], token
     block_size = drafter.config.block_size
     # Warm both paths once so one-time costs (allocator growth, kernel selection) stay
     # out of the first timed prompt.
-    first, first_ids = next(iter(datasets.values()))[1][0]
-    compare_prompt(drafter, target.model, first.id, first_ids, WARMUP_TOKENS, stops, cfg.temperature, cfg.seed)
+    first = next(iter(datasets.values()))[1][: cfg.batch_size]
+    _compare(cfg, drafter, target, [p.id for p, _ in first], [x[0].tolist() for _, x in first], WARMUP_TOKENS, stops,
+             cfg.seed)
 
     report = {"target": cfg.target.name, "drafter": cfg.drafter_path, "block_size": block_size,
               "config": OmegaConf.to_container(cfg, resolve=True), "datasets": {}}
     summaries = {}
     for label, (name, prompts) in datasets.items():
         results = []
-        bar = tqdm(prompts, desc=label, unit="prompt", file=sys.stderr)
-        for i, (prompt, input_ids) in enumerate(bar):
-            results += decode_conversation(cfg, drafter, target, tokenizer, prompt, input_ids, stops, cfg.seed + i)
+        bar = tqdm(total=len(prompts), desc=label, unit="prompt", file=sys.stderr)
+        for i in range(0, len(prompts), cfg.batch_size):
+            chunk = prompts[i : i + cfg.batch_size]
+            results += decode_conversations(cfg, drafter, target, tokenizer, chunk, stops, cfg.seed + i)
             steps = [n for r in results for n in r.acceptance_lengths]
+            bar.update(len(chunk))
             bar.set_postfix(tau=f"{sum(steps) / max(len(steps), 1):.2f}")
+        bar.close()
         summaries[label] = {**summarize(results, block_size, greedy=cfg.temperature == 0),
-                            "temperature": cfg.temperature}
+                            "temperature": cfg.temperature, "batch_size": cfg.batch_size}
         report["datasets"][label] = {"source": name, **summaries[label], "prompts": [r.to_dict() for r in results]}
 
     out = Path(cfg.output_dir)
