@@ -8,10 +8,22 @@ from dflash_train.eval.acceptance import target_generate
 from dflash_train.eval.batched import spec_generate_batch, target_generate_batch
 from dflash_train.model.dflash import SLIDING_ATTENTION, DFlashConfig, DFlashDraftModel, Sampling, StepClock
 from tests.conftest import make_tiny_target
-from tests.unit.test_runtime import CHI2_CRIT_7DF, VOCAB, _chi2, _exact_marginals
-from tests.unit.test_runtime import models  # noqa: F401  (fixture)
-from tests.unit.test_runtime_drafter import BLOCK, NEW_TOKENS, _drafter, _full_block_steps
-from tests.unit.test_runtime_drafter import prompts, target, trained  # noqa: F401  (fixtures)
+from tests.unit.test_runtime import (
+    CHI2_CRIT_7DF,
+    VOCAB,
+    _chi2,
+    _exact_marginals,
+    models,  # noqa: F401  (fixture)
+)
+from tests.unit.test_runtime_drafter import (  # noqa: F401  (prompts, target, trained: fixtures)
+    BLOCK,
+    NEW_TOKENS,
+    _drafter,
+    _full_block_steps,
+    prompts,
+    target,
+    trained,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

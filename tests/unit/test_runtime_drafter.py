@@ -131,8 +131,8 @@ def _check_drafts_against_training_layout(target, drafter, steps, output_ids):
 
 DRAFTERS = {
     "trained": None,  # steps of every length
-    "sliding": dict(layers=2, layer_types=[SLIDING_ATTENTION, FULL_ATTENTION], sliding_window=5,
-                    use_sliding_window=True, initializer_range=0.2),
+    "sliding": {"layers": 2, "layer_types": [SLIDING_ATTENTION, FULL_ATTENTION], "sliding_window": 5,
+                "use_sliding_window": True, "initializer_range": 0.2},
 }
 
 
