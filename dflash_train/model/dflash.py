@@ -382,12 +382,18 @@ class DFlashDraftModel(PreTrainedModel):
         mask_token_id: int | None = None,
         return_stats: bool = False,
         generator: torch.Generator | None = None,
+        time_steps: bool = False,
     ):
-        """Speculative decoding with `target` (an HF causal LM); batch size 1. See `speculate`."""
+        """Speculative decoding with `target` (an HF causal LM); batch size 1. See `speculate`.
+
+        time_steps: fill `SpecOutput.step_times` (draft, verify, bookkeeping seconds); on a
+        GPU this synchronises the device at every boundary, so leave it off when only
+        throughput matters.
+        """
         self.eval()
         result = speculate(
             self, target, input_ids, max_new_tokens, Sampling(temperature, top_p, top_k),
-            stop_token_ids, mask_token_id, generator,
+            stop_token_ids, mask_token_id, generator, StepClock(input_ids.device) if time_steps else NO_CLOCK,
         )
         return result if return_stats else result.output_ids
 
@@ -432,6 +438,7 @@ class SpecOutput:
     num_new_tokens: int
     prefill_s: float
     decode_s: float
+    step_times: dict | None = None  # seconds per part of the decode steps, when timed (StepClock)
 
 
 def _features(hidden_states, layer_ids) -> torch.Tensor:
@@ -442,6 +449,45 @@ def _sync(device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+STEP_PARTS = ("draft", "verify", "bookkeeping")
+
+
+class StepClock:
+    """Wall time of the parts of the decode steps, summed over steps.
+
+    draft: the block, the drafter forward and the draft tokens; verify: the target's
+    forward over the block and the acceptance rule; bookkeeping: committing, stop tokens,
+    cache crops and the new context features. Each lap waits for the device's queue.
+    """
+
+    def __init__(self, device):
+        self.device = device
+        self.totals = dict.fromkeys(STEP_PARTS, 0.0)
+        self.last = 0.0
+
+    def lap(self, part: str | None = None) -> None:
+        now = _sync(self.device)
+        if part is not None:
+            self.totals[part] += now - self.last
+        self.last = now
+
+    def result(self) -> dict:
+        return dict(self.totals)
+
+
+class _NoClock:
+    """The untimed path: no device synchronisation at all."""
+
+    def lap(self, part: str | None = None) -> None:
+        pass
+
+    def result(self) -> None:
+        return None
+
+
+NO_CLOCK = _NoClock()
 
 
 def _verify(drafts, draft_probs, target_logits, sampling: Sampling, generator):
@@ -481,7 +527,8 @@ def _first_token(logits, sampling: Sampling, generator) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids, mask_token_id, generator):
+def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids, mask_token_id, generator,
+              clock=NO_CLOCK):
     """Draft a block with `model`, verify it with `target` in one forward, commit, repeat.
 
     The drafter's cache holds only context K/V; the target's cache is cropped to the
@@ -507,6 +554,7 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
     t1 = _sync(device)
     lengths = []
     while len(tokens) - prompt_len < max_new_tokens and tokens[-1] not in stops:
+        clock.lap()
         start = len(tokens) - 1  # the anchor: last committed token, not yet seen by the target
         # a block of width L commits at most L tokens (L-1 drafts and the target's next)
         width = min(model.block_size, max_new_tokens - (len(tokens) - prompt_len))
@@ -520,10 +568,12 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
             else:
                 draft_probs = sampling.probs(logits)
                 block[0, 1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
+        clock.lap("draft")
         positions = torch.arange(start, start + width, device=device)[None]
         out = target(block, position_ids=positions, past_key_values=target_cache, use_cache=True,
                      output_hidden_states=True)
         accepted, bonus = _verify(block[0, 1:], draft_probs, out.logits[0], sampling, generator)
+        clock.lap("verify")
         committed = block[0, 1 : accepted + 1].tolist() + [int(bonus)]
         for i, tok in enumerate(committed):
             if tok in stops:
@@ -533,6 +583,7 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
         lengths.append(len(committed))
         _crop(target_cache, len(tokens) - 1)
         new_features = _features(out.hidden_states, model.target_layer_ids)[:, : accepted + 1]
+        clock.lap("bookkeeping")
     t2 = _sync(device)
     return SpecOutput(
         output_ids=torch.tensor([tokens], dtype=torch.long, device=device),
@@ -540,4 +591,5 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
         num_new_tokens=len(tokens) - prompt_len,
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
+        step_times=clock.result(),
     )

@@ -97,6 +97,21 @@ def test_divergences_are_classified_by_the_plain_top2_gap():
     assert summarize([tie], block_size=4, greedy=False)["divergent_prompts"] is None
 
 
+def test_summarize_counts_turns_and_step_times():
+    times = {"draft": 0.5, "verify": 1.0, "bookkeeping": 0.25}
+    first = PromptResult("q", 10, [2, 2], [1, 2, 3, 4], [1, 2, 3, 4], 1.0, 1.0, step_times=times)
+    second = PromptResult("q", 30, [4, 1, 1], [5, 6, 7, 8, 9, 9], [5, 6, 7, 8, 9, 9], 1.0, 1.0, turn=2,
+                          step_times=times)
+    s = summarize([first, second], block_size=4, greedy=True)
+    assert (s["num_prompts"], s["num_turns"], s["num_steps"]) == (1, 2, 5)
+    assert s["tau_by_turn"] == {"1": 2.0, "2": 2.0} and s["tau"] == 10 / 5
+    assert s["step_times"]["seconds"] == {"draft": 1.0, "verify": 2.0, "bookkeeping": 0.5}
+    assert s["step_times"]["ms_per_step"] == {"draft": 200.0, "verify": 400.0, "bookkeeping": 100.0}
+    assert second.to_dict()["turn"] == 2 and second.to_dict()["step_times"] == times
+    untimed = PromptResult("u", 10, [1], [1], [1], 1.0, 1.0)
+    assert summarize([first, untimed], block_size=4, greedy=True)["step_times"] is None
+
+
 def test_summarize_sampling_has_no_agreement():
     s = summarize([_result("a", [2], [1, 2], [3, 4], 1.0, 1.0)], block_size=4, greedy=False)
     assert s["greedy_agreement"] is None and s["token_agreement"] is None

@@ -23,6 +23,16 @@ def test_mtbench_first_turn_with_both_turns_kept():
     assert first.text.startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
     assert first.turns[1].startswith("Rewrite your previous response.")
     assert all(len(p.turns) == 2 for p in prompts)
+    assert first.follow_ups == [first.turns[1]]  # asked after the target's own first answer
+    assert load_benchmark("humaneval", limit=1)[0].follow_ups == []
+
+
+def test_a_conversation_given_with_its_answers_has_no_follow_ups(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                             {"role": "user", "content": "c"}]}) + "\n")
+    (prompt,) = load_benchmark(str(path))
+    assert prompt.turns == ["a", "c"] and prompt.follow_ups == []
 
 
 def test_humaneval_asks_to_complete_the_stub():

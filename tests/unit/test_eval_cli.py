@@ -1,9 +1,21 @@
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 
-from dflash_train.eval.acceptance import PromptResult, summarize
-from dflash_train.eval.cli import _check_config, _dataset_entries, format_table, stop_token_ids
+from dflash_train.eval.acceptance import PromptResult, summarize, target_generate
+from dflash_train.eval.benchmarks import Prompt
+from dflash_train.eval.cli import (
+    _check_config,
+    _dataset_entries,
+    decode_conversations,
+    encode_messages,
+    format_table,
+    stop_token_ids,
+)
 from dflash_train.eval.plot import plot_acceptance
+from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
+from dflash_train.model.target import TargetModel
+from tests.conftest import make_tiny_target
 
 
 def _cfg(*overrides):
@@ -22,6 +34,9 @@ def test_eval_recipe_composes_with_required_drafter():
         _check_config(_cfg())
     with pytest.raises(ValueError, match="drafter_path '/no/such/dir' is not a directory"):
         _check_config(_cfg("drafter_path=/no/such/dir"))
+    assert _cfg("drafter_path=random").max_turns is None  # MT-Bench's second question is asked
+    with pytest.raises(ValueError, match="max_turns must be >= 1 or null .every turn., got 0"):
+        _check_config(_cfg("drafter_path=random", "max_turns=0"))
 
 
 def test_dataset_entries_labels_and_limits():
@@ -80,3 +95,85 @@ def test_format_table_explains_divergences():
 def test_plot_writes_png(tmp_path):
     path = plot_acceptance({"mtbench": _summary(), "humaneval": _summary()}, tmp_path / "acc.png", title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_format_table_turns_sampling_and_step_times():
+    times = {"draft": 0.5, "verify": 1.0, "bookkeeping": 0.25}
+    results = [PromptResult("q", 10, [2, 2], [1, 2, 3, 4], [1, 9, 9, 9], 1.0, 1.0, step_times=times),
+               PromptResult("q", 30, [3, 1], [5, 6, 7, 8], [5, 6], 1.0, 1.0, turn=2, step_times=times)]
+    sampled = {**summarize(results, 4, greedy=False), "temperature": 0.7, "batch_size": 4}
+    lines = format_table({"mtbench": sampled}).splitlines()
+    assert lines[2].split()[:4] == ["mtbench", "1", "2.00", "-"]
+    assert lines[3] == "mtbench: tau by turn 1: 2.00, 2: 2.00"
+    assert lines[4].startswith("mtbench: sampled (temperature 0.7): tau is acceptance under rejection sampling; "
+                               "agreement with plain decoding does not apply")
+    assert lines[5].startswith("batch_size=4: tok/s is the batches' throughput")
+    assert lines[6].split() == ["ms/step", "draft", "verify", "bookkeep"]
+    assert lines[7].split() == ["mtbench", "250.00", "500.00", "125.00"]
+
+
+class _CharTokenizer:
+    """A chat template that writes `role:content|` per message; characters are tokens."""
+
+    chat_template = "role:content|"
+    name_or_path = "chars"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, enable_thinking):
+        return "".join(f"{m['role']}:{m['content']}|" for m in messages) + ("assistant:" * add_generation_prompt)
+
+    def __call__(self, text, add_special_tokens):
+        return {"input_ids": [ord(c) % 90 for c in text]}
+
+    def decode(self, ids, skip_special_tokens):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def chat_models():
+    target = TargetModel(make_tiny_target("qwen3"))
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(DFlashConfig.from_target(target.config, mask_token_id=96, num_hidden_layers=1,
+                                                        block_size=4)).eval()
+    return target, drafter
+
+
+def _items(tok):
+    prompts = [Prompt("chat/1", [{"role": "user", "content": "hi"}], "chat", turns=["hi", "and then?"]),
+               Prompt("chat/2", [{"role": "user", "content": "write"}], "chat", turns=["write"]),
+               Prompt("chat/3", [{"role": "user", "content": "count"}], "chat", turns=["count", "again", "stop"])]
+    return [(p, torch.tensor([encode_messages(tok, p.messages, None, False)])) for p in prompts]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_second_turn_follows_the_targets_own_first_answer(chat_models):
+    target, drafter = chat_models
+    tok = _CharTokenizer()
+    items = _items(tok)
+    cfg = _cfg("drafter_path=random", "max_new_tokens=6", "step_timing=true")
+    first, second = decode_conversations(cfg, drafter, target, tok, items[:1], [], seed=0)
+    assert (first.turn, second.turn) == (1, 2) and first.step_times and second.step_times
+    chat = [*items[0][0].messages, {"role": "assistant", "content": tok.decode(first.plain_ids, True)},
+            {"role": "user", "content": "and then?"}]
+    second_ids = torch.tensor([encode_messages(tok, chat, None, False)])
+    assert second.prompt_tokens == second_ids.shape[1]
+    assert second.plain_ids == target_generate(target.model, second_ids, 6)[0, second_ids.shape[1]:].tolist()
+    assert second.spec_ids == second.plain_ids and first.spec_ids == first.plain_ids
+    assert len(decode_conversations(_cfg("drafter_path=random", "max_new_tokens=6", "max_turns=1"), drafter,
+                                    target, tok, items[:1], [], seed=0)) == 1
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_batched_conversations_equal_one_by_one(chat_models):
+    target, drafter = chat_models
+    tok = _CharTokenizer()
+    items = _items(tok)
+    one = decode_conversations(_cfg("drafter_path=random", "max_new_tokens=7"), drafter, target, tok, items, [], 0)
+    cfg = _cfg("drafter_path=random", "max_new_tokens=7", "batch_size=3", "step_timing=true")
+    batched = decode_conversations(cfg, drafter, target, tok, items, [], 0)
+    assert [(r.id, r.turn) for r in batched] == [(r.id, r.turn) for r in one] == [
+        ("chat/1", 1), ("chat/1", 2), ("chat/2", 1), ("chat/3", 1), ("chat/3", 2), ("chat/3", 3)]
+    for a, b in zip(one, batched):
+        assert (a.prompt_tokens, a.spec_ids, a.plain_ids) == (b.prompt_tokens, b.spec_ids, b.plain_ids)
+        assert b.spec_ids == b.plain_ids
+    s = summarize(batched, 4, greedy=True)
+    assert s["step_times"]["ms_per_step"]["verify"] > 0 and s["greedy_agreement"] == 1.0

@@ -8,6 +8,8 @@ import torch
 from dflash_train.model.dflash import ContextCache, DFlashConfig, DFlashDraftModel, Sampling
 from tests.conftest import make_tiny_target
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 8
 NEW = 4
 DRAWS = 3000
@@ -43,10 +45,14 @@ def _chi2(counts, probs):
     return float(((counts - expected) ** 2 / expected.clamp_min(1e-9)).sum())
 
 
-def test_rejection_sampling_matches_target_distribution(models):
+# Not 1: a sampler that ignores the temperature would pass there. Both sides of 1: peaked
+# (more drafts accepted) and flat (more rejections and residual samples). A sampler that
+# draws at temperature 1 instead expects a chi-square of 2100..2900 per position here at
+# 0.6 and 340..730 at 1.5, far above the critical 29.88.
+@pytest.mark.parametrize("temperature", [0.6, 1.5])
+def test_rejection_sampling_matches_target_distribution(models, temperature):
     target, drafter = models
     prompt = torch.tensor([[1, 5, 2, 3]])
-    temperature = 1.0
     exact = _exact_marginals(target, prompt, temperature)
     gen = torch.Generator().manual_seed(1234)
     counts = torch.zeros(NEW, VOCAB)
@@ -109,3 +115,15 @@ def test_greedy_lossless_and_budget_on_tiny_targets():
             out = drafter.spec_generate(target, ids, new, return_stats=True)
             assert torch.equal(out.output_ids, target.generate(ids, max_new_tokens=new, do_sample=False))
             assert out.num_new_tokens == new and sum(out.acceptance_lengths) == new - 1
+
+
+def test_step_times_split_the_decode_without_changing_it(models):
+    target, drafter = models
+    prompt = torch.tensor([[1, 5, 2, 3]])
+    plain = drafter.spec_generate(target, prompt, 12, return_stats=True)
+    timed = drafter.spec_generate(target, prompt, 12, return_stats=True, time_steps=True)
+    assert plain.step_times is None
+    assert torch.equal(timed.output_ids, plain.output_ids)
+    assert set(timed.step_times) == {"draft", "verify", "bookkeeping"}
+    assert all(t > 0 for t in timed.step_times.values())
+    assert sum(timed.step_times.values()) <= timed.decode_s

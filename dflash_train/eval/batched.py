@@ -1,0 +1,232 @@
+"""Many prompts at once: batched speculative and plain decoding for ``dflash-eval``.
+
+Rows commit different numbers of tokens per step, so neither cache can be cropped to one
+length. Instead every step appends the whole block to both caches (the target's KV and the
+drafter's context K/V) and a per-row validity mask hides what was not committed: the
+rejected drafts' slots, and the left padding of shorter prompts. Positions are per row, so
+each row sees exactly the keys, at exactly the positions, that its batch-1 run sees; in
+float32 its greedy output is the batch-1 output (tests/unit/test_eval_batched.py). The
+caches grow by B slots a step whatever was accepted, which costs attention work at long
+lengths; this is an evaluation tool, not a server.
+
+A row that has finished (stop token or budget) keeps decoding with the others until the
+whole batch has finished; nothing more is recorded for it. Every block is B slots wide;
+the batch-1 runtime narrows its last blocks to the remaining budget, so the acceptance
+lengths of a row's last steps can differ from its batch-1 run (its output cannot).
+
+Shapes: b rows, P longest prompt, B block size, L cache length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_train.model.dflash import (
+    FULL_ATTENTION,
+    NO_CLOCK,
+    SLIDING_ATTENTION,
+    ContextCache,
+    Sampling,
+    SpecOutput,
+    _features,
+    _sync,
+    _verify,
+)
+
+PAD_ID = 0  # any valid id: padded slots are masked out and never read
+
+
+def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids (b, P), valid (b, P) bool, positions (b, P): each prompt right-aligned, so every
+    row's last prompt token sits in the last column."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+    lengths = torch.tensor([len(p) for p in prompts])
+    col = torch.arange(width)
+    valid = col[None] >= (width - lengths)[:, None]
+    positions = (col[None] - (width - lengths)[:, None]).clamp_min(0)
+    return ids.to(device), valid.to(device), positions.to(device)
+
+
+def _first_tokens(logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
+    """(b, V) -> (b,)"""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    return torch.multinomial(sampling.probs(logits), 1, generator=generator)[:, 0]
+
+
+def _draft_masks(drafter, ctx_valid, ctx_pos, block_pos) -> dict:
+    """Per layer type (b, 1, B, C + B) bool: a block slot sees the valid context keys and
+    its block (causally and within the window for sliding layers), as in batch 1."""
+    b, width = block_pos.shape
+    slot = torch.arange(width, device=block_pos.device)
+    see_ctx = ctx_valid[:, None, :].expand(b, width, -1)  # (b, B, C)
+    masks = {FULL_ATTENTION: torch.cat([see_ctx, see_ctx.new_ones(b, width, width)], -1)[:, None]}
+    if SLIDING_ATTENTION in drafter.layer_types:
+        window = drafter.config.sliding_window
+        near = block_pos[:, :, None] - ctx_pos[:, None, :] < window  # (b, B, C)
+        causal = (slot[None, :] <= slot[:, None]) & (slot[:, None] - slot[None, :] < window)  # (B, B)
+        masks[SLIDING_ATTENTION] = torch.cat([see_ctx & near, causal.expand(b, -1, -1)], -1)[:, None]
+    return masks
+
+
+class _Rows:
+    """What each row has committed and what is recorded for it."""
+
+    def __init__(self, num_rows: int, max_new_tokens: int, stops: set, first: list[int] | None = None):
+        self.max_new_tokens, self.stops = max_new_tokens, stops
+        self.new = [[] if first is None else [first[i]] for i in range(num_rows)]  # recorded new tokens
+        self.lengths = [[] for _ in range(num_rows)]  # tokens committed per verify step
+        self.done = [bool(self.new[i]) and self._finished(i) for i in range(num_rows)]
+
+    def _finished(self, i) -> bool:
+        return len(self.new[i]) >= self.max_new_tokens or self.new[i][-1] in self.stops
+
+    def record(self, i, committed: list[int]) -> None:
+        if self.done[i]:
+            return
+        committed = committed[: self.max_new_tokens - len(self.new[i])]
+        for k, tok in enumerate(committed):
+            if tok in self.stops:
+                committed = committed[: k + 1]
+                break
+        self.new[i] += committed
+        self.lengths[i].append(len(committed))
+        self.done[i] = self._finished(i)
+
+
+def _accept(block, draft_probs, logits, sampling, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted draft counts (b,) and the tokens that follow them (b,), row by row as batch 1."""
+    if sampling.greedy:
+        target_tokens = logits.argmax(-1)  # (b, B)
+        accepted = (block[:, 1:] == target_tokens[:, :-1]).long().cumprod(1).sum(1)  # (b,)
+        return accepted, target_tokens.gather(1, accepted[:, None])[:, 0]
+    pairs = [_verify(block[i, 1:], draft_probs[i], logits[i], sampling, generator) for i in range(len(block))]
+    return (torch.tensor([a for a, _ in pairs], device=block.device),
+            torch.stack([torch.as_tensor(t, device=block.device) for _, t in pairs]))
+
+
+@torch.inference_mode()
+def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                        stop_token_ids=None, generator=None, clock=NO_CLOCK) -> list[SpecOutput]:
+    """Speculative decoding of several prompts together; one `SpecOutput` per prompt.
+
+    prefill_s and decode_s are the batch's (the same for every row); step_times, when
+    ``clock`` is a StepClock, too.
+    """
+    from transformers import DynamicCache
+
+    mask_id, width = drafter.mask_token_id, drafter.block_size
+    device = target.device
+    t0 = _sync(device)
+    ids, valid, positions = left_pad(prompts, device)
+    cache = DynamicCache(config=target.config)
+    out = target(ids, attention_mask=valid.long(), position_ids=positions, past_key_values=cache, use_cache=True,
+                 output_hidden_states=True, logits_to_keep=1)
+    first = _first_tokens(out.logits[:, -1], sampling, generator)  # (b,)
+    rows = _Rows(len(prompts), max_new_tokens, set(stop_token_ids or []), first.tolist())
+    key_valid = valid  # (b, L) which target cache slots hold committed tokens
+    # the drafter's context: features not yet in its cache, and what its cache holds
+    new_feats, new_valid, new_pos = _features(out.hidden_states, drafter.target_layer_ids), valid, positions
+    ctx_valid = ctx_pos = valid[:, :0]
+    draft_cache = ContextCache()
+    anchor, start = first, torch.tensor([len(p) for p in prompts], device=device)  # (b,) position of the anchor
+    slot = torch.arange(width, device=device)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    t1 = _sync(device)
+    while not all(rows.done):
+        clock.lap()
+        block = torch.full((len(prompts), width), mask_id, dtype=torch.long, device=device)
+        block[:, 0] = anchor
+        block_pos = start[:, None] + slot  # (b, B)
+        ctx_valid, ctx_pos = torch.cat([ctx_valid, new_valid], 1), torch.cat([ctx_pos, new_pos], 1)
+        # zeroed: a padded slot's features may be anything (even NaN), and 0 * NaN is NaN
+        feats = new_feats.masked_fill(~new_valid[..., None], 0.0)
+        hidden = drafter(embed(block), feats, torch.cat([new_pos, block_pos], 1),
+                         _draft_masks(drafter, ctx_valid, ctx_pos, block_pos), draft_cache, True)
+        logits = head(hidden[:, 1:])  # (b, B-1, V)
+        draft_probs = None
+        if sampling.greedy:
+            block[:, 1:] = logits.argmax(-1)
+        else:
+            draft_probs = sampling.probs(logits)
+            block[:, 1:] = torch.multinomial(draft_probs.flatten(0, 1), 1, generator=generator).view(len(block), -1)
+        clock.lap("draft")
+        mask = torch.cat([key_valid, key_valid.new_ones(block.shape)], 1).long()  # (b, L + B)
+        out = target(block, attention_mask=mask, position_ids=block_pos, past_key_values=cache, use_cache=True,
+                     output_hidden_states=True)
+        accepted, bonus = _accept(block, draft_probs, out.logits, sampling, generator)
+        clock.lap("verify")
+        for i, (n, tok) in enumerate(zip(accepted.tolist(), bonus.tolist())):
+            rows.record(i, block[i, 1 : n + 1].tolist() + [tok])
+        # the anchor and the accepted drafts are committed; their features are the next context
+        new_valid = slot[None] <= accepted[:, None]  # (b, B)
+        key_valid = torch.cat([key_valid, new_valid], 1)
+        new_feats, new_pos = _features(out.hidden_states, drafter.target_layer_ids), block_pos
+        anchor, start = bonus, start + accepted + 1
+        clock.lap("bookkeeping")
+    t2 = _sync(device)
+    return [SpecOutput(output_ids=torch.tensor([p + new], dtype=torch.long), acceptance_lengths=lengths,
+                       num_new_tokens=len(new), prefill_s=t1 - t0, decode_s=t2 - t1, step_times=clock.result())
+            for p, new, lengths in zip(prompts, rows.new, rows.lengths)]
+
+
+@torch.inference_mode()
+def target_generate_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_token_ids=None,
+                          temperature: float = 0.0, gaps_ulps: list[list[float]] | None = None) -> list[list[int]]:
+    """Plain decoding of several prompts together: each row's new tokens, cut after its first
+    stop token. ``gaps_ulps`` (one list per row) receives each recorded step's top-2 gap."""
+    from transformers import DynamicCache
+
+    from dflash_train.eval.acceptance import _next_token, top2_gap_ulps
+
+    ids, valid, positions = left_pad(prompts, model.device)
+    cache = DynamicCache(config=model.config)
+    out = model(ids, attention_mask=valid.long(), position_ids=positions, past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    rows = _Rows(len(prompts), max_new_tokens, set(stop_token_ids or []))
+    mask, position = valid.long(), positions[:, -1]
+    while True:
+        token = _next_token(out.logits[:, -1], temperature)  # (b, 1)
+        for i, t in enumerate(token[:, 0].tolist()):
+            if gaps_ulps is not None and not rows.done[i]:
+                gaps_ulps[i].append(top2_gap_ulps(out.logits[i:i + 1, -1], model.dtype))
+            rows.record(i, [t])
+        if all(rows.done):
+            return rows.new
+        mask, position = torch.cat([mask, mask.new_ones(len(prompts), 1)], 1), position + 1
+        out = model(token, attention_mask=mask, position_ids=position[:, None], past_key_values=cache, use_cache=True)
+
+
+def compare_batch(drafter, model, prompt_ids: list[str], prompts: list[list[int]], max_new_tokens: int,
+                  stop_token_ids: list[int], temperature: float = 0.0, seed: int = 0, turn: int = 1,
+                  time_steps: bool = False):
+    """`compare_prompt` for several prompts decoded together, each run timed as a whole.
+
+    Each row's spec_s / plain_s is its share of the batch's wall time (the time split
+    evenly), so tokens/s summed over a dataset is the batches' throughput.
+    """
+    from dflash_train.eval.acceptance import PromptResult, _timed, trim_output
+    from dflash_train.model.dflash import StepClock
+
+    device = model.device
+    clock = StepClock(device) if time_steps else NO_CLOCK
+    torch.manual_seed(seed)
+    spec, spec_s = _timed(lambda: spec_generate_batch(drafter, model, prompts, max_new_tokens, Sampling(temperature),
+                                                      stop_token_ids, clock=clock), device)
+    torch.manual_seed(seed)
+    gaps = [[] for _ in prompts]
+    plain, plain_s = _timed(lambda: target_generate_batch(model, prompts, max_new_tokens, stop_token_ids,
+                                                          temperature, gaps), device)
+    share = 1 / len(prompts)
+    step_times = None
+    if spec[0].step_times is not None:  # the batch's decode steps: as many as its longest-running row took
+        steps = max(len(out.acceptance_lengths) for out in spec)
+        step_times = {**{k: v * share for k, v in spec[0].step_times.items()}, "steps": steps * share}
+    return [PromptResult(id=pid, prompt_tokens=len(p), acceptance_lengths=out.acceptance_lengths,
+                         spec_ids=trim_output(out.output_ids[0, len(p):].tolist(), max_new_tokens, stop_token_ids),
+                         plain_ids=trim_output(new, max_new_tokens, stop_token_ids), spec_s=spec_s * share,
+                         plain_s=plain_s * share, plain_gaps_ulps=g, turn=turn, step_times=step_times)
+            for pid, p, out, new, g in zip(prompt_ids, prompts, spec, plain, gaps)]
