@@ -16,7 +16,6 @@ Shape legend:
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
