@@ -27,14 +27,10 @@ COMPARED = ("loss", "grad_norm", "lr")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from dflash_train.model.target import load_tokenizer
-    from tests.conftest import SMOLLM2
-    from tests.train_data import save_tiny_target, write_datagen_dir
+    from tests.train_data import tiny_inputs
 
-    root = tmp_path_factory.mktemp("tiny_parity")
-    tok = load_tokenizer(SMOLLM2)
-    target = save_tiny_target(root / "target", tok)
-    data = write_datagen_dir(root / "data", target, tok)
+    inputs = tiny_inputs(tmp_path_factory.mktemp("tiny_parity"))
+    root, target, data = inputs["root"], inputs["target"], inputs["data"]
     reference = run(target, str(data), root / "reference", "single", micro_batch_size=1, grad_accum_steps=4,
                     max_steps=TOTAL)
     return {"target": target, "data": str(data), "reference": reference}

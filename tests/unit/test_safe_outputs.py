@@ -12,19 +12,16 @@ from dflash_train.model.target import load_tokenizer
 from dflash_train.training.trainer import Trainer
 from tests.cli_helpers import assert_one_line_error, full_disk, read_only_dir, run_cli, snapshot
 from tests.conftest import SMOLLM2
-from tests.train_data import save_tiny_target, tiny_train_config, write_datagen_dir
+from tests.train_data import tiny_inputs, tiny_train_config, write_datagen_dir
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A finished tiny training run (checkpoint + export)."""
-    root = tmp_path_factory.mktemp("safe")
-    tok = load_tokenizer(SMOLLM2)
-    target = save_tiny_target(root / "target", tok)
-    data = write_datagen_dir(root / "data", target, tok)
-    out = root / "run"
-    Trainer(tiny_train_config(target, data, out, max_steps=1, export=True)).fit()
-    return {"out": out, "target": target, "data": data}
+    tiny = tiny_inputs(tmp_path_factory.mktemp("safe"))
+    out = tiny["root"] / "run"
+    Trainer(tiny_train_config(tiny["target"], tiny["data"], out, max_steps=1, export=True)).fit()
+    return {"out": out, "target": tiny["target"], "data": tiny["data"]}
 
 
 def _user_folder(path):

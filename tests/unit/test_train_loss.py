@@ -157,14 +157,18 @@ def test_index_gives_the_same_results_as_masking(fused):
     assert torch.equal(indexed_grad, grad)
 
 
+def cuda_case():
+    """``_case`` in bf16 on the GPU, with the supervised index computed on the host as the
+    trainer does."""
+    head, hidden, labels = _case(True)
+    index = (labels.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
+    return head.to("cuda", torch.bfloat16), hidden.detach().cuda().requires_grad_(), labels.cuda(), index
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_default_is_the_compiled_fused_walk_and_never_waits_for_the_gpu():
-    head, hidden, labels = _case(True)
-    head = head.to("cuda", torch.bfloat16)
-    hidden = hidden.detach().cuda().requires_grad_()
-    labels = labels.cuda()
-    index = (labels.cpu().flatten() != IGNORE_INDEX).nonzero().squeeze(1)  # the caller's, on the host
+    head, hidden, labels, index = cuda_case()
     weights = contract.slot_weights(B, 2.0)  # on the host, like the trainer's
     plain, plain_grad = _run(head, hidden, labels, 3, fused=False)
     _run(head, hidden, labels, 3, index=index)  # compiles outside the sync check

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from dflash_train import contract
 from dflash_train.contract import IGNORE_INDEX
 from dflash_train.training.loss import Distillation, dflash_loss, dpace_weights, soft_target_index
-from tests.unit.test_train_loss import NEEDS_CXX, B, _case
+from tests.unit.test_train_loss import NEEDS_CXX, B, _case, cuda_case
 
 # Each row of _case holds 3 blocks of 4 slots over T = 12 positions; slot k >= 1 of the block
 # at anchor p reads the target's distribution after p + k - 1 <= 9 < T.
@@ -198,11 +198,7 @@ def test_fused_bf16_distillation_matches_plain_walk():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_distillation_and_dpace_never_wait_for_the_gpu():
-    head, hidden, labels = _case(True)
-    head = head.to("cuda", torch.bfloat16)
-    hidden = hidden.detach().cuda().requires_grad_()
-    labels = labels.cuda()
-    index = (labels.cpu().flatten() != IGNORE_INDEX).nonzero().squeeze(1)
+    head, hidden, labels, index = cuda_case()
     distill = Distillation(_teacher().cuda().bfloat16(), ANCHORS.cuda(), 0.5)
     weights = contract.slot_weights(B, 2.0)
     kwargs = dict(index=index, distill=distill, dpace_alpha=0.5)
