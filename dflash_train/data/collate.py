@@ -44,10 +44,6 @@ class Batch:
     supervised_index: torch.Tensor  # (M,) long: flat indices into (b * Q) of the supervised slots
     stats: BatchStats
 
-    @property
-    def num_tokens(self) -> int:
-        return self.stats.tokens
-
     def _tensors(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stats"}
 

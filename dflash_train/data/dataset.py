@@ -42,8 +42,8 @@ def anchor_counts(ds, max_length: int, num_anchors: int, rows_per_pass: int = 16
             values = part.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
             csum = np.concatenate([[0], np.cumsum(values)])  # csum[j] = sum of values[:j]
             length = np.minimum(offsets[1:] - offsets[:-1], max_length)
-            # candidates p + 1 run over positions 1 .. L-1 of each conversation
-            count = np.where(length > 1, csum[first + np.maximum(length, 1)] - csum[first + 1], 0)
+            # candidates p + 1 run over positions 1 .. L-1 of each conversation (none when L <= 1)
+            count = csum[first + length] - csum[first + np.minimum(length, 1)]
             out.append(np.minimum(count, num_anchors))
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
@@ -119,7 +119,6 @@ class TrainingData:
         self.blocks_per_row = blocks_per_row
         all_lengths = row_lengths(ds)
         lengths = [all_lengths[i] for i in self.indices]
-        self.num_conversations = len(lengths)
         self.num_truncated = sum(n > max_length for n in lengths)
         # Packing is fixed once from the dataset order, so a row id names the same
         # conversations in every epoch and after a resume; epochs shuffle whole rows.
