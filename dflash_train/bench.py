@@ -36,7 +36,7 @@ from hydra import compose, initialize_config_module
 from dflash_train.config import to_train_config
 from dflash_train.data.dataset import TrainingData
 from dflash_train.distributed.backend import build_backend
-from dflash_train.model.target import TargetModel, load_target, resolve_target
+from dflash_train.model.target import TargetModel, load_target, resolve_target, target_dtype
 from dflash_train.training import flops
 from dflash_train.training.trainer import Trainer
 
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
             dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
             target = random_target(config, backend.device, dtype)
         else:
-            target = load_target(raw.target.name, dtype=raw.target.dtype)
+            target = load_target(raw.target.name, dtype=target_dtype(raw.target.dtype, backend.device))
         cfg = to_train_config(raw)
         data = None
         if not real_data:

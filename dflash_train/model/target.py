@@ -300,20 +300,27 @@ class TargetModel:
         return feats, (out.last_hidden_state if final else None)
 
 
+def target_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """The torch dtype of a target recipe's ``dtype`` on ``device``: ``auto`` is float32 on
+    CPU and bfloat16 on an accelerator (never the checkpoint's own dtype: a GGUF converted
+    into the cache is float32, which would make a GPU target run 4x slower)."""
+    if dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
 def load_target(
     spec: str,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     cache_dir: str | os.PathLike | None = None,
 ) -> TargetModel:
-    """Load a frozen target. ``dtype='auto'`` is float32 on CPU and bfloat16 elsewhere."""
+    """Load a frozen target. ``dtype='auto'`` is float32 on CPU and bfloat16 elsewhere (see
+    ``target_dtype``; a caller that loads on the CPU and moves the model later resolves it
+    for the device the model will run on)."""
     from transformers import AutoModelForCausalLM
 
-    if dtype == "auto":
-        dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    elif isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(resolve_target(spec, cache_dir), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(resolve_target(spec, cache_dir), dtype=target_dtype(dtype, device))
     return TargetModel(model.to(device))
 
 

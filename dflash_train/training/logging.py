@@ -29,6 +29,22 @@ def _jsonable(value):
     return value
 
 
+def _lines_up_to(path: Path, step: int) -> list[str]:
+    """The metric lines of steps <= ``step``: a resumed run's history. Later lines belong to
+    steps it will run again (logged after the checkpoint it resumes from), or, when it starts
+    from step 0, to an earlier run that left no checkpoint; keeping them would mix two runs."""
+    if step == 0 or not path.exists():
+        return []
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):
+            break  # a line cut by a crash ends the readable history
+    return kept
+
+
 class MetricsLogger:
     """Writes metric dicts; a no-op on every process but the main one."""
 
@@ -41,7 +57,11 @@ class MetricsLogger:
         if not is_main:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(output_dir / METRICS_FILE, "a")
+        path = output_dir / METRICS_FILE
+        kept = _lines_up_to(path, start_step)
+        self.file = open(path, "w")
+        self.file.writelines(kept)
+        self.file.flush()
         if cfg.progress_bar:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         if cfg.wandb != "disabled":

@@ -38,6 +38,7 @@ from dflash_train.model.target import (
     TargetModel,
     load_target,
     load_tokenizer,
+    target_dtype,
     target_identity,
     tokenizer_hash,
     tokenizer_identity,
@@ -159,7 +160,8 @@ class Trainer:
     def _setup_model(self, target: TargetModel | None) -> None:
         cfg = self.cfg
         if target is None:
-            target = load_target(cfg.target.name, dtype=cfg.target.dtype, device="cpu")
+            # Loaded on the CPU and moved by the backend: ``auto`` means the dtype for where it runs.
+            target = load_target(cfg.target.name, dtype=target_dtype(cfg.target.dtype, self.backend.device), device="cpu")
         if target.num_layers != cfg.target.num_layers:
             raise ValueError(f"target.num_layers={cfg.target.num_layers} but {cfg.target.name} has {target.num_layers}")
         if not 0 <= cfg.target.mask_token_id < target.vocab_rows:

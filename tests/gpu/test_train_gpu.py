@@ -59,6 +59,8 @@ def test_packed_flex_rows_compile_once_on_gpu(tmp_path):
     )
     torch._dynamo.reset()
     trainer = Trainer(cfg)
+    # The target is loaded on the CPU and moved: dtype=auto must still mean bfloat16 on the GPU.
+    assert {p.dtype for p in trainer.target.model.parameters()} == {torch.bfloat16}
     trainer.train_step(0)
     trainer.validate()
     warm = counters["stats"]["unique_graphs"]

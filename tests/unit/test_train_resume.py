@@ -178,3 +178,22 @@ def test_eval_refuses_non_finite_weights(tiny, tmp_path):
                    f"output_dir={tmp_path / 'eval'}")
     assert_one_line_error(done, "dflash-eval", "model.safetensors: tensor 'fc.weight' has non-finite values")
     assert not (tmp_path / "eval").exists()
+
+
+def test_metrics_hold_one_run_only(tiny, tmp_path):
+    """A fresh run (no checkpoint to resume) does not append to an earlier run's metrics, and
+    a resumed run drops the lines logged after the checkpoint it resumes from."""
+    out = tmp_path / "run"
+    out.mkdir()
+    # An earlier run killed before its first checkpoint left only metrics behind.
+    (out / METRICS_FILE).write_text("".join(json.dumps({"step": s, "time": 0.0, "loss": -1.0}) + "\n"
+                                            for s in range(1, 6)))
+    Trainer(_cfg(tiny, out, max_steps=2, checkpoint={"every": 1})).fit()
+    first = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
+    assert [m["step"] for m in first] == [1, 2] and all(m["loss"] != -1.0 for m in first)
+    # As if killed after logging step 3 but before its checkpoint: resuming from step 2 logs 3 once.
+    with (out / METRICS_FILE).open("a") as f:
+        f.write(json.dumps({"step": 3, "time": 0.0, "loss": -1.0}) + "\n")
+    Trainer(_cfg(tiny, out, max_steps=3, checkpoint={"every": 1})).fit()
+    lines = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3] and lines[-1]["loss"] != -1.0
