@@ -94,7 +94,7 @@ def train(backend_name: str, accum: int, steps: int, first_step: int = 0, micro:
             backend.backward(loss, sync=i == micro - 1)
             total += loss.detach()
         norms.append(backend.step())
-        losses.append(backend.all_reduce_mean(total / micro).item())
+        losses.append(backend.all_reduce_sum(total / micro).item() / backend.world_size)
         lrs.append(backend.lr())
     if save:
         backend.save_state(save)
