@@ -223,7 +223,7 @@ class Backend(ABC):
 
     @abstractmethod
     def save_state(self, directory: str | os.PathLike) -> None:
-        """Collective: writes model, optimizer and scheduler state (see STATE_FILES)."""
+        """Collective: writes model, optimizer and scheduler state (STATE_FILES or SHARDED_DIR)."""
 
     @abstractmethod
     def load_state(self, directory: str | os.PathLike) -> None:
