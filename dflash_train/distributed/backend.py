@@ -24,9 +24,11 @@ Semantics shared by every backend:
     process with N*A accumulation steps.
   * Mixed precision (`mixed_precision: bf16`, the default on CUDA) keeps fp32 master
     weights and fp32 optimizer state and computes in bf16 in every backend.
-  * `save_state(dir)` writes one format for all backends (see `STATE_FILES`): full,
-    unsharded fp32 tensors keyed by parameter name, written by rank 0. Any backend at any
-    world size loads it, so a ZeRO-3 run on 8 GPUs resumes as DDP on 2 or on one CPU.
+  * `save_state(dir)` writes one of two formats, both keyed by parameter name and read by
+    every backend at any world size (a ZeRO-3 run on 8 GPUs resumes as DDP on 2 or on one
+    CPU): full, unsharded fp32 tensors written by rank 0 (`STATE_FILES`; single, DDP,
+    ZeRO), or FSDP2's sharded one (`SHARDED_DIR`, a torch.distributed.checkpoint folder
+    each rank writes its own shards into, resharded on load).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import os
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -42,9 +45,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 BACKEND_NAMES = ("single", "ddp", "fsdp2", "zero2", "zero3")
 DEEPSPEED_BACKENDS = ("zero2", "zero3")
@@ -52,6 +58,9 @@ DEEPSPEED_BACKENDS = ("zero2", "zero3")
 # The optimizer file uses torch's full-state-dict layout (per-parameter state keyed by the
 # parameter's name, param_groups listing names), which is independent of sharding.
 STATE_FILES = {"model": "model.pt", "optimizer": "optimizer.pt", "scheduler": "scheduler.pt"}
+# The sharded format (FSDP2): model and optimizer state as a torch.distributed.checkpoint
+# folder of {"model": ..., "optim": ...} in the same layout, the scheduler in STATE_FILES'.
+SHARDED_DIR = "sharded"
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -208,16 +217,13 @@ class Backend(ABC):
             dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out
 
-    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce_sum(tensor) / self.world_size
-
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
 
     @abstractmethod
     def save_state(self, directory: str | os.PathLike) -> None:
-        """Collective: writes model, optimizer and scheduler state (see STATE_FILES)."""
+        """Collective: writes model, optimizer and scheduler state (STATE_FILES or SHARDED_DIR)."""
 
     @abstractmethod
     def load_state(self, directory: str | os.PathLike) -> None:
@@ -288,22 +294,38 @@ class Backend(ABC):
 
     # Checkpoint files, shared by every backend.
     def _write_state(self, directory: str | os.PathLike, model_sd: dict, optim_sd: dict) -> None:
-        """Rank 0 writes the full state dicts; the caller gathered them."""
+        """Rank 0 writes the full state dicts (the caller gathered them; other ranks pass
+        whatever they hold, which is not written)."""
         if self.is_main:
             path = Path(directory)
             path.mkdir(parents=True, exist_ok=True)
             torch.save(model_sd, path / STATE_FILES["model"])
             torch.save(optim_sd, path / STATE_FILES["optimizer"])
+        self._write_scheduler(directory)
+
+    def _write_sharded_state(self, directory: str | os.PathLike, model_sd: dict, optim_sd: dict) -> None:
+        """Every rank writes the shards it holds, in parallel; nothing is gathered."""
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=Path(directory) / SHARDED_DIR)
+        self._write_scheduler(directory)
+
+    def _write_scheduler(self, directory: str | os.PathLike) -> None:
+        if self.is_main:
+            path = Path(directory)
+            path.mkdir(parents=True, exist_ok=True)
             scheduler_sd = self.scheduler.state_dict() if self.scheduler is not None else None
             torch.save(scheduler_sd, path / STATE_FILES["scheduler"])
         self.barrier()
 
     @staticmethod
     def _read_state(directory: str | os.PathLike) -> tuple[dict, dict, dict | None]:
+        """Full model and optimizer state dicts and the scheduler's, from either format."""
         path = Path(directory)
-        missing = [name for name in STATE_FILES.values() if not (path / name).exists()]
-        if missing:
-            raise ValueError(f"backend state {path} lacks {missing}: not written by save_state?")
+        if is_sharded(path):
+            # Every rank reads whole tensors into its own memory: the way for a backend
+            # that cannot take DTensor shards (DeepSpeed) to resume an FSDP2 checkpoint.
+            state = read_sharded(path)
+            return state["model"], state["optim"], read_scheduler(path)
+        _check_files(path, STATE_FILES.values())
         # mmap: every rank may read the same files without holding a private copy each
         model_sd, optim_sd, scheduler_sd = (
             torch.load(path / STATE_FILES[key], map_location="cpu", mmap=True, weights_only=True)
@@ -316,6 +338,80 @@ class Backend(ABC):
                              f" but this run's scheduler is {self.scheduler!r}")
         if self.scheduler is not None:
             self.scheduler.load_state_dict(scheduler_sd)
+
+
+def _check_files(path: Path, names: Iterable[str]) -> None:
+    missing = [name for name in names if not (path / name).exists()]
+    if missing:
+        raise ValueError(f"backend state {path} lacks {missing}: not written by save_state?")
+
+
+def read_scheduler(directory: str | os.PathLike) -> dict | None:
+    path = Path(directory)
+    _check_files(path, [STATE_FILES["scheduler"]])
+    return torch.load(path / STATE_FILES["scheduler"], map_location="cpu", weights_only=True)
+
+
+def is_sharded(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds the sharded (torch.distributed.checkpoint) format."""
+    return (Path(directory) / SHARDED_DIR).is_dir()
+
+
+def load_sharded(state: dict, directory: str | os.PathLike, no_dist: bool = False) -> None:
+    """Fills `state` ({"model": ..., "optim": ...}) in place from the sharded format: each
+    DTensor reads only its own shard, whatever world size wrote it. Collective unless
+    `no_dist`. A damaged or mismatched checkpoint raises RuntimeError with DCP's reason."""
+    path = Path(directory) / SHARDED_DIR
+    _check_files(path, [".metadata"])
+    with warnings.catch_warnings():
+        # DCP warns that it assumes one process when no group exists: that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load(state, checkpoint_id=path, no_dist=no_dist or not dist.is_initialized())
+        except CheckpointException as err:  # a BaseException: it would bypass error handling
+            causes = [f"{type(e).__name__}: {e}" for e, _ in err.failures.values()]
+            raise RuntimeError(causes[0] if causes else str(err)) from None
+
+
+def read_sharded(directory: str | os.PathLike, only: str | None = None) -> dict:
+    """The whole state of a sharded checkpoint (or its `only` section, "model" or "optim") as
+    plain full tensors in this process, without a process group: for DeepSpeed and export."""
+    path = Path(directory) / SHARDED_DIR
+    _check_files(path, [".metadata"])
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    state: dict = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        route = metadata.planner_data[key]  # e.g. ("optim", "state", "head.weight", "exp_avg")
+        if only is not None and route[0] != only:
+            continue
+        node = state
+        for part in route[:-1]:
+            node = node.setdefault(str(part), {})
+        # tensors are read into these; pickled values (param_groups) replace the None
+        is_tensor = isinstance(meta, TensorStorageMetadata)
+        node[str(route[-1])] = torch.empty(meta.size, dtype=meta.properties.dtype) if is_tensor else None
+    load_sharded(state, directory, no_dist=True)
+    return _as_lists(state)
+
+
+def _as_lists(tree: Any) -> Any:
+    """Dicts keyed "0" ... "n-1" back to the lists they were flattened from (param_groups)."""
+    if not isinstance(tree, dict):
+        return tree
+    tree = {key: _as_lists(value) for key, value in tree.items()}
+    indices = [str(i) for i in range(len(tree))]
+    if tree and set(tree) == set(indices):
+        return [tree[i] for i in indices]
+    return tree
+
+
+def read_model_state(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The full fp32 model state dict a checkpoint holds, in either format, on CPU."""
+    path = Path(directory)
+    if is_sharded(path):
+        return read_sharded(path, only="model").get("model", {})
+    _check_files(path, [STATE_FILES["model"]])
+    return torch.load(path / STATE_FILES["model"], map_location="cpu", weights_only=True)
 
 
 def build_backend(cfg: BackendConfig | DictConfig | dict | None = None) -> Backend:

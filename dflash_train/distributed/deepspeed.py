@@ -5,12 +5,12 @@ recipe cannot disagree with it: ZeRO stage from the backend name, bf16 under mix
 precision, clipping, one micro-batch per call and the accumulation steps. The trainer's
 own optimizer and scheduler are handed to DeepSpeed as client objects.
 
-Checkpoints use the format of every other backend (see backend.STATE_FILES) rather than
-DeepSpeed's sharded one: the fp32 master weights and the optimizer state are gathered per
-parameter with DeepSpeed's `safe_get_full_*` API and written by rank 0; loading scatters
-them back with `safe_set_full_*`. This needs no conversion step (DeepSpeed's universal
-checkpoint needs an offline `ds_to_universal` pass) and lets a ZeRO run resume at another
-world size or under DDP/FSDP2, and the reverse.
+Checkpoints use the full format of the other backends (see backend.STATE_FILES) rather
+than DeepSpeed's sharded one: the fp32 master weights and the optimizer state are gathered
+per parameter with DeepSpeed's `safe_get_full_*` API onto rank 0, which alone keeps them
+and writes them; loading scatters them back with `safe_set_full_*`. This needs no
+conversion step (DeepSpeed's universal checkpoint needs an offline `ds_to_universal` pass)
+and lets a ZeRO run resume at another world size or under DDP/FSDP2, and the reverse.
 """
 
 from __future__ import annotations
@@ -153,6 +153,13 @@ class DeepSpeedBackend(Backend):
                 lazy_init_hp_params_optimizer_state(params, flat, self.optimizer.state)
 
     def _gather_full(self, with_optimizer: bool) -> tuple[dict, dict]:
+        """Collective: the full fp32 model state dict and optimizer state on rank 0's CPU,
+        empty dicts (and the small param_groups) on the other ranks.
+
+        Every rank joins each per-tensor gather (DeepSpeed's `safe_get_full_*` all-reduce
+        under ZeRO-2, all-gather under ZeRO-3), so each holds one tensor's full value on its
+        device at a time; only rank 0 copies it to the host and keeps it. Keeping all of
+        them everywhere would cost every process of a node a full CPU copy of the state."""
         self._link_optimizer_state()
         flat = self._flat_partitions()[0]
         flat_state = self.optimizer.state.get(flat, {})
@@ -160,23 +167,28 @@ class DeepSpeedBackend(Backend):
         # scalar per flat partition, the same for all of them.
         partitioned = [k for k, v in flat_state.items() if torch.is_tensor(v) and v.shape == flat.shape]
         scalars = {k: v for k, v in flat_state.items() if k not in partitioned}
+        keep = self.is_main
         model_sd, optim_state = {}, {}
         for name, tensor in self._entries():
             if isinstance(tensor, nn.Parameter) and tensor.requires_grad:
-                model_sd[name] = safe_get_full_fp32_param(tensor).cpu()
+                full = safe_get_full_fp32_param(tensor)
+                if keep:
+                    model_sd[name] = full.cpu()
                 if with_optimizer and flat_state:
-                    optim_state[name] = {k: safe_get_full_optimizer_state(tensor, k).cpu() for k in partitioned}
-                    optim_state[name].update({k: v.clone() for k, v in scalars.items()})
+                    moments = {k: safe_get_full_optimizer_state(tensor, k) for k in partitioned}
+                    if keep:
+                        optim_state[name] = {k: v.cpu() for k, v in moments.items()}
+                        optim_state[name].update({k: v.clone() for k, v in scalars.items()})
             else:
                 with deepspeed.zero.GatheredParameters([tensor], enabled=self.stage == 3):
-                    model_sd[name] = tensor.detach().cpu().clone()
+                    if keep:
+                        model_sd[name] = tensor.detach().cpu().clone()
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
                   for group, names in zip(self.optimizer.param_groups, self._names_by_group)]
         return model_sd, {"state": optim_state, "param_groups": groups}
 
     def save_state(self, directory: str | os.PathLike) -> None:
-        model_sd, optim_sd = self._gather_full(with_optimizer=True)
-        self._write_state(directory, model_sd if self.is_main else {}, optim_sd)
+        self._write_state(directory, *self._gather_full(with_optimizer=True))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         model_sd, _ = self._gather_full(with_optimizer=False)

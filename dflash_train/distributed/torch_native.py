@@ -1,9 +1,12 @@
 """PyTorch-native backends: one process (`single`), DDP and FSDP2.
 
 They share the step (torch clip + optimizer + scheduler) and the checkpoint code: torch's
-`get_state_dict`/`set_state_dict` with `full_state_dict=True` turn plain, DDP-wrapped and
-FSDP2-sharded models alike into full tensors keyed by the unwrapped parameter names, which
-is what makes a checkpoint portable across backends and world sizes.
+`get_state_dict`/`set_state_dict` key plain, DDP-wrapped and FSDP2-sharded models alike by
+the unwrapped parameter names, which is what makes a checkpoint portable across backends
+and world sizes. Single and DDP write full tensors from rank 0; FSDP2 writes its shards
+through torch.distributed.checkpoint, every rank its own, so a periodic checkpoint gathers
+nothing (the export at the end of a run still gathers the weights, to rank 0's CPU).
+Each of them loads both formats.
 """
 
 from __future__ import annotations
@@ -23,7 +26,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from dflash_train.distributed.backend import Backend, OptimizerFactory, SchedulerFactory, shardable_blocks
+from dflash_train.distributed.backend import (
+    Backend,
+    OptimizerFactory,
+    SchedulerFactory,
+    is_sharded,
+    load_sharded,
+    read_scheduler,
+    shardable_blocks,
+)
 
 # Gathers full tensors to rank 0 on CPU: the GPU never holds the whole unsharded state.
 _FULL_TO_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -75,10 +86,23 @@ class _TorchBackend(Backend):
         self._write_state(directory, model_sd, optim_sd)
 
     def load_state(self, directory: str | os.PathLike) -> None:
+        if is_sharded(directory):
+            self._load_sharded(directory)
+            return
         model_sd, optim_sd, scheduler_sd = self._read_state(directory)
         set_state_dict(self._model, self.optimizer, model_state_dict=model_sd,
                        optim_state_dict=optim_sd, options=_LOAD_FULL)
         self._load_scheduler(scheduler_sd)
+
+    def _load_sharded(self, directory: str | os.PathLike) -> None:
+        # This run's own layout (DTensor shards under FSDP2, plain tensors otherwise) says
+        # what each rank reads; get_state_dict first creates the optimizer state of a
+        # run that has not stepped yet, for the saved state to be read into.
+        model_sd, optim_sd = get_state_dict(self._model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        load_sharded(state, directory)
+        set_state_dict(self._model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self._load_scheduler(read_scheduler(directory))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         state = get_model_state_dict(self._model, options=_FULL_TO_CPU)
@@ -150,6 +174,9 @@ class FSDP2Backend(_TorchBackend):
         for block in shardable_blocks(model):
             fully_shard(block, **options)
         return fully_shard(model, **options)
+
+    def save_state(self, directory: str | os.PathLike) -> None:
+        self._write_sharded_state(directory, *get_state_dict(self._model, self.optimizer))
 
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
         # FSDP2 reads this flag in its post-backward hooks, so setting it here is in time

@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dflash_train.config import as_dict, to_train_config
-from dflash_train.distributed.backend import STATE_FILES
+from dflash_train.distributed.backend import SHARDED_DIR, STATE_FILES, is_sharded, read_model_state
 from dflash_train.export.hub import model_card_files, push_to_hub
 from dflash_train.model.dflash import DFlashDraftModel
 from dflash_train.errors import run_command
@@ -57,9 +57,10 @@ def export_checkpoint(ckpt: Path, out: Path, eval_results: str | None = None) ->
     with torch.device("meta"):  # only the config is needed; the weights come from the checkpoint
         shell = DFlashDraftModel(config)
     try:
-        state = torch.load(ckpt / STATE_FILES["model"], map_location="cpu", weights_only=True)
+        state = read_model_state(ckpt)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
-        raise ValueError(f"{ckpt / STATE_FILES['model']}: unreadable ({' '.join(str(err).split())[:200]})") from None
+        source = ckpt / (SHARDED_DIR if is_sharded(ckpt) else STATE_FILES["model"])
+        raise ValueError(f"{source}: unreadable ({' '.join(str(err).split())[:200]})") from None
     run_dir = ckpt.parent.parent
     manifest_file = run_dir / MANIFEST_COPY
     manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else None

@@ -3,7 +3,10 @@
 Layout under ``<output_dir>/checkpoints/``::
 
     step_00000120/
-        model.pt optimizer.pt scheduler.pt   the backend's world-size-independent state
+        model.pt optimizer.pt scheduler.pt   the backend's world-size-independent state, or
+        sharded/ scheduler.pt                FSDP2's: model and optimizer shards written by
+                                             every rank (torch.distributed.checkpoint),
+                                             read back at any world size and by any backend
         trainer_state.json                   step, samples seen, counters, global batch
         config.yaml                          the resolved recipe of the run
         rng_rank{r}.pt                       each process's torch RNG states
@@ -94,7 +97,10 @@ def _sha256(path: Path) -> str:
 
 
 def write_checksums(directory: Path) -> None:
-    sums = {p.name: _sha256(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != CHECKSUMS_FILE}
+    """sha256 of every file under ``directory`` (the sharded format's in a subfolder), keyed
+    by its relative path."""
+    files = [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != CHECKSUMS_FILE]
+    sums = {p.relative_to(directory).as_posix(): _sha256(p) for p in files}
     (directory / CHECKSUMS_FILE).write_text(json.dumps(sums, indent=2) + "\n")
 
 

@@ -94,7 +94,7 @@ def train(backend_name: str, accum: int, steps: int, first_step: int = 0, micro:
             backend.backward(loss, sync=i == micro - 1)
             total += loss.detach()
         norms.append(backend.step())
-        losses.append(backend.all_reduce_mean(total / micro).item())
+        losses.append(backend.all_reduce_sum(total / micro).item() / backend.world_size)
         lrs.append(backend.lr())
     if save:
         backend.save_state(save)
@@ -102,6 +102,43 @@ def train(backend_name: str, accum: int, steps: int, first_step: int = 0, micro:
     record = {"loss": losses, "grad_norm": norms, "lr": lrs, "weights": weights} if backend.is_main else None
     backend.shutdown()
     return record
+
+
+def _count_tensors(tree) -> int:
+    if torch.is_tensor(tree):
+        return 1
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    return sum(_count_tensors(v) for v in tree) if isinstance(tree, (list, tuple)) else 0
+
+
+def held_per_rank(held_by: str, save: str) -> dict | None:
+    """What each rank holds of the full state while backend `held_by` checkpoints after one
+    update: the tensors in the state dicts its `save_state` hands to the file writer, and
+    those `full_state_dict` returns. Rank 0 returns every rank's counts."""
+    import torch.distributed as dist
+
+    from dflash_train.distributed.backend import build_backend
+
+    torch.manual_seed(0)
+    backend = build_backend({"name": held_by, "device": "cpu"})
+    backend.setup(TinyNet(), optimizer_factory, scheduler_factory, 0.5, 1)
+    x, y = micro_batch(0, backend.rank)
+    backend.backward(nn.functional.mse_loss(backend.model(x), y), sync=True)
+    backend.step()
+    held, write = {}, backend._write_state
+
+    def counting_write(directory, model_sd, optim_sd):
+        held["save"] = _count_tensors(model_sd) + _count_tensors(optim_sd)
+        write(directory, model_sd, optim_sd)
+
+    backend._write_state = counting_write
+    backend.save_state(save)
+    held["export"] = _count_tensors(backend.full_state_dict())
+    every = [None] * backend.world_size
+    dist.all_gather_object(every, held)
+    backend.shutdown()
+    return {"held": every} if backend.is_main else None
 
 
 def tiny_llama() -> nn.Module:
@@ -142,6 +179,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--shard_target", type=int)
     parser.add_argument("--backend_name")
+    parser.add_argument("--held_by")
     for name in ("accum", "steps", "first_step", "micro"):
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--clip", type=float, default=0.5)
@@ -151,7 +189,12 @@ def main() -> None:
     args = {k: v for k, v in vars(parser.parse_args()).items() if v is not None}
     out = args.pop("out")
     skip_deepspeed_shm_op()
-    record = target_outputs(bool(args["shard_target"])) if "shard_target" in args else train(**args)
+    if "shard_target" in args:
+        record = target_outputs(bool(args["shard_target"]))
+    elif "held_by" in args:
+        record = held_per_rank(args["held_by"], args["save"])
+    else:
+        record = train(**args)
     if record is not None:
         torch.save(record, out)
     exit_now()

@@ -94,7 +94,7 @@ def test_single_backend_basics():
     assert norm > 0.1  # so the clip applied; the returned norm is the one before clipping
     assert backend.lr() == pytest.approx(3e-2 * 2 / 3 * 0.8)  # the worker's schedule after one step
     assert all(p.grad is None for p in backend.model.parameters())
-    assert backend.all_reduce_mean(torch.tensor(3.0)).item() == 3.0
+    assert backend.all_reduce_sum(torch.tensor(3.0)).item() == 3.0
 
 
 def test_skip_step_leaves_weights_optimizer_and_schedule_alone():

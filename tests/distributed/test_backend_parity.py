@@ -57,6 +57,19 @@ def test_two_processes_match_one_and_resume_across_world_sizes(backend, referenc
     torch.testing.assert_close(record["weights"], reference["weights"], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("resume_on", ["ddp", "zero3"])
+def test_sharded_fsdp2_checkpoint_resumes_under_another_backend(resume_on, reference, tmp_path):
+    """FSDP2 writes DCP shards; DDP reads them back through DCP, DeepSpeed (which takes no
+    DTensors) as whole tensors, each on the other world size."""
+    _needs(resume_on)
+    first, second, _ = STEPS
+    launch(2, tmp_path / "a.pt", backend_name="fsdp2", accum=ACCUM, steps=first, save=tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "sharded" / "__1_0.distcp").is_file()
+    record = launch(1, tmp_path / "b.pt", backend_name=resume_on, accum=2 * ACCUM, first_step=first, steps=second,
+                    load=tmp_path / "ckpt")
+    _assert_same_curve(record, reference, first)
+
+
 # DDP (which arms its all-reduce at forward time) and DeepSpeed (whose own micro-step
 # counter the backend overrides) are the two that need code for this; FSDP2 reads the flag
 # at backward time.
@@ -70,3 +83,12 @@ def test_update_that_ends_before_grad_accum_steps(backend, tmp_path):
     expected = train("single", accum=2 * accum, micro=2 * micro, steps=2)
     _assert_same_curve(record, expected, 0)
     torch.testing.assert_close(record["weights"], expected["weights"], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["zero2", "zero3"])
+def test_zero_gathers_the_checkpoint_onto_rank_0_only(backend, tmp_path):
+    """Rank 0 keeps the full state it writes: TinyNet's 10 weights and their AdamW exp_avg,
+    exp_avg_sq and step (30); rank 1 joins every gather but keeps no tensor of it."""
+    _needs(backend)
+    record = launch(2, tmp_path / "a.pt", held_by=backend, save=tmp_path / "ckpt")
+    assert record["held"] == [{"save": 40, "export": 10}, {"save": 0, "export": 0}]

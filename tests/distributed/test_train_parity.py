@@ -10,11 +10,14 @@ bounds below leave room for the drift a few AdamW steps add.
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from dflash_train.training.checkpoint import CHECKSUMS_FILE, list_checkpoints
 from tests.distributed._backend_worker import launch
 from tests.distributed._train_worker import run
 
@@ -56,6 +59,31 @@ def test_trainer_on_two_processes_matches_one_and_resumes_on_one(backend, tiny, 
     # the same output_dir: one process on the single backend resumes the 2-process checkpoint
     one = run(tiny["target"], tiny["data"], tmp_path / "run", "single", micro_batch_size=1, grad_accum_steps=4,
               max_steps=TOTAL)
+    _assert_same_steps(one["metrics"][FIRST:], want[FIRST:])
+    torch.testing.assert_close(one["weights"], tiny["reference"]["weights"], rtol=1e-4, atol=1e-6)
+
+
+def test_fsdp2_checkpoint_is_sharded_and_resumes_on_one_fsdp2_process(tiny, tmp_path):
+    """Each of the 2 processes writes its own shards (DCP), nothing gathered; one FSDP2
+    process reshards them on load and goes on like the uninterrupted run, and dflash-export
+    turns the sharded checkpoint into the weights the run itself gathered."""
+    from dflash_train.export.cli import export_checkpoint
+
+    want = tiny["reference"]["metrics"]
+    two = launch(2, tmp_path / "two.pt", script=WORKER, target=tiny["target"], data=tiny["data"],
+                 output_dir=tmp_path / "run", backend="fsdp2", micro_batch_size=1, grad_accum_steps=2,
+                 max_steps=FIRST)
+    ckpt = list_checkpoints(tmp_path / "run")[-1]
+    shards = ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"]
+    assert sorted(p.relative_to(ckpt).as_posix() for p in (ckpt / "sharded").iterdir()) == shards
+    assert not (ckpt / "model.pt").exists() and not (ckpt / "optimizer.pt").exists()
+    assert set(shards) < set(json.loads((ckpt / CHECKSUMS_FILE).read_text()))
+    exported = load_file(export_checkpoint(ckpt, tmp_path / "export")[0] / "model.safetensors")
+    torch.testing.assert_close(exported, two["weights"], rtol=0, atol=0)
+
+    one = launch(1, tmp_path / "one.pt", script=WORKER, target=tiny["target"], data=tiny["data"],
+                 output_dir=tmp_path / "run", backend="fsdp2", micro_batch_size=1, grad_accum_steps=4,
+                 max_steps=TOTAL)
     _assert_same_steps(one["metrics"][FIRST:], want[FIRST:])
     torch.testing.assert_close(one["weights"], tiny["reference"]["weights"], rtol=1e-4, atol=1e-6)
 

@@ -138,6 +138,41 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(tiny, tmp_path, 
     assert all(torch.isfinite(p).all() for p in t.drafter.parameters())
 
 
+def _fsdp2(tiny, out, **kw) -> Trainer:
+    """A Trainer on FSDP2 in this one process (its own in-memory process group)."""
+    return Trainer(_cfg(tiny, out, backend={"name": "fsdp2", "device": "cpu"}, **kw))
+
+
+def test_a_damaged_sharded_checkpoint_falls_back_and_another_geometry_is_refused(tiny, tmp_path, caplog):
+    """FSDP2's sharded (DCP) checkpoints keep the integrity rules: a damaged shard fails its
+    checksum and the previous checkpoint is used; weights of another drafter geometry are a
+    clear error, not DCP's BaseException."""
+    t = _fsdp2(tiny, tmp_path, max_steps=2, checkpoint={"every": 1})
+    try:
+        t.fit()
+    finally:
+        t.backend.shutdown()
+    first, latest = list_checkpoints(tmp_path)
+    assert "sharded/__0_0.distcp" in json.loads((first / CHECKSUMS_FILE).read_text())
+    shard = latest / "sharded" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    t = _fsdp2(tiny, tmp_path, max_steps=3)
+    try:
+        with caplog.at_level(logging.WARNING):
+            t.resume()
+        assert t.state.step == 1
+        assert f"checkpoint {latest} is damaged (sharded/__0_0.distcp does not match its checksum" in caplog.text
+    finally:
+        t.backend.shutdown()
+    t = _fsdp2(tiny, tmp_path, drafter={"num_hidden_layers": 2}, checkpoint={"resume": "force"})
+    try:
+        with pytest.raises(ValueError, match="step_00000001 cannot be loaded into this run: RuntimeError: "
+                                             "Missing key in checkpoint state_dict: model.layers.1"):
+            t.resume()
+    finally:
+        t.backend.shutdown()
+
+
 def test_no_good_checkpoint_is_one_clear_error(tiny, tmp_path):
     for ckpt in _two_checkpoints(tiny, tmp_path):
         (ckpt / "optimizer.pt").write_bytes(b"garbage")
