@@ -14,7 +14,8 @@ and prints one table: training minutes, steps, conversations seen, held-out expe
 tau per eval dataset (also written to <run-dir>/quality.json). Arguments after `--` are
 dflash-train overrides; `--set KEY=VALUE` goes to both dflash-train and dflash-eval (a
 local target folder: `--set target.name=/models/qwen25-coder-05b`). A finished stage is
-reused, so an interrupted run continues with the same plan.
+reused, so an interrupted run continues with the same plan; the train stage checkpoints
+about ten times and resumes from the latest checkpoint, its minutes summed over attempts.
 """
 
 from __future__ import annotations
@@ -60,6 +61,20 @@ def plan_steps(budget_s: float, per_step: float, startup: float) -> int:
     return max(1, math.floor((budget_s - startup) / per_step))
 
 
+def training_seconds(starts: list[float], metric_times: list[float], finished: float) -> float:
+    """Wall seconds the train stage ran over its attempts: a killed attempt counts until its
+    last logged step (what came after was lost and is run again), the last one until it
+    finished. ``starts``: each attempt's launch time; ``metric_times``: every metric line's."""
+    total = 0.0
+    for i, start in enumerate(starts):
+        if i == len(starts) - 1:
+            end = finished
+        else:
+            end = max((t for t in metric_times if start <= t < starts[i + 1]), default=start)
+        total += end - start
+    return total
+
+
 def summarise(lines: list[dict], train_seconds: float, evals: dict) -> dict:
     """The quality table's numbers from the training metrics and dflash-eval's results."""
     held_out = next((m for m in reversed(lines) if "val_expected_tau" in m), None)
@@ -90,9 +105,10 @@ def _run_stage(name: str, command: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def _train_command(args, out_dir: Path, *extra: str) -> list[str]:
+def _train_command(args, out_dir: Path, *extra: str, defaults: tuple[str, ...] = ()) -> list[str]:
+    """``defaults`` come before the user's overrides, ``extra`` after them (the plan's own)."""
     return [sys.executable, "-m", "dflash_train.train", f"target={args.target}", f"data.path={args.data}",
-            *args.set, *args.train, f"output_dir={out_dir}", f"epochs={UNBOUNDED_EPOCHS}", *extra]
+            *defaults, *args.set, *args.train, f"output_dir={out_dir}", f"epochs={UNBOUNDED_EPOCHS}", *extra]
 
 
 def _plan(args, run_dir: Path) -> dict:
@@ -129,17 +145,24 @@ def _run(argv: list[str] | None) -> None:
     train_dir, eval_dir = run_dir / "train", run_dir / "eval"
     timing = run_dir / "train_seconds.json"
     if not (train_dir / "export" / "model.safetensors").exists():
+        # Killed mid-training (a job's time limit, a lost machine), the same command resumes
+        # from the latest of about ten checkpoints, and the minutes of every attempt count.
         n = plan["steps"]
-        seconds = _run_stage("train", _train_command(
-            args, train_dir, f"max_steps={n}", f"optim.schedule_steps={n}", f"data.val_rows={args.val_rows}"))
-        timing.write_text(json.dumps({"seconds": seconds}))
+        starts = json.loads(timing.read_text()).get("starts", []) if timing.exists() else []
+        starts.append(time.time())
+        timing.write_text(json.dumps({"starts": starts}))
+        _run_stage("train", _train_command(
+            args, train_dir, f"max_steps={n}", f"optim.schedule_steps={n}", f"data.val_rows={args.val_rows}",
+            defaults=(f"checkpoint.every={max(1, n // 10)}",)))
+        seconds = training_seconds(starts, [m["time"] for m in _metrics(train_dir)], time.time())
+        timing.write_text(json.dumps({"starts": starts, "seconds": seconds}))
     if not (eval_dir / "results.json").exists():
         _run_stage("eval", [sys.executable, "-m", "dflash_train.eval.cli", f"target={args.target}", *args.set,
                             f"drafter_path={train_dir / 'export'}", f"output_dir={eval_dir}",
                             f"datasets=[{','.join(args.datasets)}]", f"limit={args.limit}",
                             f"max_new_tokens={args.max_new_tokens}", f"device={args.device}", *args.eval])
     evals = json.loads((eval_dir / "results.json").read_text())["datasets"]
-    seconds = json.loads(timing.read_text())["seconds"] if timing.exists() else float("nan")
+    seconds = json.loads(timing.read_text()).get("seconds", float("nan")) if timing.exists() else float("nan")
     summary = summarise(_metrics(train_dir), seconds, evals)
     (run_dir / "quality.json").write_text(json.dumps({"plan": plan, **summary}, indent=2))
     print(f"\nquality run: target={args.target} data={args.data} budget={args.budget_min:g} min")

@@ -1,6 +1,7 @@
 """dflash-quality: the budget plan, the summary table, and a CPU smoke run on a tiny target."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys):
     data = write_datagen_dir(tmp_path / "data", target, tok, repeat=4)
     run = tmp_path / "run"
     both = [f"target.name={target}", "target.num_layers=6", "target.mask_token_id=16", "target.dtype=float32"]
-    argv = ["--target", "smollm2_135m", "--data", str(data), "--budget-min", "0.25", "--run-dir", str(run),
+    argv = ["--target", "smollm2_135m", "--data", str(data), "--budget-min", "0.4", "--run-dir", str(run),
             "--probe-steps", "4", "--warmup-steps", "1", "--val-rows", "4", "--limit", "2",
             "--max-new-tokens", "8", "--device", "cpu", *[a for s in both for a in ("--set", s)], "--", *TINY_TRAIN]
     quality.main(argv)
@@ -64,3 +65,18 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys):
     # Run again: every stage is reused and the same table printed.
     quality.main(argv)
     assert quality.table(out) in capsys.readouterr().out
+
+
+def test_training_seconds_sum_the_attempts():
+    # Attempt 1 launched at 100, logged steps until 160, then was killed; attempt 2 ran 200 -> 290.
+    times = [110.0, 130.0, 160.0, 210.0, 250.0]
+    assert quality.training_seconds([100.0, 200.0], times, finished=290.0) == pytest.approx(60.0 + 90.0)
+    assert quality.training_seconds([100.0], times, finished=290.0) == pytest.approx(190.0)
+    # An attempt killed before its first metric line counts nothing.
+    assert quality.training_seconds([100.0, 105.0, 200.0], [250.0], 290.0) == pytest.approx(90.0)
+
+
+def test_train_stage_checkpoints_unless_told_otherwise():
+    args = quality._parser().parse_args(["--target", "t", "--data", "d", "--budget-min", "1", "--", "seed=1"])
+    cmd = quality._train_command(args, Path("out"), "max_steps=50", defaults=("checkpoint.every=5",))
+    assert cmd.index("checkpoint.every=5") < cmd.index("seed=1") < cmd.index("max_steps=50")
