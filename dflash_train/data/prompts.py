@@ -25,9 +25,9 @@ import gzip
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
 
 from dflash_train.resources import package_file
 
@@ -68,16 +68,15 @@ def chat_messages(turns, where: str) -> list[dict]:
         if not isinstance(content, str):
             raise BadConversation("malformed", f"{where}: message {i} has no string content")
         if role == SYSTEM_ROLE and i == 0:
-            role = SYSTEM_ROLE
+            messages.append({"role": SYSTEM_ROLE, "content": content})
         elif role in USER_ROLES:
-            role = "user"
+            messages.append({"role": "user", "content": content})
         elif role not in ASSISTANT_ROLES:
             raise BadConversation("malformed", f"{where}: message {i} has unknown role {role!r}")
         elif not any(x["role"] == "user" for x in messages):
             raise BadConversation("not_user_first", f"{where}: the first turn is from {role!r}, not the user")
         else:
-            role = "assistant"
-        messages.append({"role": role, "content": content})
+            messages.append({"role": "assistant", "content": content})
     if not any(m["role"] == "user" for m in messages):
         raise BadConversation("malformed", f"{where}: no user turn")
     return messages
@@ -180,8 +179,9 @@ def _humaneval() -> list[BenchmarkPrompt]:
     prompts = []
     for _, r in _read_jsonl(path):
         stub = "```python\n" + r["prompt"].rstrip() + "\n```"
-        prompts.append(BenchmarkPrompt(id=r["task_id"], messages=[{"role": "user", "content": HUMANEVAL_INSTRUCTION + stub}],
-                              source="humaneval", turns=[HUMANEVAL_INSTRUCTION + stub]))
+        question = HUMANEVAL_INSTRUCTION + stub
+        prompts.append(BenchmarkPrompt(id=r["task_id"], messages=[{"role": "user", "content": question}],
+                                       source="humaneval", turns=[question]))
     return prompts
 
 
