@@ -14,8 +14,8 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from data_gen.backends import BackendUnavailable
 from data_gen.config import DatagenConfig
+from data_gen.generators import GeneratorUnavailable
 from data_gen.pipeline import RunResult, run
 from dflash_train.errors import one_line, run_command
 
@@ -48,7 +48,7 @@ def generate(cfg: DatagenConfig, **run_kwargs) -> int:
     """Run and report; the exit status of the command."""
     try:
         result = run(cfg, **run_kwargs)
-    except BackendUnavailable as e:
+    except GeneratorUnavailable as e:
         print(f"dflash-datagen: error: {one_line(e)}; rerun the same command once the backend is up "
               "(committed shards are kept)", file=sys.stderr)
         return 1

@@ -20,15 +20,22 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data_gen import writer
-from data_gen.backends import BackendUnavailable, Failure, build_backend, derive_seed
 from data_gen.config import DatagenConfig
-from data_gen.sources import Prompt, SkipLog, eval_hashes, iter_prompts
-from data_gen.template import ChatShaper, stop_token_ids
+from data_gen.generators import (
+    SEED_DIGEST,
+    Failure,
+    GeneratorUnavailable,
+    build_generator,
+)
+from data_gen.sources import SkipLog, SourcePrompt, eval_hashes, iter_prompts
+from data_gen.template import ChatShaper
+from dflash_train.contract import derive_seed
+from dflash_train.data import format as data_format
 from dflash_train.errors import check_writable_dir
 from dflash_train.model.target import (
     load_tokenizer,
     resolve_target,
+    stop_token_ids,
     target_identity,
     tokenizer_hash,
     tokenizer_identity,
@@ -41,7 +48,7 @@ BARRIER_TIMEOUT = timedelta(hours=24)
 
 @dataclass
 class _Conversation:
-    prompt: Prompt
+    prompt: SourcePrompt
     answers: list[list[int]] = field(default_factory=list)
     # The last completed turn: (prompt ids, prompt mask, response ids, finish reason).
     row: tuple | None = None
@@ -92,6 +99,8 @@ def setup(cfg: DatagenConfig, tokenizer=None):
     # Before any template override: the target's own tokenizer.
     tok_ident = {"tokenizer": tokenizer_identity(tokenizer), "tokenizer_hash": tokenizer_hash(tokenizer)}
     stop_ids = stop_token_ids(tokenizer, _generation_config(cfg.target.name, cfg.cache_dir))
+    if not stop_ids:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos token: cannot tell where a turn ends")
     t = cfg.template
     shaper = ChatShaper(tokenizer, stop_ids, t.enable_thinking, t.system_prompt, t.chat_template)
     skips = SkipLog()
@@ -137,8 +146,8 @@ def _row(conv: _Conversation) -> dict:
             "response_len": len(response), "num_tokens": len(ids) + len(response)}
 
 
-def generate_shard(cfg: DatagenConfig, shaper: ChatShaper, backend, prompts: list[Prompt], index: int):
-    """Rows and metadata of one shard; raises BackendUnavailable on retryable failures."""
+def generate_shard(cfg: DatagenConfig, shaper: ChatShaper, generator, prompts: list[SourcePrompt], index: int):
+    """Rows and metadata of one shard; raises GeneratorUnavailable on retryable failures."""
     convs = [_Conversation(p) for p in prompts]
     skips, ended, tokens, retokenized = SkipLog(), SkipLog(), 0, 0
     for turn in range(max(len(p.user_turns) for p in prompts)):
@@ -154,10 +163,11 @@ def generate_shard(cfg: DatagenConfig, shaper: ChatShaper, backend, prompts: lis
                 batch.append((c, nxt))
         if not batch:
             break
-        results = backend.generate([ids for _, (ids, _) in batch], derive_seed(cfg.sampling.seed, index, turn))
+        results = generator.generate([ids for _, (ids, _) in batch],
+                                     derive_seed(cfg.sampling.seed, index, turn, digest=SEED_DIGEST))
         retry = [r.detail for r in results if isinstance(r, Failure) and r.retryable]
         if retry:
-            raise BackendUnavailable(f"shard {index}: {len(retry)} prompts failed, e.g. {retry[0]}")
+            raise GeneratorUnavailable(f"shard {index}: {len(retry)} prompts failed, e.g. {retry[0]}")
         for (c, (ids, mask)), r in zip(batch, results):
             if isinstance(r, Failure):
                 c.ended = True
@@ -199,7 +209,7 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
     rank, world, local_rank = _dist()
     out = Path(cfg.out_dir)
     # Before the target loads: a user's folder, or one that cannot be written, fails now.
-    writer.check_out_dir(out)
+    data_format.check_out_dir(out)
     check_writable_dir(out, "out_dir")
     tokenizer, identity, tok_ident, shaper, prompts, load_skips = setup(cfg, tokenizer)
     if not prompts:
@@ -207,25 +217,26 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
                          f"skipped {dict(load_skips.counts)}")
     fingerprint = _fingerprint(cfg, identity, tok_ident, shaper, prompts)
     if rank == 0:
-        writer.check_run(out, fingerprint)
-        writer.remove_stale_temps(out)
+        data_format.check_run(out, fingerprint)
+        data_format.remove_stale_temps(out)
     _barrier(world)
     if rank != 0:
-        writer.check_run(out, fingerprint)
+        data_format.check_run(out, fingerprint)
     num_shards = math.ceil(len(prompts) / cfg.shard_size)
-    mine = [k for k in range(rank, num_shards, world) if writer.read_shard_meta(out, k) is None]
+    mine = [k for k in range(rank, num_shards, world) if data_format.read_shard_meta(out, k) is None]
     started, generated = time.perf_counter(), 0
     if mine:
-        backend = build_backend(cfg.backend, cfg.sampling, cfg.target.name, shaper.stop_ids, _pad_id(tokenizer, shaper),
-                                tokenizer, local_rank, cfg.target.dtype, cfg.cache_dir, target)
+        generator = build_generator(cfg.backend, cfg.sampling, cfg.target.name, shaper.stop_ids,
+                                    _pad_id(tokenizer, shaper), tokenizer, local_rank, cfg.target.dtype, cfg.cache_dir,
+                                    target)
         started = time.perf_counter()
         bar = tqdm(total=sum(len(prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]) for k in mine),
                    unit="prompt", disable=not progress or rank != 0, desc=f"rank {rank}")
         try:
             for k in mine:
                 shard_prompts = prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]
-                rows, meta = generate_shard(cfg, shaper, backend, shard_prompts, k)
-                writer.write_shard(out, k, rows, {**meta, "rank": rank})
+                rows, meta = generate_shard(cfg, shaper, generator, shard_prompts, k)
+                data_format.write_shard(out, k, rows, {**meta, "rank": rank})
                 generated += meta["generated_tokens"]
                 bar.update(len(shard_prompts))
                 bar.set_postfix_str(f"{generated / (time.perf_counter() - started):.1f} tok/s")
@@ -233,16 +244,16 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
             bar.close()  # ends the bar's line, so an error message starts on its own
     elapsed = time.perf_counter() - started
     _barrier(world)
-    metas = [writer.read_shard_meta(out, k) for k in range(num_shards)]
+    metas = [data_format.read_shard_meta(out, k) for k in range(num_shards)]
     counts = _counts(prompts, load_skips, [m for m in metas if m is not None])
     complete = all(m is not None for m in metas)
     if rank == 0 and complete and counts["rows"] and not (out / "manifest.json").exists():
-        manifest = {"format_version": writer.FORMAT_VERSION, "target": identity, **tok_ident,
+        manifest = {"format_version": data_format.FORMAT_VERSION, "target": identity, **tok_ident,
                     "template": fingerprint["template"], "sampling": asdict(cfg.sampling),
                     "max_prompt_len": cfg.max_prompt_len, "sources": [asdict(s) for s in cfg.sources],
                     "exclude_eval": cfg.exclude_eval, "backend": _backend_settings(cfg),
                     "num_shards": num_shards, "counts": counts}
-        writer.consolidate(out, num_shards, manifest)
+        data_format.consolidate(out, num_shards, manifest)
     _barrier(world)
     return RunResult(str(out), counts, generated / elapsed if elapsed > 0 else 0.0, generated, elapsed, complete)
 

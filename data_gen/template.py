@@ -44,18 +44,6 @@ def _common_suffix(a: str, b: str) -> int:
     return i
 
 
-def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
-    """Ids that end an assistant turn: the generation config's eos ids, then the tokenizer's."""
-    ids: list[int] = []
-    eos = getattr(generation_config, "eos_token_id", None)
-    for i in [*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id]:
-        if i is not None and i not in ids:
-            ids.append(int(i))
-    if not ids:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos token: cannot tell where a turn ends")
-    return ids
-
-
 class ChatShaper:
     """Renders conversations with one tokenizer, template and thinking setting."""
 

@@ -14,6 +14,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dflash_train.contract import default_gamma
+from dflash_train.model.dflash import DEFAULT_BLOCK_SIZE
 
 ATTENTION_KINDS = ("flex", "dense")
 SCHEDULES = ("cosine", "constant")
@@ -33,7 +34,7 @@ class TargetConfig:
 @dataclass
 class DrafterConfig:
     num_hidden_layers: int = 5
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_features: int | None = None  # None: one feature layer per draft layer
     target_layer_ids: list[int] | None = None  # None: the contract's default spread
     attention: str = "flex"  # mask implementation: flex BlockMask or a dense boolean mask

@@ -38,15 +38,24 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     return weights
 
 
-def derive_seed(*parts: object) -> int:
+def derive_seed(*parts: object, digest: str = "blake2b") -> int:
     """A 63-bit generator seed that depends on nothing but ``parts``.
 
     Hashing (rather than e.g. seed + index) keeps the streams of neighbouring samples and
     epochs unrelated; since nothing else enters, a resumed run, or a run on another number
     of processes, draws exactly the same numbers.
+
+    ``digest`` picks the hash, and each user keeps the one its data was made with: the
+    trainer's anchors, shuffles and validation split use ``blake2b``, data generation's
+    sampling seeds ``sha256`` (switching either would change the numbers of existing
+    recipes and the rows a restarted generation run writes).
     """
-    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    key = "/".join(map(str, parts)).encode()
+    if digest == "blake2b":
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+    if digest == "sha256":
+        return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
+    raise ValueError(f"derive_seed: digest must be 'blake2b' or 'sha256', got {digest!r}")
 
 
 def anchor_seed(seed: int, epoch: int, sample_index: int) -> int:

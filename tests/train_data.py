@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from data_gen import writer
+from dflash_train.atomic import atomic_write_text
+from dflash_train.data import format as data_format
 
 # Short assistant answers with repeated structure, so a drafter can learn them in a few steps.
 CONVERSATIONS = [
@@ -44,20 +45,20 @@ def write_datagen_dir(out_dir: Path, target_spec: str, tokenizer, repeat: int = 
     if rows is None:
         pairs = CONVERSATIONS * repeat
         rows = [chat_row(tokenizer, q, a, i) for i, (q, a) in enumerate(pairs)]
-    manifest = {"format_version": writer.FORMAT_VERSION, "target": target_identity(target_spec),
+    manifest = {"format_version": data_format.FORMAT_VERSION, "target": target_identity(target_spec),
                 "tokenizer": tokenizer_identity(tokenizer), "tokenizer_hash": tokenizer_hash(tokenizer),
                 "counts": {"rows": len(rows)}}
     out_dir = Path(out_dir)
     if rows:
-        writer.write_shard(out_dir, 0, rows, {})
-        writer.consolidate(out_dir, 1, manifest)
+        data_format.write_shard(out_dir, 0, rows, {})
+        data_format.consolidate(out_dir, 1, manifest)
     else:  # consolidate cannot save an empty table (datasets needs num_shards=1 for that)
         import datasets
         import pyarrow as pa
 
-        empty = datasets.Dataset(pa.Table.from_pylist([], schema=writer.SCHEMA))
+        empty = datasets.Dataset(pa.Table.from_pylist([], schema=data_format.SCHEMA))
         empty.save_to_disk(str(out_dir / "data"), num_shards=1)
-        writer.atomic_write_text(out_dir / "manifest.json", json.dumps(manifest))
+        atomic_write_text(out_dir / "manifest.json", json.dumps(manifest))
     return out_dir
 
 

@@ -28,9 +28,9 @@ from dflash_train.model.dflash import (
     ContextCache,
     Sampling,
     SpecOutput,
-    _features,
     _sync,
     _verify,
+    target_features,
 )
 
 PAD_ID = 0  # any valid id: padded slots are masked out and never read
@@ -129,7 +129,7 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
     rows = _Rows(len(prompts), max_new_tokens, set(stop_token_ids or []), first.tolist())
     key_valid = valid  # (b, L) which target cache slots hold committed tokens
     # the drafter's context: features not yet in its cache, and what its cache holds
-    new_feats, new_valid, new_pos = _features(out.hidden_states, drafter.target_layer_ids), valid, positions
+    new_feats, new_valid, new_pos = target_features(out.hidden_states, drafter.target_layer_ids), valid, positions
     ctx_valid = ctx_pos = valid[:, :0]
     draft_cache = ContextCache()
     anchor, start = first, torch.tensor([len(p) for p in prompts], device=device)  # (b,) position of the anchor
@@ -164,7 +164,7 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
         # the anchor and the accepted drafts are committed; their features are the next context
         new_valid = slot[None] <= accepted[:, None]  # (b, B)
         key_valid = torch.cat([key_valid, new_valid], 1)
-        new_feats, new_pos = _features(out.hidden_states, drafter.target_layer_ids), block_pos
+        new_feats, new_pos = target_features(out.hidden_states, drafter.target_layer_ids), block_pos
         anchor, start = bonus, start + accepted + 1
         clock.lap("bookkeeping")
     t2 = _sync(device)

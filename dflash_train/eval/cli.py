@@ -24,11 +24,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from dflash_train.atomic import atomic_write_text
+from dflash_train.data.prompts import BUILTIN, HF_SCHEME, BenchmarkPrompt, load_benchmark
 from dflash_train.errors import check_writable_dir, run_command
-from dflash_train.eval.acceptance import NEAR_TIE_ULPS, PromptResult, compare_prompt, summarize
+from dflash_train.eval.acceptance import PromptResult, compare_prompt, summarize
 from dflash_train.eval.batched import compare_batch
-from dflash_train.eval.benchmarks import BUILTIN, HF_SCHEME, Prompt, load_benchmark
 from dflash_train.eval.plot import plot_acceptance
+from dflash_train.eval.report import format_table
 
 RANDOM_DRAFTER = "random"
 WARMUP_TOKENS = 8
@@ -57,7 +59,7 @@ def _dataset_entries(cfg: DictConfig) -> list[dict]:
     return entries
 
 
-def _load_prompts(entries: list[dict]) -> dict[str, tuple[str, list[Prompt]]]:
+def _load_prompts(entries: list[dict]) -> dict[str, tuple[str, list[BenchmarkPrompt]]]:
     """label -> (name, prompts). Done before any model loads so typos fail in a second."""
     out = {}
     for e in entries:
@@ -87,16 +89,7 @@ def _setup_drafter(cfg: DictConfig, target):
     return DFlashDraftModel(config).to(device=cfg.device, dtype=dtype).eval()
 
 
-def stop_token_ids(tokenizer, model) -> list[int]:
-    """End-of-turn ids: the tokenizer's eos plus the generation config's (often a list)."""
-    ids = {tokenizer.eos_token_id}
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return sorted(i for i in ids if i is not None)
-
-
-def encode_prompt(tokenizer, prompt: Prompt, system_prompt: str | None, enable_thinking: bool) -> list[int]:
+def encode_prompt(tokenizer, prompt: BenchmarkPrompt, system_prompt: str | None, enable_thinking: bool) -> list[int]:
     """The prompt as the target sees it in chat: its template plus the assistant header."""
     return encode_messages(tokenizer, prompt.messages, system_prompt, enable_thinking)
 
@@ -112,53 +105,6 @@ def encode_messages(tokenizer, messages: list[dict], system_prompt: str | None, 
                                          enable_thinking=enable_thinking)
     # The template already holds the special tokens (BOS, headers): do not add them twice.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def format_table(summaries: dict[str, dict]) -> str:
-    """One row per dataset; agreement is '-' when sampling (no lossless check applies).
-
-    Below it: tau per turn for multi-turn datasets, the per-step time split when timed,
-    and one line per dataset whose outputs diverged from plain decoding.
-    """
-    w = max(7, *(len(label) for label in summaries))
-    header = f"{'dataset':<{w}} {'n':>4} {'tau':>6} {'agree %':>8} {'spec tok/s':>11} {'plain tok/s':>12} {'speedup':>8}"
-    rows = [header, "-" * len(header)]
-    for label, s in summaries.items():
-        agree = "-" if s["greedy_agreement"] is None else f"{100 * s['greedy_agreement']:.1f}"
-        rows.append(f"{label:<{w}} {s['num_prompts']:>4} {s['tau']:>6.2f} {agree:>8} {s['spec_tok_s']:>11.1f} "
-                    f"{s['plain_tok_s']:>12.1f} {s['speedup']:>7.2f}x")
-    rows += _footnotes(summaries)
-    for label, s in summaries.items():
-        diverged, ties = s.get("divergent_prompts"), s.get("near_tie_divergences")
-        if diverged:
-            verdict = "rounding (bf16 ties), not a bug" if ties == diverged else \
-                f"{diverged - ties} not (a clear gap or a length difference): a lossless runtime never does that"
-            rows.append(f"{label}: {diverged} prompt(s) diverged from plain decoding, {ties} at a near-tie "
-                        f"(top-2 gap <= {NEAR_TIE_ULPS:g} rounding steps): {verdict}")
-    return "\n".join(rows)
-
-
-def _footnotes(summaries: dict[str, dict]) -> list[str]:
-    rows = []
-    for label, s in summaries.items():
-        by_turn = s.get("tau_by_turn") or {}
-        if len(by_turn) > 1:
-            rows.append(f"{label}: tau by turn " + ", ".join(f"{t}: {v:.2f}" for t, v in by_turn.items()))
-        if s["greedy_agreement"] is None:
-            rows.append(f"{label}: sampled (temperature {s.get('temperature', '>0')}): tau is acceptance under "
-                        "rejection sampling; agreement with plain decoding does not apply (two draws of the "
-                        "same distribution differ)")
-    batched = {s.get("batch_size", 1) for s in summaries.values()} - {1}
-    if batched:
-        rows.append(f"batch_size={max(batched)}: tok/s is the batches' throughput (new tokens over the batches' "
-                    "wall time); batch_size=1 gives the per-prompt latency numbers")
-    timed = {label: s["step_times"]["ms_per_step"] for label, s in summaries.items() if s.get("step_times")}
-    if timed:
-        w = max(7, *(len(label) for label in timed))
-        rows.append(f"{'ms/step':<{w}} {'draft':>8} {'verify':>8} {'bookkeep':>9}")
-        rows += [f"{label:<{w}} {t['draft']:>8.2f} {t['verify']:>8.2f} {t['bookkeeping']:>9.2f}"
-                 for label, t in timed.items()]
-    return rows
 
 
 def _check_config(cfg: DictConfig) -> None:
@@ -187,7 +133,7 @@ def setup(cfg: DictConfig):
     Returns label -> (dataset name, [(prompt, input ids (1, T))]), the target, the drafter,
     the stop token ids and the tokenizer (follow-up turns are templated during the run).
     """
-    from dflash_train.model.target import load_target, load_tokenizer
+    from dflash_train.model.target import load_target, load_tokenizer, stop_token_ids
 
     _check_config(cfg)
     prompts = _load_prompts(_dataset_entries(cfg))
@@ -198,7 +144,8 @@ def setup(cfg: DictConfig):
     for label, (name, items) in prompts.items():
         encoded = [encode_prompt(tokenizer, p, cfg.system_prompt, cfg.enable_thinking) for p in items]
         datasets[label] = (name, [(p, torch.tensor([ids], device=cfg.device)) for p, ids in zip(items, encoded)])
-    return datasets, target, drafter, stop_token_ids(tokenizer, target.model), tokenizer
+    stops = stop_token_ids(tokenizer, getattr(target.model, "generation_config", None))
+    return datasets, target, drafter, stops, tokenizer
 
 
 def _compare(cfg: DictConfig, drafter, target, prompt_ids: list[str], prompts: list[list[int]], max_new_tokens: int,
@@ -212,7 +159,7 @@ def _compare(cfg: DictConfig, drafter, target, prompt_ids: list[str], prompts: l
                          turn=turn, time_steps=cfg.step_timing)
 
 
-def decode_conversations(cfg: DictConfig, drafter, target, tokenizer, items: list[tuple[Prompt, torch.Tensor]],
+def decode_conversations(cfg: DictConfig, drafter, target, tokenizer, items: list[tuple[BenchmarkPrompt, torch.Tensor]],
                          stops: list[int], seed: int) -> list[PromptResult]:
     """Each prompt, then each of its follow-up questions (up to ``max_turns`` turns) after
     the target's own previous answer, the plain run's: both runs of a turn see the same
@@ -267,9 +214,7 @@ def evaluate(cfg: DictConfig, datasets, target, drafter, stops: list[int], token
     out.mkdir(parents=True, exist_ok=True)
     plot_acceptance(summaries, out / "acceptance.png", title=f"{Path(cfg.drafter_path).name} on {cfg.target.name}")
     # written last and renamed into place: a results.json on disk is always complete
-    tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(out / "results.json")
+    atomic_write_text(out / "results.json", json.dumps(report, indent=2) + "\n")
     print(format_table(summaries))
     print(f"wrote {out / 'results.json'} and {out / 'acceptance.png'}")
     return report

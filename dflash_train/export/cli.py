@@ -21,9 +21,10 @@ from omegaconf import OmegaConf
 
 from dflash_train.config import as_dict, to_train_config
 from dflash_train.distributed.backend import SHARDED_DIR, STATE_FILES, is_sharded, read_model_state
-from dflash_train.export.hub import model_card_files, push_to_hub
-from dflash_train.model.dflash import DFlashDraftModel
 from dflash_train.errors import run_command
+from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY, model_card_files, push_to_hub
+from dflash_train.model.dflash import DFlashDraftModel
+from dflash_train.model.init import drafter_config
 from dflash_train.model.io import check_export_destination, save_drafter
 from dflash_train.model.target import resolve_target
 from dflash_train.training.checkpoint import (
@@ -32,7 +33,6 @@ from dflash_train.training.checkpoint import (
     checkpoint_problem,
     latest_good_checkpoint,
 )
-from dflash_train.training.trainer import EXPORT_DIR, MANIFEST_COPY, drafter_config
 
 
 def find_checkpoint(path: Path) -> Path:

@@ -1,5 +1,8 @@
 """Model card generation and pushing an exported drafter to the Hugging Face Hub.
 
+A run exports its drafter to ``<output_dir>/EXPORT_DIR`` and keeps the data manifest at
+``<output_dir>/MANIFEST_COPY``, where ``dflash-export`` finds it again for the model card.
+
 The token comes only from huggingface_hub's own lookup (HF_TOKEN or ``hf auth login``); it
 is never read, logged or written here.
 """
@@ -11,15 +14,17 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dflash_train.eval.report import format_table
 from dflash_train.model.io import CARD_NAME as CARD
 from dflash_train.model.io import MANIFEST_NAME as MANIFEST
 from dflash_train.model.io import RECIPE_NAME as RECIPE
 
+EXPORT_DIR = "export"
+MANIFEST_COPY = "data_manifest.json"
+
 
 def eval_table(results_path: str | Path) -> str:
     """The table dflash-eval prints, rebuilt from its results.json."""
-    from dflash_train.eval.cli import format_table
-
     report = json.loads(Path(results_path).read_text())
     summaries = {label: {k: v for k, v in d.items() if k != "prompts"} for label, d in report["datasets"].items()}
     return format_table(summaries)

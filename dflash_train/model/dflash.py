@@ -26,6 +26,8 @@ from transformers import PreTrainedModel, Qwen3Config
 
 # hidden_states[0] of an HF causal LM is the embedding output: id i is hidden_states[i + 1].
 EMBEDDING_OFFSET = 1
+# The paper's block: an anchor and 15 masked slots. Configs that name no block size get it.
+DEFAULT_BLOCK_SIZE = 16
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -60,7 +62,7 @@ def rope_parameters(config) -> dict:
 class DFlashConfig(Qwen3Config):
     """Qwen3Config plus the DFlash fields; serialises to the contract's `config.json`."""
 
-    def __init__(self, block_size: int = 16, num_target_layers: int | None = None, dflash_config=None, **kwargs):
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, num_target_layers: int | None = None, dflash_config=None, **kwargs):
         super().__init__(**kwargs)
         self.block_size = block_size
         self.num_target_layers = num_target_layers
@@ -76,7 +78,7 @@ class DFlashConfig(Qwen3Config):
         *,
         mask_token_id: int,
         num_hidden_layers: int = 5,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         target_layer_ids: list[int] | None = None,
         num_features: int | None = None,
         **overrides,
@@ -216,9 +218,6 @@ class ContextCache:
     keys: list = field(default_factory=list)
     values: list = field(default_factory=list)
 
-    def length(self) -> int:
-        return self.keys[0].shape[-2] if self.keys else 0
-
     def read_and_append(self, layer: int, k_ctx: torch.Tensor, v_ctx: torch.Tensor):
         """Store new context K/V for `layer`; return all context K/V: (b, g, C, d)."""
         if layer == len(self.keys):
@@ -300,7 +299,7 @@ class DFlashDraftModel(PreTrainedModel):
         super().__init__(config)
         self.target_layer_ids = [int(i) for i in dflash_field(config, "target_layer_ids")]
         self.mask_token_id = dflash_field(config, "mask_token_id")
-        self.block_size = int(dflash_field(config, "block_size", 16))
+        self.block_size = int(dflash_field(config, "block_size", DEFAULT_BLOCK_SIZE))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
@@ -440,7 +439,9 @@ class SpecOutput:
     step_times: dict | None = None  # seconds per part of the decode steps, when timed (StepClock)
 
 
-def _features(hidden_states, layer_ids) -> torch.Tensor:
+def target_features(hidden_states, layer_ids) -> torch.Tensor:
+    """(b, T, n*H) the target's features: decoder layer outputs ``layer_ids`` side by side.
+    ``hidden_states`` is HF's tuple or anything indexed the same way (layer i at i + 1)."""
     return torch.cat([hidden_states[i + EMBEDDING_OFFSET] for i in layer_ids], dim=-1)
 
 
@@ -548,7 +549,7 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
     target_cache = DynamicCache()
     out = target(input_ids, past_key_values=target_cache, use_cache=True, output_hidden_states=True)
     tokens = input_ids[0].tolist() + [int(_first_token(out.logits[0, -1], sampling, generator))]
-    new_features = _features(out.hidden_states, model.target_layer_ids)  # (1, prompt, n*H)
+    new_features = target_features(out.hidden_states, model.target_layer_ids)  # (1, prompt, n*H)
     draft_cache = ContextCache()
     t1 = _sync(device)
     lengths = []
@@ -581,7 +582,7 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
         tokens += committed
         lengths.append(len(committed))
         _crop(target_cache, len(tokens) - 1)
-        new_features = _features(out.hidden_states, model.target_layer_ids)[:, : accepted + 1]
+        new_features = target_features(out.hidden_states, model.target_layer_ids)[:, : accepted + 1]
         clock.lap("bookkeeping")
     t2 = _sync(device)
     return SpecOutput(

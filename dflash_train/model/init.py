@@ -1,4 +1,5 @@
-"""Starting a drafter from the target's own decoder layers (``drafter.init_from_target``).
+"""Starting a drafter: its config from a recipe, its weights from the target's own decoder
+layers (``drafter.init_from_target``).
 
 Draft layer i starts from target layer L - n + i: the target's last n layers (n draft
 layers, L target layers). Those are the layers that turn the target's mid-depth features
@@ -13,10 +14,25 @@ biases (Qwen2's) that the drafter does not have.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from dflash_train.model.dflash import DFlashConfig
 from dflash_train.model.target import decoder_layers
+
+if TYPE_CHECKING:
+    from dflash_train.config import TrainConfig
+
+
+def drafter_config(cfg: TrainConfig, target_hf_config) -> DFlashConfig:
+    """The drafter's config for a recipe: attention geometry and RoPE follow the target."""
+    d = cfg.drafter
+    return DFlashConfig.from_target(
+        target_hf_config, mask_token_id=cfg.target.mask_token_id, num_hidden_layers=d.num_hidden_layers,
+        block_size=d.block_size, target_layer_ids=d.target_layer_ids, num_features=d.num_features,
+    )
 
 
 def source_layers(num_draft_layers: int, num_target_layers: int) -> list[int]:

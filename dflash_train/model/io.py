@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash_train.atomic import atomic_write
 from dflash_train.model import dflash
-from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel, dflash_field, rope_parameters
+from dflash_train.model.dflash import (
+    DEFAULT_BLOCK_SIZE,
+    DFlashConfig,
+    DFlashDraftModel,
+    dflash_field,
+    rope_parameters,
+)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -47,7 +53,7 @@ def export_config(config) -> dict:
         architectures=["DFlashDraftModel"],
         model_type="qwen3",
         auto_map={"AutoModel": "dflash.DFlashDraftModel"},
-        block_size=int(dflash_field(config, "block_size", 16)),
+        block_size=int(dflash_field(config, "block_size", DEFAULT_BLOCK_SIZE)),
         num_target_layers=int(config.num_target_layers),
         dflash_config={
             "mask_token_id": int(dflash_field(config, "mask_token_id")),
@@ -99,28 +105,6 @@ def check_export_destination(out_dir: str | Path) -> None:
     check_writable_dir(out, "export directory")
 
 
-def atomic_directory(out_dir: str | Path, write) -> Path:
-    """Run `write(tmp_dir)`, then move the finished directory into place in one rename.
-
-    A crash leaves either the previous directory or the new one, never a half-written one.
-    """
-    out = Path(out_dir)
-    check_export_destination(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    old = out.parent / f".{out.name}.old"
-    try:
-        write(tmp)
-        if out.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
 def save_drafter(model: DFlashDraftModel, out_dir, extra_files: dict | None = None, state_dict=None) -> Path:
     """Export a drafter (or a gathered `state_dict` for its config) in the contract format.
 
@@ -141,7 +125,9 @@ def save_drafter(model: DFlashDraftModel, out_dir, extra_files: dict | None = No
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
 
-    return atomic_directory(out_dir, write)
+    # A crash leaves the previous export or the new one, never a half-written one.
+    check_export_destination(out_dir)
+    return atomic_write(out_dir, write, folder=True)
 
 
 def _config_fields(config_dict: dict) -> dict:
@@ -179,7 +165,7 @@ def validate_config(config) -> None:
     mask_id = dflash_field(config, "mask_token_id")
     if mask_id is None or not 0 <= int(mask_id) < config.vocab_size:
         raise ValueError(f"mask_token_id={mask_id} is outside the vocabulary (0..{config.vocab_size - 1})")
-    if int(dflash_field(config, "block_size", 16)) < 2:
+    if int(dflash_field(config, "block_size", DEFAULT_BLOCK_SIZE)) < 2:
         raise ValueError(f"block_size={dflash_field(config, 'block_size')} must be at least 2")
 
 

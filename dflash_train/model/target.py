@@ -15,8 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -25,11 +23,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash_train.atomic import atomic_write
+from dflash_train.model.dflash import EMBEDDING_OFFSET, target_features
 from dflash_train.resources import PKG_SCHEME, resolve_path
 
-# hidden_states[0] of an HF causal LM is the embedding output, so the output of decoder
-# layer i sits at hidden_states[i + EMBEDDING_OFFSET].
-EMBEDDING_OFFSET = 1
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 HUB_PROBE_TIMEOUT_S = 5
 
@@ -78,19 +75,17 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "dflash_source.json").write_text(json.dumps({"gguf": gguf.name, "digest": _file_digest(gguf)}))
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "config.json").exists():  # lost a race only if the winner finished
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
+        atomic_write(out, write, folder=True, replace=False)
+    except OSError:
+        if not (out / "config.json").exists():  # lost a race only if the winner finished
+            raise
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -273,7 +268,7 @@ class TargetModel:
         base = getattr(self.model, "model", self.model)  # the decoder stack without the LM head
         if max(layer_ids) == n - 1:
             out = (base if final else self.model)(input_ids, output_hidden_states=True, **kwargs)
-            feats = torch.cat([out.hidden_states[i + EMBEDDING_OFFSET] for i in layer_ids], dim=-1)
+            feats = target_features(out.hidden_states, layer_ids)
             return feats, (out.last_hidden_state if final else None)
         captured: dict[int, torch.Tensor] = {}
         last = max(layer_ids)
@@ -281,7 +276,8 @@ class TargetModel:
 
         def hook(idx):
             def fn(_module, _inputs, output):
-                captured[idx] = output[0] if isinstance(output, tuple) else output
+                # Stored where hidden_states would hold it, so one function concatenates both.
+                captured[idx + EMBEDDING_OFFSET] = output[0] if isinstance(output, tuple) else output
                 if idx == last and not final:
                     raise _StopForward
 
@@ -296,7 +292,7 @@ class TargetModel:
         finally:
             for h in handles:
                 h.remove()
-        feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
+        feats = target_features(captured, layer_ids)
         return feats, (out.last_hidden_state if final else None)
 
 
@@ -322,6 +318,18 @@ def load_target(
 
     model = AutoModelForCausalLM.from_pretrained(resolve_target(spec, cache_dir), dtype=target_dtype(dtype, device))
     return TargetModel(model.to(device))
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """Ids that end an assistant turn: the generation config's eos ids (one or a list), then
+    the tokenizer's, without repeats; empty when neither has one. Data generation records
+    this order in its manifest; decoding only tests membership."""
+    ids: list[int] = []
+    eos = getattr(generation_config, "eos_token_id", None)
+    for i in [*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id]:
+        if i is not None and i not in ids:
+            ids.append(int(i))
+    return ids
 
 
 def template_sha256(template: str | None) -> str | None:

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from dflash_train.atomic import publish
 from dflash_train.config import TrainConfig, as_dict
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -202,8 +203,7 @@ def save_checkpoint(backend, output_dir: str | Path, state: TrainerState, config
     backend.barrier()
     if backend.is_main:
         write_checksums(tmp)  # last: a checkpoint whose files match it is complete and intact
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        publish(tmp, final)  # fsynced, then renamed into place
         for old in list_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     backend.barrier()

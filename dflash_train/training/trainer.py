@@ -22,17 +22,18 @@ from pathlib import Path
 
 import torch
 
-from data_gen.writer import check_target, load_generated, read_manifest
 from dflash_train import contract
 from dflash_train.config import TrainConfig, as_dict
 from dflash_train.data.collate import Batch, collate
 from dflash_train.data.dataset import StepSlice, TrainingData
+from dflash_train.data.format import check_target, load_generated, read_manifest
 from dflash_train.data.packing import document_causal_mask
 from dflash_train.distributed.backend import Backend, build_backend
-from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 from dflash_train.errors import RunError, check_writable_dir
+from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY, model_card_files
+from dflash_train.model.dflash import DFlashDraftModel
+from dflash_train.model.init import drafter_config, init_from_target
 from dflash_train.model.io import check_export_destination, save_drafter
-from dflash_train.model.init import init_from_target
 from dflash_train.model.masks import build_training_masks
 from dflash_train.model.target import (
     TargetModel,
@@ -61,17 +62,6 @@ from dflash_train.training.loss import Distillation, LossOutput, dflash_loss, su
 from dflash_train.training.optim import optimizer_factory, scheduler_factory
 
 log = logging.getLogger(__name__)
-EXPORT_DIR = "export"
-MANIFEST_COPY = "data_manifest.json"
-
-
-def drafter_config(cfg: TrainConfig, target_hf_config) -> DFlashConfig:
-    """The drafter's config for a recipe: attention geometry and RoPE follow the target."""
-    d = cfg.drafter
-    return DFlashConfig.from_target(
-        target_hf_config, mask_token_id=cfg.target.mask_token_id, num_hidden_layers=d.num_hidden_layers,
-        block_size=d.block_size, target_layer_ids=d.target_layer_ids, num_features=d.num_features,
-    )
 
 
 def split_validation(num_rows: int, val_rows: int, seed: int) -> tuple[list[int], list[int]]:
@@ -442,8 +432,6 @@ class Trainer:
 
     def export(self, out_dir: Path) -> Path | None:
         """Collective: the drafter in the contract format, with recipe and data manifest beside."""
-        from dflash_train.export.hub import model_card_files
-
         state = self.backend.full_state_dict()
         path = None
         if self.backend.is_main:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from data_gen.pipeline import run
-from data_gen.writer import load_generated, read_shard_meta
+from dflash_train.data.format import load_generated, read_shard_meta
 from tests.datagen_helpers import compose_config, overrides, write_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

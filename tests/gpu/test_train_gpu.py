@@ -24,7 +24,7 @@ def test_qwen3_8b_geometry_trains_on_one_gpu_without_oom():
 def _random_conversations(out_dir, vocab: int, count: int = 24):
     """A datagen folder of random conversations of 20-90 tokens (no tokenizer needed: the GPU
     image lacks the embedded SmolLM2 package)."""
-    from data_gen import writer
+    from dflash_train.data import format as data_format
 
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -33,8 +33,8 @@ def _random_conversations(out_dir, vocab: int, count: int = 24):
         rows.append({"input_ids": torch.randint(0, vocab, (n,), generator=g).tolist(),
                      "loss_mask": [0] * p + [1] * (n - p), "prompt_id": f"p{i}", "source": "test",
                      "finish_reason": "stop", "prompt_len": p, "response_len": n - p, "num_tokens": n})
-    writer.write_shard(out_dir, 0, rows, {})
-    writer.consolidate(out_dir, 1, {"format_version": writer.FORMAT_VERSION, "counts": {"rows": count}})
+    data_format.write_shard(out_dir, 0, rows, {})
+    data_format.consolidate(out_dir, 1, {"format_version": data_format.FORMAT_VERSION, "counts": {"rows": count}})
     return out_dir
 
 

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_gen.backends import derive_seed
 from data_gen.cli import generate
 from data_gen.config import DatagenConfig
+from data_gen.generators import SEED_DIGEST
 from data_gen.pipeline import run, setup
-from data_gen.writer import load_generated, read_manifest
+from dflash_train.contract import derive_seed
+from dflash_train.data.format import load_generated, read_manifest
 from dflash_train.model.target import resolve_target, target_identity, tokenizer_hash
 from tests.datagen_helpers import JsonHandler
 
@@ -101,7 +102,8 @@ def test_sampled_rows_equal_seeded_generate(tmp_path, smollm2, smollm2_tokenizer
     run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
     row = load_generated(cfg.out_dir)[0]
     ids = row["input_ids"][: row["prompt_len"]]
-    torch.manual_seed(derive_seed(derive_seed(7, 0, 0), 0))  # (seed, shard, turn), then batch 0
+    # (seed, shard, turn), then batch 0
+    torch.manual_seed(derive_seed(derive_seed(7, 0, 0, digest=SEED_DIGEST), 0, digest=SEED_DIGEST))
     expected = plain_generate(smollm2.model, ids, do_sample=True, temperature=0.9, top_k=40, top_p=0.95)
     assert row["input_ids"][row["prompt_len"]:] == expected
 

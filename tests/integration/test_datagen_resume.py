@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from data_gen.pipeline import run
-from data_gen.writer import load_generated, shard_path
+from dflash_train.data.format import load_generated, shard_path
 from tests.datagen_helpers import cli, compose_config, overrides, write_prompts
 
 pytestmark = pytest.mark.slow

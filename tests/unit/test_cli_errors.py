@@ -83,7 +83,7 @@ def test_a_non_utf8_prompt_file_is_named(tmp_path):
     bad.write_bytes(json.dumps({"prompt": "fine"}).encode() + b"\n" + b'{"prompt": "caf\xe9"}\n')
     done = run_cli("dflash-datagen", f"out_dir={tmp_path / 'out'}", "exclude_eval=[]",
                    f"sources=[{{kind: jsonl, path: {bad}}}]")
-    assert_one_line_error(done, "dflash-datagen", f"{bad}:2 is not UTF-8 text")
+    assert_one_line_error(done, "dflash-datagen", f"{bad}:2: not UTF-8 text")
     done = run_cli("dflash-eval", "drafter_path=random", f"datasets=[{bad}]", f"output_dir={tmp_path / 'e'}")
     assert_one_line_error(done, "dflash-eval", f"{bad}:2: not UTF-8 text")
 

@@ -8,7 +8,7 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 
-from data_gen.writer import load_generated
+from dflash_train.data.format import load_generated
 from dflash_train.model.target import load_tokenizer
 from tests.cli_helpers import assert_one_line_error, run_cli, snapshot
 from tests.conftest import SMOLLM2

@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 from data_gen.config import DatagenConfig, SourceConfig
 from data_gen.sources import SkipLog, eval_hashes, iter_prompts
+from dflash_train.data.prompts import load_benchmark, prompt_hash
 from dflash_train.resources import resolve_path
-from dflash_train.eval.benchmarks import load_benchmark, prompt_hash
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 

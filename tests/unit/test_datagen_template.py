@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from data_gen.template import ChatShaper, stop_token_ids
+from data_gen.template import ChatShaper
+from dflash_train.model.target import stop_token_ids
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

@@ -2,19 +2,18 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
+from dflash_train.data.prompts import BenchmarkPrompt
 from dflash_train.eval.acceptance import PromptResult, summarize, target_generate
-from dflash_train.eval.benchmarks import Prompt
 from dflash_train.eval.cli import (
     _check_config,
     _dataset_entries,
     decode_conversations,
     encode_messages,
-    format_table,
-    stop_token_ids,
 )
 from dflash_train.eval.plot import plot_acceptance
+from dflash_train.eval.report import format_table
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
-from dflash_train.model.target import TargetModel
+from dflash_train.model.target import TargetModel, stop_token_ids
 from tests.conftest import make_tiny_target
 
 
@@ -66,7 +65,14 @@ class _Model:
 
 
 def test_stop_token_ids_merges_tokenizer_and_generation_config():
-    assert stop_token_ids(_Tok(), _Model()) == [2, 7]
+    # The generation config's ids first (data generation records this order), no repeats.
+    assert stop_token_ids(_Tok(), _Model.generation_config) == [2, 7]
+    _Gen.eos_token_id = 9
+    try:
+        assert stop_token_ids(_Tok(), _Gen()) == [9, 2]
+    finally:
+        _Gen.eos_token_id = [2, 7]
+    assert stop_token_ids(_Tok()) == [2]
 
 
 def _summary():
@@ -138,9 +144,9 @@ def chat_models():
 
 
 def _items(tok):
-    prompts = [Prompt("chat/1", [{"role": "user", "content": "hi"}], "chat", turns=["hi", "and then?"]),
-               Prompt("chat/2", [{"role": "user", "content": "write"}], "chat", turns=["write"]),
-               Prompt("chat/3", [{"role": "user", "content": "count"}], "chat", turns=["count", "again", "stop"])]
+    prompts = [BenchmarkPrompt("chat/1", [{"role": "user", "content": "hi"}], "chat", turns=["hi", "and then?"]),
+               BenchmarkPrompt("chat/2", [{"role": "user", "content": "write"}], "chat", turns=["write"]),
+               BenchmarkPrompt("chat/3", [{"role": "user", "content": "count"}], "chat", turns=["count", "again", "stop"])]
     return [(p, torch.tensor([encode_messages(tok, p.messages, None, False)])) for p in prompts]
 
 

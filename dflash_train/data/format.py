@@ -1,4 +1,9 @@
-"""On-disk output of dflash-datagen, written so that a crash never leaves a half-truth.
+"""The training-data format: what dflash-datagen writes and the trainer reads.
+
+One module holds the layout, the manifest, the writer (shards, consolidation) and the reader
+(manifest, dataset, target identity check), so that data_gen/ and the trainer agree on it
+by construction and the dependency runs one way (data_gen imports this, never the reverse).
+Every file is written so that a crash never leaves a half-truth:
 
     <out>/run.json        settings fingerprint; a restart must match it
     <out>/shards/         shard-NNNNN.parquet, each renamed into place once complete
@@ -12,14 +17,13 @@ metadata), so a restart skips committed shards and reports the same counts.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dflash_train.atomic import atomic_write, atomic_write_text
 
 FORMAT_VERSION = 1
 COLUMNS = ("input_ids", "loss_mask", "prompt_id", "source", "finish_reason", "prompt_len", "response_len",
@@ -32,40 +36,15 @@ SCHEMA = pa.schema([
 SHARD_META_KEY = b"dflash_datagen"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def shard_path(out_dir: Path, index: int) -> Path:
     return Path(out_dir) / "shards" / f"shard-{index:05d}.parquet"
 
 
 def write_shard(out_dir: Path, index: int, rows: list[dict], meta: dict) -> None:
     """Commit one shard: written beside its final name, fsynced, then renamed (atomic)."""
-    path = shard_path(out_dir, index)
-    path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
     table = table.replace_schema_metadata({SHARD_META_KEY: json.dumps(meta).encode()})
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    atomic_write(shard_path(out_dir, index), lambda tmp: pq.write_table(table, tmp))
 
 
 def remove_stale_temps(out_dir: Path) -> None:
@@ -92,7 +71,9 @@ def _foreign(folder: Path, own) -> list[str]:
 
 
 def _own_top(name: str) -> bool:
-    return name in ("run.json", "manifest.json", "shards", "data") or re.fullmatch(r"\.[\w.]+\.tmp-\w+", name)
+    # Besides the outputs: the temporary names of dflash_train.atomic (and the replaced
+    # data folder it steps aside while renaming).
+    return name in ("run.json", "manifest.json", "shards", "data") or re.fullmatch(r"\.[\w.]+\.(tmp-\w+|old)", name)
 
 
 def _own_shard(name: str) -> bool:
@@ -151,14 +132,12 @@ def consolidate(out_dir: Path, num_shards: int, manifest: dict) -> None:
     out_dir = Path(out_dir)
     tables = [_read_shard(shard_path(out_dir, i)) for i in range(num_shards)]
     table = pa.concat_tables(tables).replace_schema_metadata(None)
-    tmp = Path(tempfile.mkdtemp(prefix=".data.tmp-", dir=out_dir))
-    try:
+
+    def write(tmp: Path) -> None:
         datasets.Dataset(table).save_to_disk(str(tmp))
         check_out_dir(out_dir)  # again right before data/ is replaced: it must be ours
-        shutil.rmtree(out_dir / "data", ignore_errors=True)
-        os.replace(tmp, out_dir / "data")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    atomic_write(out_dir / "data", write, folder=True)
     atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True))
 
 

@@ -3,8 +3,13 @@ import json
 
 import pytest
 
-from dflash_train.eval import benchmarks
-from dflash_train.eval.benchmarks import load_benchmark, prompt_hash
+from dflash_train.data import prompts as benchmarks
+from dflash_train.data.prompts import (
+    BadConversation,
+    chat_messages,
+    load_benchmark,
+    prompt_hash,
+)
 
 
 def test_prompt_hash_normalises_whitespace():
@@ -73,8 +78,10 @@ def test_jsonl_prompt_and_messages(tmp_path):
     ("{not json", r"bad\.jsonl:2: not valid JSON"),
     ('["a list"]', r"bad\.jsonl:2: expected a JSON object"),
     ('{"text": "x"}', r"bad\.jsonl:2: expected exactly one of 'prompt' or 'messages', got keys \['text'\]"),
-    ('{"messages": [{"role": "assistant", "content": "x"}]}', r"bad\.jsonl:2: the messages have no user turn"),
-    ('{"messages": [{"role": "human", "content": "x"}]}', r"bad\.jsonl:2: bad message"),
+    ('{"messages": [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}]}',
+     r"bad\.jsonl:2: message 1 has unknown role 'robot'"),
+    ('{"messages": [{"role": "assistant", "content": "x"}]}', r"bad\.jsonl:2: the first turn is from 'assistant'"),
+    ('{"messages": [{"role": "system", "content": "x"}]}', r"bad\.jsonl:2: no user turn"),
     ('{"prompt": "   "}', r"bad\.jsonl:2: empty prompt"),
 ])
 def test_jsonl_malformed_line_is_named(tmp_path, line, message):
@@ -123,3 +130,24 @@ def test_missing_package_is_named(monkeypatch):
     monkeypatch.setattr(benchmarks, "MTBENCH_FILE", ("no_such_pkg_xyz", "q.jsonl"))
     with pytest.raises(ValueError, match=r"'mtbench' needs the package 'no_such_pkg_xyz', which is not installed"):
         load_benchmark("mtbench")
+
+
+def test_one_role_rule_for_benchmarks_and_datagen_sources(tmp_path):
+    # ShareGPT's from/value form and its role names read the same as role/content.
+    sharegpt = [{"from": "system", "value": "S"}, {"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},
+                {"from": "human", "value": "c"}]
+    assert chat_messages(sharegpt, "x") == [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+                                           {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    path = tmp_path / "share.jsonl"
+    path.write_text(json.dumps({"messages": sharegpt}) + "\n")
+    (prompt,) = load_benchmark(str(path))
+    assert prompt.messages == chat_messages(sharegpt, "x") and prompt.turns == ["a", "c"]
+    # A system message later than first, or an assistant before any user, breaks the rule.
+    for turns, reason, message in [
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": "s"}], "malformed", "unknown role 'system'"),
+        ([{"role": "gpt", "content": "a"}, {"role": "user", "content": "b"}], "not_user_first", "from 'gpt'"),
+        ([{"role": "user", "content": 3}], "malformed", "message 0 has no string content"),
+    ]:
+        with pytest.raises(BadConversation, match=message) as err:
+            chat_messages(turns, "x")
+        assert err.value.reason == reason

@@ -1,4 +1,4 @@
-"""`hf` backend: batched generation with the target loaded in-process.
+"""`hf` generator: batched generation with the target loaded in-process.
 
 Prompts are sorted by length and batched (length bucketing keeps padding small), left
 padded, and generated with `model.generate`. On GPU the target runs in bf16 on the rank's
@@ -12,8 +12,9 @@ import copy
 import torch
 from transformers import GenerationConfig
 
-from data_gen.backends import Completion, derive_seed, trim_response
 from data_gen.config import BackendConfig, SamplingConfig
+from data_gen.generators import SEED_DIGEST, Completion, trim_response
+from dflash_train.contract import derive_seed
 from dflash_train.model.target import TargetModel, load_target
 
 
@@ -23,7 +24,7 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
 
 
-class HFBackend:
+class HFGenerator:
     def __init__(self, target: TargetModel, cfg: BackendConfig, sampling: SamplingConfig,
                  stop_ids: list[int], pad_id: int):
         # A shallow copy shares the weights but gets a clean generation config: only the
@@ -44,7 +45,7 @@ class HFBackend:
 
     @classmethod
     def load(cls, spec: str, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int], pad_id: int,
-             local_rank: int = 0, dtype: str = "auto", cache_dir: str | None = None) -> "HFBackend":
+             local_rank: int = 0, dtype: str = "auto", cache_dir: str | None = None) -> "HFGenerator":
         device = rank_device(cfg.device, local_rank)
         return cls(load_target(spec, dtype=dtype, device=device, cache_dir=cache_dir), cfg, sampling, stop_ids, pad_id)
 
@@ -67,7 +68,7 @@ class HFBackend:
         for b, start in enumerate(range(0, len(order), size)):
             chunk = order[start:start + size]
             if not self.sampling.greedy:
-                torch.manual_seed(derive_seed(seed, b))
+                torch.manual_seed(derive_seed(seed, b, digest=SEED_DIGEST))
             for i, completion in zip(chunk, self._batch([prompts[i] for i in chunk])):
                 results[i] = completion
         return results

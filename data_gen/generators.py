@@ -1,0 +1,70 @@
+"""The response generators the pipeline talks to, and the one place that picks one.
+
+A generator turns prompt token ids into the target's response token ids: in-process
+(``hf``) or through an OpenAI-compatible server (``openai``), chosen by the recipe's
+``backend`` section. (Not to be confused with dflash_train.distributed's training
+backends.) Both get every sampling field explicitly, so the target's own generation
+defaults (a repetition penalty, a default temperature) never leak into the data unnoticed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from data_gen.config import BackendConfig, SamplingConfig
+
+# The hash of data generation's sampling seeds (dflash_train.contract.derive_seed).
+SEED_DIGEST = "sha256"
+
+
+@dataclass
+class Completion:
+    """A response: its ids end with the stop token exactly when finish_reason == 'stop'."""
+
+    ids: list[int]
+    finish_reason: str
+    # False when the ids were recovered by tokenizing the server's text, not sent by it.
+    exact_ids: bool = True
+
+
+@dataclass
+class Failure:
+    """A prompt the generator could not answer. Retryable failures (server down, timeouts)
+    keep their shard uncommitted so that a restart tries again."""
+
+    detail: str
+    retryable: bool
+
+
+class GeneratorUnavailable(RuntimeError):
+    """The generator cannot serve at all (e.g. the server is unreachable)."""
+
+
+class Generator(Protocol):
+    def generate(self, prompts: list[list[int]], seed: int) -> list[Completion | Failure]:
+        """Responses for `prompts`, in order; `seed` makes sampled output reproducible."""
+
+
+def trim_response(ids: list[int], stop_ids: list[int]) -> Completion:
+    """Cut a raw continuation after its first stop token (batched generation pads after it)."""
+    for i, t in enumerate(ids):
+        if t in stop_ids:
+            return Completion(ids[: i + 1], "stop")
+    return Completion(list(ids), "length")
+
+
+def build_generator(cfg: BackendConfig, sampling: SamplingConfig, target_spec: str, stop_ids: list[int],
+                  pad_id: int, tokenizer, local_rank: int = 0, dtype: str = "auto", cache_dir: str | None = None,
+                  target=None):
+    """The generator ``cfg.kind`` names; `target` reuses an already loaded TargetModel (hf only)."""
+    if cfg.kind == "hf":
+        from data_gen.hf_generator import HFGenerator
+
+        if target is not None:
+            return HFGenerator(target, cfg, sampling, stop_ids, pad_id)
+        return HFGenerator.load(target_spec, cfg, sampling, stop_ids, pad_id, local_rank=local_rank, dtype=dtype,
+                              cache_dir=cache_dir)
+    from data_gen.openai_generator import OpenAIGenerator
+
+    return OpenAIGenerator(cfg, sampling, stop_ids, tokenizer, model_name=cfg.model or target_spec)

@@ -1,0 +1,130 @@
+"""The import graph runs one way: every import, lazy ones inside functions included, goes
+from a layer to itself or to a layer below it in LAYERS.
+
+A module belongs to the layer of the longest prefix that names it. The layers, low to high:
+the foundations (errors, resources, atomic writes, the contract and the single-file drafter,
+which is copied beside exports and so imports nothing of ours), the data formats both sides
+of the pipeline share, the structured config, then data, model, training parts, evaluation,
+export, the trainer, the commands, and data_gen on top (it may use dflash_train, never the
+reverse).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("dflash_train", "data_gen")
+LAYERS = (
+    ("dflash_train.errors", "dflash_train.resources", "dflash_train.atomic", "dflash_train.contract",
+     "dflash_train.model.dflash"),
+    ("dflash_train.data.format", "dflash_train.data.prompts"),
+    ("dflash_train.config",),
+    ("dflash_train.data",),
+    ("dflash_train.model",),
+    ("dflash_train.distributed", "dflash_train.training"),
+    ("dflash_train.eval",),
+    ("dflash_train.export",),
+    ("dflash_train.training.trainer",),
+    ("dflash_train.train", "dflash_train.bench", "dflash_train.quickstart", "dflash_train.quality",
+     "dflash_train.eval.cli"),
+    ("data_gen",),
+)
+
+
+def layer_of(module: str) -> int | None:
+    """Index in LAYERS of the longest prefix naming ``module`` (None: not ours)."""
+    best, best_len = None, -1
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    return best
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``source``, at any depth (functions, if blocks)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against the importing module's package
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                package = package[: len(package) - node.level + 1]
+                base = ".".join(package + ([base] if base else []))
+            # `from pkg import mod` imports the module pkg.mod when it is one of ours.
+            found += [(node.lineno, f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}") else base)
+                      for alias in node.names]
+    return list(dict.fromkeys(found))  # one entry per module a statement imports
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    own = layer_of(module)
+    bad = []
+    for line, name in imported_modules(source, module, is_package):
+        theirs = layer_of(name)
+        if theirs is not None and theirs > own:
+            bad.append(f"{module}:{line} imports {name} (layer {theirs} {LAYERS[theirs][0]}) "
+                       f"from layer {own} ({LAYERS[own][0]})")
+    return bad
+
+
+def our_modules() -> list[Path]:
+    """Every module of PACKAGES; empty package markers (__init__.py) hold no code to place."""
+    return sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py")
+                  if p.name != "__init__.py" or p.read_text(encoding="utf-8").strip())
+
+
+def test_every_module_has_a_layer():
+    unplaced = [module_name(p) for p in our_modules() if layer_of(module_name(p)) is None]
+    assert not unplaced, f"add these modules to LAYERS: {unplaced}"
+
+
+def test_dependencies_run_one_way():
+    bad = []
+    for path in our_modules():
+        bad += violations(path.read_text(encoding="utf-8"), module_name(path), path.name == "__init__.py")
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_the_drafter_file_imports_nothing_of_ours():
+    # model/dflash.py is copied verbatim beside every export: it must stand alone.
+    source = (ROOT / "dflash_train/model/dflash.py").read_text(encoding="utf-8")
+    ours = [name for _, name in imported_modules(source, "dflash_train.model.dflash") if layer_of(name) is not None]
+    assert ours == []
+
+
+@pytest.mark.parametrize("module, source, found", [
+    # a lazy import inside a function counts like a top-level one
+    ("dflash_train.export.hub", "def f():\n    from dflash_train.training.trainer import Trainer\n",
+     "dflash_train.export.hub:2 imports dflash_train.training.trainer"),
+    ("dflash_train.training.trainer", "import data_gen.pipeline\n", "imports data_gen.pipeline"),
+    ("dflash_train.data.format", "from dflash_train.eval import cli\n", "imports dflash_train.eval.cli"),
+    ("dflash_train.model.target", "from ..training import loss\n", "imports dflash_train.training.loss"),
+    ("dflash_train.contract", "if True:\n    from dflash_train.config import TrainConfig\n",
+     "imports dflash_train.config (layer 2"),
+])
+def test_an_import_against_the_direction_is_caught(module, source, found):
+    (message,) = violations(source, module)
+    assert found in message
+
+
+def test_imports_along_the_direction_pass():
+    assert violations("from dflash_train.training.trainer import Trainer\nimport torch\n", "dflash_train.train") == []
+    assert violations("from dflash_train.data.format import load_generated\n", "data_gen.pipeline") == []
+    assert violations("from dflash_train.export.hub import model_card_files\n", "dflash_train.training.trainer") == []
