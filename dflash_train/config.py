@@ -1,8 +1,9 @@
 """Typed configuration of a training run and its cross-field checks.
 
 Hydra composes the YAML recipes into a DictConfig; ``to_train_config`` merges it onto these
-dataclasses (so an unknown or misspelled key is an error that names it), turns it into
-plain objects and runs ``validate``, all before anything heavy is loaded.
+dataclasses through ``recipe.to_config``, the path every command's config takes (so an
+unknown or misspelled key, a missing value or a wrong type is a one-line error that names
+it), and runs ``validate``, all before anything heavy is loaded.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from dflash_train.contract import default_gamma
+from dflash_train.distributed.backend import BackendConfig
+from dflash_train.recipe import to_config
 
 ATTENTION_KINDS = ("flex", "dense")
 SCHEDULES = ("cosine", "constant")
@@ -126,9 +128,9 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hub: HubConfig = field(default_factory=HubConfig)
-    # Owned by dflash_train.distributed (device, mixed precision, sharding); build_backend
-    # validates it.
-    backend: dict[str, Any] = field(default_factory=dict)
+    # Owned by dflash_train.distributed (device, mixed precision, sharding): typed here, its
+    # choices checked by build_backend (which knows whether deepspeed is installed).
+    backend: BackendConfig = field(default_factory=BackendConfig)
     output_dir: str = MISSING
     seed: int = 0
     epochs: int = 6
@@ -139,13 +141,7 @@ class TrainConfig:
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """Merge a composed recipe onto the schema, convert and validate it."""
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
-        out = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        raise ValueError(f"bad training recipe: {e}") from e
-    validate(out)
-    return out
+    return to_config(TrainConfig, cfg, validate)
 
 
 def as_dict(cfg: TrainConfig) -> dict:

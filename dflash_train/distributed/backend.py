@@ -42,9 +42,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 from torch import nn
+
+from dflash_train.recipe import to_config
 
 BACKEND_NAMES = ("single", "ddp", "fsdp2", "zero2", "zero3")
 DEEPSPEED_BACKENDS = ("zero2", "zero3")
@@ -82,11 +83,7 @@ class BackendConfig:
 def _as_config(cfg: BackendConfig | DictConfig | dict | None) -> BackendConfig:
     if isinstance(cfg, BackendConfig):
         return cfg
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(BackendConfig), cfg or {})
-    except OmegaConfBaseException as err:
-        raise ValueError(f"invalid backend config {cfg}: {err}") from err
-    return OmegaConf.to_object(merged)
+    return to_config(BackendConfig, cfg or {}, prefix="backend")
 
 
 def _check_choice(field: str, value: str, choices: Iterable[str]) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from data_gen.backends import derive_seed
 from data_gen.cli import generate
-from data_gen.config import DatagenConfig
+from data_gen.config import to_datagen_config
 from data_gen.pipeline import run, setup
 from data_gen.writer import load_generated, read_manifest
 from dflash_train.model.target import resolve_target, target_identity, tokenizer_hash
@@ -52,7 +52,7 @@ def config(tmp_path, name, prompts=PROMPTS, **overrides):
            "backend": {"batch_size": 4, "cpu_threads": 1}}
     for key, value in overrides.items():
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
-    return DatagenConfig.from_dict(cfg)
+    return to_datagen_config(cfg)
 
 
 def plain_generate(model, ids, **kwargs):
