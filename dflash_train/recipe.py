@@ -26,8 +26,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from hydra import compose, initialize_config_module
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+from omegaconf.errors import (
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 T = TypeVar("T")
 RECIPES_MODULE = "dflash_recipes"  # recipes/, installed under this name (see pyproject.toml)
@@ -74,7 +81,7 @@ def parse_command_line(argv: Sequence[str], config_name: str, doc: str, *,
             overrides.append(f"{key}={fixed}")
             continue
         if not eq and not args:
-            raise ValueError(f"option {name} needs a value")
+            raise ValueError(f"missing value for {key or name}: option {name} needs one")
         value = inline if eq else args.pop(0)
         if key is None:
             config_name = value
@@ -96,17 +103,13 @@ def _quoted(value: str) -> str:
 
 def compose_recipe(schema: type, config_name: str, overrides: Sequence[str]) -> DictConfig:
     """The recipe ``config_name`` with ``overrides`` applied (Hydra), errors in one line."""
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-
     try:
         with initialize_config_module(RECIPES_MODULE, version_base=None):
             return compose(config_name=config_name, overrides=list(overrides))
     except MissingConfigException as err:
         if err.missing_cfg_file and err.options:
             raise ValueError(f"no recipe {err.missing_cfg_file!r}; options: {', '.join(err.options)}") from None
-        raise ValueError(f"no recipe {config_name!r} in recipes/" if "primary" in str(err) else _first_line(err)) \
-            from None
+        raise ValueError(_first_line(err)) from None
     except OverrideParseException as err:
         raise ValueError(f"cannot parse override {err.override!r}: {_first_line(err)}") from None
     except HydraException as err:

@@ -14,12 +14,16 @@ from pathlib import Path
 from dflash_train.config import TrainConfig, validate
 from dflash_train.errors import run_command
 from dflash_train.recipe import load_command, log_to_stdout
-from dflash_train.training.trainer import Trainer
 
 
 def run(argv: list[str] | None = None) -> Path | None:
     """Train from a command line; returns the export directory (on the main process)."""
-    trainer = Trainer(load_command(TrainConfig, argv, "train", __doc__, validate))
+    cfg = load_command(TrainConfig, argv, "train", __doc__, validate)
+    from dflash_train.training.trainer import (
+        Trainer,  # after the recipe: a mistake fails in seconds
+    )
+
+    trainer = Trainer(cfg)
     try:
         return trainer.fit()
     finally:
