@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig
 
-from dflash_train.recipe import to_config
+from dflash_train.recipe import HINT, to_config
 
 SOURCE_KINDS = ("sharegpt", "jsonl", "hf")
 BACKEND_KINDS = ("hf", "openai")
@@ -136,7 +136,7 @@ class TargetConfig:
 @dataclass
 class DatagenConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
-    out_dir: str = MISSING
+    out_dir: str = field(default=MISSING, metadata={HINT: "<new or empty folder>"})
     sources: list[SourceConfig] = MISSING
     template: TemplateConfig = field(default_factory=TemplateConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

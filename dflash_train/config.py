@@ -15,7 +15,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dflash_train.contract import default_gamma
 from dflash_train.distributed.backend import BackendConfig
-from dflash_train.recipe import to_config
+from dflash_train.recipe import HINT, to_config
 
 ATTENTION_KINDS = ("flex", "dense")
 SCHEDULES = ("cosine", "constant")
@@ -48,7 +48,7 @@ class DrafterConfig:
 
 @dataclass
 class DataConfig:
-    path: str = MISSING  # a dflash-datagen output directory (manifest.json + data/)
+    path: str = field(default=MISSING, metadata={HINT: "<dflash-datagen output folder>"})
     max_length: int = 3072
     num_anchors: int = 512
     packing: bool = False  # several conversations per row, document-aware masks
@@ -131,7 +131,7 @@ class TrainConfig:
     # Owned by dflash_train.distributed (device, mixed precision, sharding): typed here, its
     # choices checked by build_backend (which knows whether deepspeed is installed).
     backend: BackendConfig = field(default_factory=BackendConfig)
-    output_dir: str = MISSING
+    output_dir: str = field(default=MISSING, metadata={HINT: "<run folder>"})
     seed: int = 0
     epochs: int = 6
     max_steps: int | None = None  # stop early; the schedule still spans all epochs (see optim.schedule_steps)

@@ -9,7 +9,7 @@ the schema's cross-field checks. A config read from elsewhere (a checkpoint's re
 through ``to_config`` alone. Every mistake is a ValueError of one line naming the key:
 
     unknown key optim.lrr (did you mean optim.lr?)
-    missing value for output_dir: add output_dir=... to the command or the recipe
+    missing value for output_dir: add output_dir=<run folder> to the command
     wrong type for optim.lr='abc': could not be converted to Float
 """
 
@@ -43,6 +43,9 @@ HELP_FLAGS = ("-h", "--help")
 # Values Hydra's override grammar takes unquoted; others (spaces, commas, brackets) get quoted.
 _PLAIN_VALUE = re.compile(r"[\w\-+./:@~%]*")
 _LIST_INDEX = re.compile(r"\[\d+\]")
+# A required field's metadata key: what to write after "key=" in the missing-value error,
+# e.g. field(default=MISSING, metadata={HINT: "<drafter directory> or random"}).
+HINT = "hint"
 
 
 @dataclass
@@ -180,7 +183,9 @@ def _describe(schema: type, err: OmegaConfBaseException, prefix: str) -> str:
     if isinstance(err, ConfigKeyError):
         return _unknown_key(schema, key, prefix)
     if isinstance(err, MissingMandatoryValue):
-        return f"missing value for {shown}: add {shown}=... to the command or the recipe"
+        field = _field(schema, key)
+        hint = field.metadata.get(HINT, "...") if field else "..."
+        return f"missing value for {shown}: add {shown}={hint} to the command"
     if isinstance(err, ValidationError):
         reason = re.sub(r"^Value '.*?' (of type '\w+' )?", "", _first_line(err))
         return f"wrong type for {shown}={_value(err)!r}: {reason}"
@@ -208,11 +213,21 @@ def _keys_of(schema: type, path: str) -> list[str]:
     """The field names of the dataclass at ``path`` (dotted, list indices allowed) in ``schema``."""
     node: Any = schema
     for part in filter(None, _LIST_INDEX.sub("", path).split(".")):
-        fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
-        if part not in fields:
+        if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
             return []
         node = _dataclass_in(typing.get_type_hints(node)[part])
     return sorted(f.name for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else []
+
+
+def _field(schema: type, key: str) -> dataclasses.Field | None:
+    """The dataclass field ``key`` (dotted) of ``schema``, if there is one."""
+    parent, _, name = _LIST_INDEX.sub("", key).rpartition(".")
+    if name not in _keys_of(schema, parent):
+        return None
+    node = schema
+    for part in filter(None, parent.split(".")):
+        node = _dataclass_in(typing.get_type_hints(node)[part])
+    return next(f for f in dataclasses.fields(node) if f.name == name)
 
 
 def _dataclass_in(hint: Any) -> Any:

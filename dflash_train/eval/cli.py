@@ -32,7 +32,7 @@ from dflash_train.eval.acceptance import NEAR_TIE_ULPS, PromptResult, compare_pr
 from dflash_train.eval.batched import compare_batch
 from dflash_train.eval.benchmarks import BUILTIN, HF_SCHEME, Prompt, load_benchmark
 from dflash_train.eval.plot import plot_acceptance
-from dflash_train.recipe import load_command, log_to_stdout
+from dflash_train.recipe import HINT, load_command, log_to_stdout
 
 RANDOM_DRAFTER = "random"
 WARMUP_TOKENS = 8
@@ -45,7 +45,7 @@ class EvalConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)  # the group training uses
     drafter: DrafterConfig = field(default_factory=DrafterConfig)  # shape of a fresh (random) drafter
-    drafter_path: str = MISSING  # a saved drafter directory, or "random"
+    drafter_path: str = field(default=MISSING, metadata={HINT: f"<drafter directory> or {RANDOM_DRAFTER}"})
     datasets: list[Any] = field(default_factory=lambda: ["mtbench", "humaneval"])  # names or mappings
     limit: int | None = 20
     max_new_tokens: int = 256

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from dflash_train.model.dflash import DFlashDraftModel
 from dflash_train.errors import run_command
 from dflash_train.model.io import check_export_destination, save_drafter
 from dflash_train.model.target import resolve_target
-from dflash_train.recipe import load_command
+from dflash_train.recipe import HINT, load_command
 from dflash_train.training.checkpoint import (
     CONFIG_FILE,
     STATE_FILE,
@@ -74,7 +74,7 @@ def export_checkpoint(ckpt: Path, out: Path, eval_results: str | None = None) ->
 class ExportConfig:
     """The settings of dflash-export; recipes/export.yaml says what each one does."""
 
-    path: str = MISSING
+    path: str = field(default=MISSING, metadata={HINT: "<run output_dir or checkpoint directory>"})
     out: str | None = None
     eval_results: str | None = None
     push: bool = False

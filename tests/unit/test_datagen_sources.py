@@ -99,7 +99,7 @@ def base_config(**overrides):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"out_dir": "???"}, "missing value for out_dir: add out_dir=... to the command"),
+    ({"out_dir": "???"}, "missing value for out_dir: add out_dir=<new or empty folder> to the command"),
     ({"sampling": {"temperature": -1}}, r"sampling.temperature=-1"),
     ({"sampling": {"top_p": 0}}, r"sampling.top_p=0"),
     ({"sampling": {"max_new_tokens": "ten"}}, r"wrong type for sampling.max_new_tokens='ten'"),

@@ -31,7 +31,7 @@ def test_eval_recipe_composes_with_required_drafter():
     # A fresh drafter takes its shape from the same drafter group training uses.
     assert (cfg.drafter.num_hidden_layers, cfg.drafter.block_size) == (5, 16)
     assert _cfg("drafter_path=random", "drafter=b8").drafter.block_size == 8
-    with pytest.raises(ValueError, match="missing value for drafter_path: add drafter_path=... to the command"):
+    with pytest.raises(ValueError, match="missing value for drafter_path: add drafter_path=<drafter directory> or random to the command"):
         _cfg()
     with pytest.raises(ValueError, match="drafter_path '/no/such/dir' is not a directory"):
         _check_machine(_cfg("drafter_path=/no/such/dir"))
