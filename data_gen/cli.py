@@ -3,6 +3,9 @@
     dflash-datagen out_dir=data/sharegpt-smollm2                 # recipes/datagen.yaml
     dflash-datagen --config-name datagen_quickstart              # a few hundred prompts, CPU
 
+Settings are Hydra overrides of recipes/datagen.yaml (or of the recipe --config-name names):
+key=value, group=option (target=qwen3_8b).
+
 Exit status: 0 when a dataset was produced, 1 when nothing usable was (no rows, backend
 unavailable, shards left to do), 2 on a configuration or input error.
 """
@@ -11,13 +14,11 @@ from __future__ import annotations
 
 import sys
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
 from data_gen.config import DatagenConfig
 from data_gen.generators import GeneratorUnavailable
 from data_gen.pipeline import RunResult, run
 from dflash_train.errors import one_line, run_command
+from dflash_train.recipe import load_command
 
 
 def format_summary(result: RunResult) -> str:
@@ -59,15 +60,10 @@ def generate(cfg: DatagenConfig, **run_kwargs) -> int:
     return 0
 
 
-@hydra.main(config_path="pkg://dflash_recipes", config_name="datagen", version_base=None)
-def _main(raw: DictConfig) -> None:
+def main(argv: list[str] | None = None) -> None:
     # A user mistake or a refusal of the machine: one line naming the file or value, exit 2.
-    sys.exit(run_command("dflash-datagen", lambda: generate(DatagenConfig.from_dict(
-        OmegaConf.to_container(raw, resolve=True)))))
-
-
-def main() -> None:
-    _main()
+    sys.exit(run_command("dflash-datagen", lambda: generate(
+        load_command(DatagenConfig, argv, "datagen", __doc__, DatagenConfig.validate))))
 
 
 if __name__ == "__main__":

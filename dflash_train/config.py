@@ -1,8 +1,9 @@
 """Typed configuration of a training run and its cross-field checks.
 
 Hydra composes the YAML recipes into a DictConfig; ``to_train_config`` merges it onto these
-dataclasses (so an unknown or misspelled key is an error that names it), turns it into
-plain objects and runs ``validate``, all before anything heavy is loaded.
+dataclasses through ``recipe.to_config``, the path every command's config takes (so an
+unknown or misspelled key, a missing value or a wrong type is a one-line error that names
+it), and runs ``validate``, all before anything heavy is loaded.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from dflash_train.contract import default_gamma
 from dflash_train.model.dflash import DEFAULT_BLOCK_SIZE
+from dflash_train.recipe import HINT, to_config
 
 ATTENTION_KINDS = ("flex", "dense")
 SCHEDULES = ("cosine", "constant")
@@ -47,7 +48,7 @@ class DrafterConfig:
 
 @dataclass
 class DataConfig:
-    path: str = MISSING  # a dflash-datagen output directory (manifest.json + data/)
+    path: str = field(default=MISSING, metadata={HINT: "<dflash-datagen output folder>"})
     max_length: int = 3072
     num_anchors: int = 512
     packing: bool = False  # several conversations per row, document-aware masks
@@ -118,6 +119,28 @@ class HubConfig:
 
 
 @dataclass
+class BackendConfig:
+    # single | ddp | fsdp2 | zero2 | zero3
+    name: str = "single"
+    # auto picks nccl on CUDA and gloo on CPU
+    dist_backend: str = "auto"
+    # auto picks cuda:LOCAL_RANK when CUDA is available, else cpu
+    device: str = "auto"
+    # auto picks bf16 on CUDA and none (fp32 compute) on CPU
+    mixed_precision: str = "auto"
+    # shard the frozen target with FSDP2 (for targets that do not fit one GPU) instead of
+    # replicating it on every rank
+    shard_target: bool = False
+    # fsdp2: params, grads and optimizer state on CPU; zero2: optimizer on CPU;
+    # zero3: optimizer and params on CPU
+    cpu_offload: bool = False
+    # fsdp2: free the gathered params after forward (ZeRO-3-like memory) or keep them
+    # until backward (ZeRO-2-like: less communication, more memory)
+    reshard_after_forward: bool = True
+    timeout_minutes: int = 30
+
+
+@dataclass
 class TrainConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -127,10 +150,10 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hub: HubConfig = field(default_factory=HubConfig)
-    # Owned by dflash_train.distributed (device, mixed precision, sharding); build_backend
-    # validates it.
-    backend: dict[str, Any] = field(default_factory=dict)
-    output_dir: str = MISSING
+    # Owned by dflash_train.distributed (device, mixed precision, sharding): typed here, its
+    # choices checked by build_backend (which knows whether deepspeed is installed).
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    output_dir: str = field(default=MISSING, metadata={HINT: "<run folder>"})
     seed: int = 0
     epochs: int = 6
     max_steps: int | None = None  # stop early; the schedule still spans all epochs (see optim.schedule_steps)
@@ -140,13 +163,7 @@ class TrainConfig:
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """Merge a composed recipe onto the schema, convert and validate it."""
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
-        out = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        raise ValueError(f"bad training recipe: {e}") from e
-    validate(out)
-    return out
+    return to_config(TrainConfig, cfg, validate)
 
 
 def as_dict(cfg: TrainConfig) -> dict:

@@ -2,33 +2,38 @@
 
     dflash-train --config-name train_quickstart
     launch/torchrun.sh --gpus 8 -- +experiment=qwen3_8b_8xh100 data.path=... output_dir=...
+
+Settings are Hydra overrides of recipes/train.yaml (or of the recipe --config-name names):
+key=value, group=option (target=qwen3_8b), +experiment=NAME.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
-
-from dflash_train.config import to_train_config
+from dflash_train.config import TrainConfig, validate
 from dflash_train.errors import run_command
-from dflash_train.training.trainer import Trainer
+from dflash_train.recipe import load_command, log_to_stdout
 
 
-def run(cfg: DictConfig) -> Path | None:
-    """Train from a composed recipe; returns the export directory (on the main process)."""
-    trainer = Trainer(to_train_config(cfg))
+def run(argv: list[str] | None = None) -> Path | None:
+    """Train from a command line; returns the export directory (on the main process)."""
+    cfg = load_command(TrainConfig, argv, "train", __doc__, validate)
+    from dflash_train.training.trainer import (
+        Trainer,  # after the recipe: a mistake fails in seconds
+    )
+
+    trainer = Trainer(cfg)
     try:
         return trainer.fit()
     finally:
         trainer.backend.shutdown()
 
 
-@hydra.main(config_path="pkg://dflash_recipes", config_name="train", version_base=None)
-def main(cfg: DictConfig) -> None:
+def main(argv: list[str] | None = None) -> None:
+    log_to_stdout()
     # A user mistake (recipe, data, target) or a refusal of the machine: one line, exit 2.
-    export = run_command("dflash-train", run, cfg)
+    export = run_command("dflash-train", run, argv)
     if export is not None:
         print(f"exported drafter to {export}")
 

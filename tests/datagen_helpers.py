@@ -6,9 +6,8 @@ import sys
 from http.server import BaseHTTPRequestHandler
 
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 
-from data_gen.config import DatagenConfig
+from data_gen.config import DatagenConfig, to_datagen_config
 
 QUESTIONS = ["What is {a}+{b}? Answer with one number.", "Is {a} bigger than {b}? Answer yes or no."]
 
@@ -31,7 +30,7 @@ def cli(args: list[str]) -> list[str]:
 def compose_config(args: list[str]) -> DatagenConfig:
     with initialize_config_module("dflash_recipes", version_base=None):
         raw = compose("datagen", overrides=args)
-    return DatagenConfig.from_dict(OmegaConf.to_container(raw, resolve=True))
+    return to_datagen_config(raw)
 
 
 class JsonHandler(BaseHTTPRequestHandler):

@@ -39,18 +39,19 @@ import os
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from dflash_train.config import BackendConfig
+from dflash_train.recipe import to_config
 
 BACKEND_NAMES = ("single", "ddp", "fsdp2", "zero2", "zero3")
 DEEPSPEED_BACKENDS = ("zero2", "zero3")
@@ -66,36 +67,10 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
-@dataclass
-class BackendConfig:
-    # single | ddp | fsdp2 | zero2 | zero3
-    name: str = "single"
-    # auto picks nccl on CUDA and gloo on CPU
-    dist_backend: str = "auto"
-    # auto picks cuda:LOCAL_RANK when CUDA is available, else cpu
-    device: str = "auto"
-    # auto picks bf16 on CUDA and none (fp32 compute) on CPU
-    mixed_precision: str = "auto"
-    # shard the frozen target with FSDP2 (for targets that do not fit one GPU) instead of
-    # replicating it on every rank
-    shard_target: bool = False
-    # fsdp2: params, grads and optimizer state on CPU; zero2: optimizer on CPU;
-    # zero3: optimizer and params on CPU
-    cpu_offload: bool = False
-    # fsdp2: free the gathered params after forward (ZeRO-3-like memory) or keep them
-    # until backward (ZeRO-2-like: less communication, more memory)
-    reshard_after_forward: bool = True
-    timeout_minutes: int = 30
-
-
 def _as_config(cfg: BackendConfig | DictConfig | dict | None) -> BackendConfig:
     if isinstance(cfg, BackendConfig):
         return cfg
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(BackendConfig), cfg or {})
-    except OmegaConfBaseException as err:
-        raise ValueError(f"invalid backend config {cfg}: {err}") from err
-    return OmegaConf.to_object(merged)
+    return to_config(BackendConfig, cfg or {}, prefix="backend")
 
 
 def _check_choice(field: str, value: str, choices: Iterable[str]) -> None:

@@ -11,35 +11,75 @@ is new tokens over the wall time of whole generations (prefill included), summed
 dataset's prompts; speedup is the ratio of the two rates. ``batch_size=N`` decodes N
 prompts at once in both runs (throughput; 1, the default, gives latency numbers).
 ``step_timing=true`` adds the speculative steps' draft / verify / bookkeeping time per step.
+Settings are Hydra overrides of ``recipes/eval.yaml``: key=value, group=option (target=qwen3_8b).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING
 from tqdm import tqdm
 
 from dflash_train.atomic import atomic_write_text
 from dflash_train.data.prompts import BUILTIN, HF_SCHEME, BenchmarkPrompt, load_benchmark
+from dflash_train.config import DrafterConfig, TargetConfig
 from dflash_train.errors import check_writable_dir, run_command
 from dflash_train.eval.acceptance import PromptResult, compare_prompt, summarize
 from dflash_train.eval.batched import compare_batch
 from dflash_train.eval.plot import plot_acceptance
 from dflash_train.eval.report import format_table
+from dflash_train.recipe import HINT, load_command, log_to_stdout
 
 RANDOM_DRAFTER = "random"
 WARMUP_TOKENS = 8
 DATASET_KEYS = {"name", "label", "limit", "column", "subset"}
 
 
-def _dataset_entries(cfg: DictConfig) -> list[dict]:
+@dataclass
+class EvalConfig:
+    """Every setting of dflash-eval; recipes/eval.yaml says what each one does."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)  # the group training uses
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)  # shape of a fresh (random) drafter
+    drafter_path: str = field(default=MISSING, metadata={HINT: f"<drafter directory> or {RANDOM_DRAFTER}"})
+    datasets: list[Any] = field(default_factory=lambda: ["mtbench", "humaneval"])  # names or mappings
+    limit: int | None = 20
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    max_turns: int | None = None
+    batch_size: int = 1
+    step_timing: bool = False
+    enable_thinking: bool = False
+    system_prompt: str | None = None
+    output_dir: str = "eval_results"
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "auto"
+
+
+def validate(cfg: EvalConfig) -> None:
+    """Checks of the values alone; each error names the offending value."""
+    if not cfg.drafter_path:
+        raise ValueError(f"drafter_path='': set drafter_path=<drafter directory> or drafter_path={RANDOM_DRAFTER}")
+    if cfg.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {cfg.temperature}")
+    if cfg.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
+    if cfg.max_turns is not None and cfg.max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1 or null (every turn), got {cfg.max_turns}")
+
+
+def _dataset_entries(cfg: EvalConfig) -> list[dict]:
     """Normalise ``datasets`` entries to dicts with a unique ``label``."""
-    raw = OmegaConf.to_container(cfg.datasets, resolve=True)
+    raw = cfg.datasets
     if not isinstance(raw, list) or not raw:
         raise ValueError(f"datasets must be a non-empty list, got {raw!r}")
     entries = []
@@ -68,7 +108,7 @@ def _load_prompts(entries: list[dict]) -> dict[str, tuple[str, list[BenchmarkPro
     return out
 
 
-def _setup_drafter(cfg: DictConfig, target):
+def _setup_drafter(cfg: EvalConfig, target):
     from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 
     dtype = target.model.dtype
@@ -107,19 +147,10 @@ def encode_messages(tokenizer, messages: list[dict], system_prompt: str | None, 
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _check_config(cfg: DictConfig) -> None:
-    if OmegaConf.is_missing(cfg, "drafter_path") or not cfg.drafter_path:
-        raise ValueError(f"set drafter_path=<drafter directory> or drafter_path={RANDOM_DRAFTER}")
+def _check_machine(cfg: EvalConfig) -> None:
+    """What the values cannot tell: the drafter exists, the device does, the output is writable."""
     if cfg.drafter_path != RANDOM_DRAFTER and not Path(cfg.drafter_path).is_dir():
         raise ValueError(f"drafter_path {cfg.drafter_path!r} is not a directory (give a saved drafter or 'random')")
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
-    if cfg.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {cfg.temperature}")
-    if cfg.batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
-    if cfg.max_turns is not None and cfg.max_turns < 1:
-        raise ValueError(f"max_turns must be >= 1 or null (every turn), got {cfg.max_turns}")
     if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={cfg.device!r} but no CUDA GPU is available here (torch.cuda.is_available() "
                          "is False); use device=cpu")
@@ -127,7 +158,7 @@ def _check_config(cfg: DictConfig) -> None:
     check_writable_dir(cfg.output_dir, "output_dir")
 
 
-def setup(cfg: DictConfig):
+def setup(cfg: EvalConfig):
     """Everything a user can get wrong, checked before any decoding: raises ValueError.
 
     Returns label -> (dataset name, [(prompt, input ids (1, T))]), the target, the drafter,
@@ -135,7 +166,7 @@ def setup(cfg: DictConfig):
     """
     from dflash_train.model.target import load_target, load_tokenizer, stop_token_ids
 
-    _check_config(cfg)
+    _check_machine(cfg)
     prompts = _load_prompts(_dataset_entries(cfg))
     target = load_target(cfg.target.name, dtype=cfg.dtype, device=cfg.device)
     tokenizer = load_tokenizer(cfg.target.name)
@@ -148,7 +179,7 @@ def setup(cfg: DictConfig):
     return datasets, target, drafter, stops, tokenizer
 
 
-def _compare(cfg: DictConfig, drafter, target, prompt_ids: list[str], prompts: list[list[int]], max_new_tokens: int,
+def _compare(cfg: EvalConfig, drafter, target, prompt_ids: list[str], prompts: list[list[int]], max_new_tokens: int,
              stops: list[int], seed: int, turn: int = 1) -> list[PromptResult]:
     """One turn of several prompts: one by one (the latency numbers) or as one batch."""
     if cfg.batch_size == 1:
@@ -159,7 +190,7 @@ def _compare(cfg: DictConfig, drafter, target, prompt_ids: list[str], prompts: l
                          turn=turn, time_steps=cfg.step_timing)
 
 
-def decode_conversations(cfg: DictConfig, drafter, target, tokenizer, items: list[tuple[BenchmarkPrompt, torch.Tensor]],
+def decode_conversations(cfg: EvalConfig, drafter, target, tokenizer, items: list[tuple[BenchmarkPrompt, torch.Tensor]],
                          stops: list[int], seed: int) -> list[PromptResult]:
     """Each prompt, then each of its follow-up questions (up to ``max_turns`` turns) after
     the target's own previous answer, the plain run's: both runs of a turn see the same
@@ -184,7 +215,7 @@ def decode_conversations(cfg: DictConfig, drafter, target, tokenizer, items: lis
     return [r for rs in results for r in rs]
 
 
-def evaluate(cfg: DictConfig, datasets, target, drafter, stops: list[int], tokenizer) -> dict:
+def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], tokenizer) -> dict:
     """Decode every prompt both ways; write results.json and acceptance.png; print the table."""
     block_size = drafter.config.block_size
     # Warm both paths once so one-time costs (allocator growth, kernel selection) stay
@@ -194,7 +225,7 @@ def evaluate(cfg: DictConfig, datasets, target, drafter, stops: list[int], token
              cfg.seed)
 
     report = {"target": cfg.target.name, "drafter": cfg.drafter_path, "block_size": block_size,
-              "config": OmegaConf.to_container(cfg, resolve=True), "datasets": {}}
+              "config": asdict(cfg), "datasets": {}}
     summaries = {}
     for label, (name, prompts) in datasets.items():
         results = []
@@ -220,10 +251,15 @@ def evaluate(cfg: DictConfig, datasets, target, drafter, stops: list[int], token
     return report
 
 
-@hydra.main(config_path="pkg://dflash_recipes", config_name="eval", version_base=None)
-def main(cfg: DictConfig) -> None:
+def run(argv: list[str] | None = None) -> dict:
+    cfg = load_command(EvalConfig, argv, "eval", __doc__, validate)
+    return evaluate(cfg, *setup(cfg))
+
+
+def main(argv: list[str] | None = None) -> None:
+    log_to_stdout()
     # A user mistake or a refusal of the machine: one readable line and a non-zero exit.
-    run_command("dflash-eval", lambda: evaluate(cfg, *setup(cfg)))
+    run_command("dflash-eval", run, argv)
 
 
 if __name__ == "__main__":

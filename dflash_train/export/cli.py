@@ -1,9 +1,11 @@
 """dflash-export: re-export a training checkpoint in the contract format, optionally push it.
 
     dflash-export runs/qwen3-8b-dflash-b16                      # latest checkpoint -> <run>/export
-    dflash-export runs/x/checkpoints/step_00002000 --out drafter-2k
-    dflash-export runs/x --push --repo-id me/qwen3-8b-dflash --eval-results eval_results/results.json
+    dflash-export runs/x/checkpoints/step_00002000 out=drafter-2k
+    dflash-export runs/x push=true repo_id=me/qwen3-8b-dflash eval_results=eval_results/results.json
 
+Settings are key=value overrides of recipes/export.yaml; the bare path stands for path=...,
+and the flags --out, --eval-results, --push, --repo-id, --private/--no-private for their keys.
 The checkpoint's own recipe (config.yaml) rebuilds the drafter config from the target's
 config alone (no target weights are loaded). Repo id and privacy default to the recipe's
 ``hub`` section; the Hub token comes from huggingface_hub's environment or login only.
@@ -11,13 +13,13 @@ config alone (no target weights are loaded). Repo id and privacy default to the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import pickle
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 from dflash_train.config import as_dict, to_train_config
 from dflash_train.distributed.backend import SHARDED_DIR, STATE_FILES, is_sharded, read_model_state
@@ -27,6 +29,7 @@ from dflash_train.model.dflash import DFlashDraftModel
 from dflash_train.model.init import drafter_config
 from dflash_train.model.io import check_export_destination, save_drafter
 from dflash_train.model.target import resolve_target
+from dflash_train.recipe import HINT, load_command
 from dflash_train.training.checkpoint import (
     CONFIG_FILE,
     STATE_FILE,
@@ -68,21 +71,31 @@ def export_checkpoint(ckpt: Path, out: Path, eval_results: str | None = None) ->
     return save_drafter(shell, out, extra_files=extra, state_dict=state), as_dict(cfg)
 
 
+@dataclass
+class ExportConfig:
+    """The settings of dflash-export; recipes/export.yaml says what each one does."""
+
+    path: str = field(default=MISSING, metadata={HINT: "<run output_dir or checkpoint directory>"})
+    out: str | None = None
+    eval_results: str | None = None
+    push: bool = False
+    repo_id: str | None = None
+    private: bool | None = None
+
+
+# The command's flags before it took key=value settings, kept as aliases.
+FLAGS = {"--out": ("out", None), "--eval-results": ("eval_results", None), "--push": ("push", "true"),
+         "--repo-id": ("repo_id", None), "--private": ("private", "true"), "--no-private": ("private", "false")}
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="dflash-export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("path", type=Path, help="a run's output_dir or one checkpoint directory")
-    parser.add_argument("--out", type=Path, default=None, help=f"export directory (default: <run>/{EXPORT_DIR})")
-    parser.add_argument("--eval-results", default=None, help="a dflash-eval results.json for the model card")
-    parser.add_argument("--push", action="store_true", help="upload the export to the Hugging Face Hub")
-    parser.add_argument("--repo-id", default=None, help="default: the recipe's hub.repo_id")
-    parser.add_argument("--private", action=argparse.BooleanOptionalAction, default=None,
-                        help="default: the recipe's hub.private")
-    run_command("dflash-export", export_and_push, parser.parse_args(argv))
+    run_command("dflash-export", lambda: export_and_push(
+        load_command(ExportConfig, argv, "export", __doc__, flags=FLAGS, positional="path")))
 
 
-def export_and_push(args: argparse.Namespace) -> None:
-    ckpt = find_checkpoint(args.path)
-    out = args.out or ckpt.parent.parent / EXPORT_DIR
+def export_and_push(args: ExportConfig) -> None:
+    ckpt = find_checkpoint(Path(args.path))
+    out = Path(args.out) if args.out else ckpt.parent.parent / EXPORT_DIR
     check_export_destination(out)  # before any checkpoint is read: a user's folder is refused at once
     export, cfg = export_checkpoint(ckpt, out, args.eval_results)
     print(f"exported {ckpt} to {export}")

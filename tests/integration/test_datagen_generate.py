@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from data_gen.cli import generate
-from data_gen.config import DatagenConfig
+from data_gen.config import to_datagen_config
 from data_gen.generators import SEED_DIGEST
 from data_gen.pipeline import run, setup
 from dflash_train.contract import derive_seed
@@ -53,7 +53,7 @@ def config(tmp_path, name, prompts=PROMPTS, **overrides):
            "backend": {"batch_size": 4, "cpu_threads": 1}}
     for key, value in overrides.items():
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
-    return DatagenConfig.from_dict(cfg)
+    return to_datagen_config(cfg)
 
 
 def plain_generate(model, ids, **kwargs):

@@ -91,7 +91,7 @@ def test_drafter_for_another_target_is_a_one_line_error(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["drafter_path=random", "datasets=[gsm8k]"], "dflash-eval: error: unknown dataset 'gsm8k'"),
     (["drafter_path=/no/such/drafter"], "dflash-eval: error: drafter_path '/no/such/drafter' is not a directory"),
-    ([], "dflash-eval: error: set drafter_path=<drafter directory> or drafter_path=random"),
+    ([], "dflash-eval: error: missing value for drafter_path: add drafter_path=<drafter directory> or random"),
 ])
 def test_bad_input_fails_fast_with_one_line(tmp_path, args, message):
     # These are checked before the target loads, so they are cheap enough to run always.

@@ -38,6 +38,40 @@ def test_run_command_maps_known_errors_to_one_line(capsys):
         run_command("prog", fails, KeyError("x"))
 
 
+# Every command, three ways to get its settings wrong: (arguments, what the one line says).
+SETTINGS_MISTAKES = {
+    "dflash-train": [(["optim.lrr=1", "data.path=d", "output_dir=o"], "unknown key optim.lrr (did you mean optim.lr?)"),
+                     (["data.path=d"], "missing value for output_dir: add output_dir=<run folder> to the command"),
+                     (["optim.lr=fast", "data.path=d", "output_dir=o"], "wrong type for optim.lr='fast'")],
+    "dflash-datagen": [(["sampling.temprature=0", "out_dir=o"],
+                        "unknown key sampling.temprature (did you mean sampling.temperature?)"),
+                       ([], "missing value for out_dir: add out_dir=<new or empty folder> to the command"),
+                       (["sampling.top_k=many", "out_dir=o"], "wrong type for sampling.top_k='many'")],
+    "dflash-eval": [(["limt=3", "drafter_path=random"], "unknown key limt (did you mean limit?)"),
+                    ([], "missing value for drafter_path: add drafter_path=<drafter directory> or random to the command"),
+                    (["batch_size=two", "drafter_path=random"], "wrong type for batch_size='two'")],
+    "dflash-export": [(["runs/x", "outt=y"], "unknown key outt (did you mean out?)"),
+                      (["--out", "y"], "missing value for path: add path=<run output_dir or checkpoint directory> to the command"),
+                      (["runs/x", "--push=maybe"], "wrong type for push='maybe'")],
+    "dflash-bench": [(["bench.stepz=3"], "unknown key bench.stepz (did you mean bench.steps?)"),
+                     (["--steps"], "missing value for bench.steps: option --steps needs one"),
+                     (["--steps", "many"], "wrong type for bench.steps='many'")],
+}
+
+
+@pytest.mark.parametrize("prog, args, message", [
+    pytest.param(prog, args, message, id=f"{prog}-{kind}")
+    for prog, cases in SETTINGS_MISTAKES.items()
+    for kind, (args, message) in zip(("unknown-key", "missing-value", "wrong-type"), cases)
+])
+def test_every_command_names_a_bad_setting_in_one_line(prog, args, message, tmp_path):
+    """The same one-line error for the same mistake in every command, before any model or
+    data is read (the paths in the arguments do not exist)."""
+    done = run_cli(prog, *args, cwd=tmp_path)
+    assert_one_line_error(done, prog, message)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
 @pytest.mark.parametrize("prog, args", [
     ("dflash-train", ["data.path=DATA", "output_dir=OUT"]),
     ("dflash-eval", ["drafter_path=random", "output_dir=OUT"]),

@@ -6,9 +6,8 @@ from pathlib import Path
 import datasets
 import pytest
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 
-from data_gen.config import DatagenConfig, SourceConfig
+from data_gen.config import SourceConfig, to_datagen_config
 from data_gen.sources import SkipLog, eval_hashes, iter_prompts
 from dflash_train.data.prompts import load_benchmark, prompt_hash
 from dflash_train.resources import resolve_path
@@ -100,10 +99,10 @@ def base_config(**overrides):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"out_dir": "???"}, "out_dir is required"),
+    ({"out_dir": "???"}, "missing value for out_dir: add out_dir=<new or empty folder> to the command"),
     ({"sampling": {"temperature": -1}}, r"sampling.temperature=-1"),
     ({"sampling": {"top_p": 0}}, r"sampling.top_p=0"),
-    ({"sampling": {"max_new_tokens": "10"}}, r"sampling.max_new_tokens='10'"),
+    ({"sampling": {"max_new_tokens": "ten"}}, r"wrong type for sampling.max_new_tokens='ten'"),
     ({"backend": {"kind": "vllm"}}, r"backend.kind='vllm'"),
     ({"backend": {"kind": "openai"}}, "backend.base_url is required"),
     ({"backend": {"batch_size": 0}}, "batch_size=0"),
@@ -111,13 +110,16 @@ def base_config(**overrides):
     ({"sources": [{"kind": "hf", "path": "x"}]}, "exactly one of prompt_column or messages_column"),
     ({"sources": [{"kind": "jsonl", "path": "a"}, {"kind": "jsonl", "path": "b"}]}, "must be unique"),
     ({"template": {"max_turns": 0}}, "template.max_turns=0"),
-    ({"template": {"thinking": True}}, r"template: unknown keys \['thinking'\]"),
+    ({"template": {"thinking": True}}, r"unknown key template.thinking \(did you mean template.enable_thinking\?\)"),
     ({"num_prompts": 0}, "num_prompts=0"),
-    ({"target": {"dtype": "auto"}}, "expected a target group with a `name`"),
+    ({"target": {"dtype": "auto"}}, "missing value for target.name"),
+    ({"sources": [{"path": "x"}]}, r"missing value for sources\[0\].kind"),
+    ({"sources": [{"kind": "jsonl", "pth": "x"}]}, r"unknown key sources\[0\].pth \(did you mean sources\[0\].path\?\)"),
+    ({"sources": []}, r"sources=\[\]: expected a non-empty list"),
 ])
 def test_config_errors_name_the_value(overrides, message):
     with pytest.raises(ValueError, match=message):
-        DatagenConfig.from_dict(base_config(**overrides))
+        to_datagen_config(base_config(**overrides))
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES.glob("datagen*.yaml")))
@@ -125,6 +127,6 @@ def test_datagen_recipes_compose_and_validate(name):
     assert (RECIPES / f"{name}.yaml").read_text().startswith("# dflash-datagen")
     with initialize_config_module("dflash_recipes", version_base=None):
         raw = compose(name, overrides=["out_dir=/tmp/unused"])
-    cfg = DatagenConfig.from_dict(OmegaConf.to_container(raw, resolve=True))
+    cfg = to_datagen_config(raw)
     assert cfg.target.name.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert cfg.exclude_eval == ["mtbench", "humaneval"]

@@ -1,25 +1,26 @@
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
 from dflash_train.data.prompts import BenchmarkPrompt
 from dflash_train.eval.acceptance import PromptResult, summarize, target_generate
 from dflash_train.eval.cli import (
-    _check_config,
+    EvalConfig,
+    _check_machine,
     _dataset_entries,
     decode_conversations,
     encode_messages,
+    validate,
 )
 from dflash_train.eval.plot import plot_acceptance
 from dflash_train.eval.report import format_table
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 from dflash_train.model.target import TargetModel, stop_token_ids
+from dflash_train.recipe import load_command
 from tests.conftest import make_tiny_target
 
 
 def _cfg(*overrides):
-    with initialize_config_module("dflash_recipes", version_base=None):
-        return compose("eval", overrides=list(overrides))
+    return load_command(EvalConfig, list(overrides), "eval", "", validate)
 
 
 def test_eval_recipe_composes_with_required_drafter():
@@ -29,13 +30,13 @@ def test_eval_recipe_composes_with_required_drafter():
     # A fresh drafter takes its shape from the same drafter group training uses.
     assert (cfg.drafter.num_hidden_layers, cfg.drafter.block_size) == (5, 16)
     assert _cfg("drafter_path=random", "drafter=b8").drafter.block_size == 8
-    with pytest.raises(ValueError, match="set drafter_path=<drafter directory> or drafter_path=random"):
-        _check_config(_cfg())
+    with pytest.raises(ValueError, match="missing value for drafter_path: add drafter_path=<drafter directory> or random to the command"):
+        _cfg()
     with pytest.raises(ValueError, match="drafter_path '/no/such/dir' is not a directory"):
-        _check_config(_cfg("drafter_path=/no/such/dir"))
+        _check_machine(_cfg("drafter_path=/no/such/dir"))
     assert _cfg("drafter_path=random").max_turns is None  # MT-Bench's second question is asked
     with pytest.raises(ValueError, match="max_turns must be >= 1 or null .every turn., got 0"):
-        _check_config(_cfg("drafter_path=random", "max_turns=0"))
+        _cfg("drafter_path=random", "max_turns=0")
 
 
 def test_dataset_entries_labels_and_limits():

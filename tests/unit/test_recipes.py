@@ -1,58 +1,68 @@
-"""Every YAML file under recipes/ composes, and every training recipe validates.
+"""Every YAML file under recipes/ composes and validates through its command's own loader.
 
 Files are globbed, not listed: a new recipe is tested the moment it exists. Primary configs
-compose by name; group options compose into their primary config (train for every group,
-since target recipes are shared with eval and datagen).
+are loaded by name with the values a user must add; a group option is loaded into every
+primary config that uses its group (target recipes serve dflash-train, -datagen and -eval).
 """
 
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 
-from dflash_train.config import to_train_config
+from data_gen.config import DatagenConfig
+from dflash_train.config import TrainConfig, validate
+from dflash_train.eval.cli import EvalConfig
+from dflash_train.eval.cli import validate as validate_eval
+from dflash_train.export.cli import ExportConfig
+from dflash_train.recipe import load_command
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 ALL = sorted(p.relative_to(RECIPES).as_posix() for p in RECIPES.rglob("*.yaml"))
-# What a user must supply on the command line for a training recipe to be complete.
-REQUIRED = ["data.path=/nonexistent/data", "output_dir=/nonexistent/run"]
+# Each command: its schema, its checks and what a user must supply for its recipe to be complete.
+COMMANDS = {
+    "train": (TrainConfig, validate, ["data.path=/nonexistent/data", "output_dir=/nonexistent/run"]),
+    "datagen": (DatagenConfig, DatagenConfig.validate, ["out_dir=/nonexistent/data"]),
+    "eval": (EvalConfig, validate_eval, ["drafter_path=random"]),
+    "export": (ExportConfig, None, ["path=/nonexistent/run"]),
+}
+# The commands that compose each config group.
+GROUP_USERS = {"target": ["train", "datagen", "eval"], "drafter": ["train", "eval"], "data": ["train"],
+               "optim": ["train"], "backend": ["train"], "experiment": ["train"]}
 
 
-def _is_train(primary: str) -> bool:
-    return primary.startswith("train")
+def _load(primary: str, *overrides: str):
+    schema, check, required = COMMANDS[primary.split("_")[0]]
+    return load_command(schema, [*required, *overrides], primary, "", check)
 
 
-def _compose(rel: str):
-    group, _, name = rel[: -len(".yaml")].rpartition("/")
-    if not group:
-        overrides = REQUIRED if _is_train(name) else []
-        return name, compose(config_name=name, overrides=[o for o in overrides if "=" in o])
-    if group == "experiment":
-        return "train", compose(config_name="train", overrides=[f"+experiment={name}", *REQUIRED])
-    return "train", compose(config_name="train", overrides=[f"{group}={name}", *REQUIRED])
+def _cases():
+    for rel in ALL:
+        group, _, name = rel[: -len(".yaml")].rpartition("/")
+        if not group:
+            yield pytest.param(name, [], id=rel)
+        else:
+            override = f"+experiment={name}" if group == "experiment" else f"{group}={name}"
+            yield from (pytest.param(p, [override], id=f"{rel}-{p}") for p in GROUP_USERS[group])
 
 
 def test_recipes_are_found():
     assert "train.yaml" in ALL and "train_quickstart.yaml" in ALL
     assert any(r.startswith("experiment/") for r in ALL)
+    groups = {r.split("/")[0] for r in ALL if "/" in r}
+    assert groups == set(GROUP_USERS), "a new recipe group: say which commands compose it"
+    primaries = {r[: -len(".yaml")].split("_")[0] for r in ALL if "/" not in r}
+    assert primaries == set(COMMANDS), "a new command: give its schema and required values"
 
 
-@pytest.mark.parametrize("rel", ALL)
-def test_recipe_composes(rel):
-    with initialize_config_module("dflash_recipes", version_base=None):
-        primary, cfg = _compose(rel)
-    assert cfg is not None
-    if _is_train(primary):
-        train = to_train_config(cfg)  # unknown keys and bad values fail here
-        assert train.output_dir
+@pytest.mark.parametrize("primary, overrides", list(_cases()))
+def test_recipe_composes_and_validates(primary, overrides):
+    cfg = _load(primary, *overrides)  # unknown keys, missing values, wrong types and bad values fail here
+    assert isinstance(cfg, COMMANDS[primary.split("_")[0]][0])
 
 
 @pytest.mark.parametrize("rel", [r for r in ALL if r.startswith("experiment/")])
 def test_experiments_use_the_paper_settings(rel):
-    with initialize_config_module("dflash_recipes", version_base=None):
-        _, cfg = _compose(rel)
-    c = to_train_config(cfg)
+    c = _load("train", f"+experiment={Path(rel).stem}")
     assert (c.optim.lr, c.optim.warmup_ratio, c.optim.schedule, c.optim.grad_clip) == (6e-4, 0.04, "cosine", 1.0)
     assert (c.data.max_length, c.data.num_anchors, c.epochs) == (3072, 512, 6)
     assert (c.drafter.num_hidden_layers, c.drafter.block_size) == (5, 16)
@@ -62,14 +72,13 @@ def test_every_recipe_starts_with_its_command():
     for rel in ALL:
         # Hydra directives ("# @package") must come first; the command is the next line.
         first = next(ln for ln in (RECIPES / rel).read_text().splitlines() if not ln.startswith("# @"))
-        if rel.startswith(("experiment/", "train")):
-            assert first.startswith("# ") and ("dflash-train" in first or "launch/torchrun.sh" in first), rel
+        if rel.startswith("experiment/") or "/" not in rel:
+            command = "dflash-" + ("train" if "/" in rel else rel.split("_")[0].removesuffix(".yaml"))
+            assert first.startswith("# ") and (command in first or "launch/torchrun.sh" in first), rel
 
 
 def _quickstart_train_config():
-    with initialize_config_module("dflash_recipes", version_base=None):
-        cfg = compose(config_name="train_quickstart")
-    return to_train_config(OmegaConf.merge(cfg, {"output_dir": "x"}))
+    return load_command(TrainConfig, ["output_dir=x"], "train_quickstart", "", validate)
 
 
 def test_quickstart_runs_on_cpu_without_compile():
@@ -82,11 +91,10 @@ def test_quickstart_trains_on_what_its_datagen_writes():
     learns the features of the model that wrote the answers), no sequence truncated, and
     enough anchors to start a block at every other answer position."""
     train = _quickstart_train_config()
-    with initialize_config_module("dflash_recipes", version_base=None):
-        gen = compose(config_name="datagen_quickstart")
+    gen = load_command(DatagenConfig, [], "datagen_quickstart", "", DatagenConfig.validate)
     assert gen.target.name == train.target.name
     assert gen.target.dtype == train.target.dtype == "bfloat16"
-    assert train.backend["mixed_precision"] == "bf16"
+    assert train.backend.mixed_precision == "bf16"
     assert train.data.path == gen.out_dir
     # max_prompt_len counts the templated prompt; the answer follows it.
     assert train.data.max_length >= gen.max_prompt_len + gen.sampling.max_new_tokens

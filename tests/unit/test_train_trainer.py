@@ -166,7 +166,7 @@ def test_cli_reports_an_unknown_recipe_key_in_one_line(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 2
-    assert "dflash-train: error: bad training recipe: Key 'num_anchor' not in 'DataConfig'" in done.stderr
+    assert "dflash-train: error: unknown key data.num_anchor (did you mean data.num_anchors?)" in done.stderr
 
 
 def test_packed_rows_train(tiny, tmp_path):

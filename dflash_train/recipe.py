@@ -1,0 +1,244 @@
+"""One way from a command line to a typed, validated config, shared by every command.
+
+A command's settings are a dataclass schema (``TrainConfig``, ``DatagenConfig``,
+``EvalConfig``, ``ExportConfig``, the benchmark's ``BenchOptions``). ``load_command`` reads
+the command line (``--config-name NAME`` and Hydra overrides: ``key=value``,
+``+experiment=NAME``, ``target=qwen3_8b``), composes the recipe under recipes/ and hands it
+to ``to_config``, which merges it onto the schema, converts it to the dataclasses and runs
+the schema's cross-field checks. A config read from elsewhere (a checkpoint's recipe) goes
+through ``to_config`` alone. Every mistake is a ValueError of one line naming the key:
+
+    unknown key optim.lrr (did you mean optim.lr?)
+    missing value for output_dir: add output_dir=<run folder> to the command
+    wrong type for optim.lr='abc': could not be converted to Float
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import re
+import sys
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from hydra import compose, initialize_config_module
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+T = TypeVar("T")
+RECIPES_MODULE = "dflash_recipes"  # recipes/, installed under this name (see pyproject.toml)
+CONFIG_NAME_FLAGS = ("--config-name", "-cn")
+HELP_FLAGS = ("-h", "--help")
+# Values Hydra's override grammar takes unquoted; others (spaces, commas, brackets) get quoted.
+_PLAIN_VALUE = re.compile(r"[\w\-+./:@~%]*")
+_LIST_INDEX = re.compile(r"\[\d+\]")
+# A required field's metadata key: what to write after "key=" in the missing-value error,
+# e.g. field(default=MISSING, metadata={HINT: "<drafter directory> or random"}).
+HINT = "hint"
+
+
+@dataclass
+class CommandLine:
+    config_name: str
+    overrides: list[str]
+
+
+def parse_command_line(argv: Sequence[str], config_name: str, doc: str, *,
+                       flags: dict[str, tuple[str, str | None]] | None = None,
+                       positional: str | None = None) -> CommandLine:
+    """Split ``argv`` into the recipe's name and its overrides.
+
+    ``flags`` maps an option to the key it sets: ``{"--out": ("out", None)}`` takes the next
+    argument (or ``--out=DIR``) as the value, ``{"--push": ("push", "true")}`` sets a fixed
+    one. ``positional`` names the key a bare argument sets (one at most). ``-h`` prints
+    ``doc`` and exits.
+    """
+    flags = flags or {}
+    overrides, bare = [], []
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in HELP_FLAGS:
+            print(doc)
+            sys.exit(0)
+        if not arg.startswith("-"):  # Hydra overrides never start with "-"
+            (overrides if "=" in arg or arg.startswith("~") else bare).append(arg)
+            continue
+        name, eq, inline = arg.partition("=")
+        if name not in CONFIG_NAME_FLAGS and name not in flags:
+            known = ", ".join(sorted([*CONFIG_NAME_FLAGS, *flags]))
+            raise ValueError(f"unknown option {name} (options: {known}; settings are key=value)")
+        key, fixed = flags.get(name, (None, None))
+        if fixed is not None and not eq:
+            overrides.append(f"{key}={fixed}")
+            continue
+        if not eq and not args:
+            raise ValueError(f"missing value for {key or name}: option {name} needs one")
+        value = inline if eq else args.pop(0)
+        if key is None:
+            config_name = value
+        else:
+            overrides.append(f"{key}={_quoted(value)}")
+    if bare and (positional is None or len(bare) > 1):
+        at_most = f" (one bare argument at most: {positional})" if positional else ""
+        raise ValueError(f"unexpected argument {bare[-1]!r}: settings are key=value{at_most}")
+    if bare:
+        overrides.append(f"{positional}={_quoted(bare[0])}")
+    return CommandLine(config_name, overrides)
+
+
+def _quoted(value: str) -> str:
+    if _PLAIN_VALUE.fullmatch(value) and value:
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def compose_recipe(schema: type, config_name: str, overrides: Sequence[str]) -> DictConfig:
+    """The recipe ``config_name`` with ``overrides`` applied (Hydra), errors in one line."""
+    try:
+        with initialize_config_module(RECIPES_MODULE, version_base=None):
+            return compose(config_name=config_name, overrides=list(overrides))
+    except MissingConfigException as err:
+        if err.missing_cfg_file and err.options:
+            raise ValueError(f"no recipe {err.missing_cfg_file!r}; options: {', '.join(err.options)}") from None
+        raise ValueError(_first_line(err)) from None
+    except OverrideParseException as err:
+        raise ValueError(f"cannot parse override {err.override!r}: {_first_line(err)}") from None
+    except HydraException as err:
+        key = getattr(err.__cause__, "full_key", None)
+        if key and "Could not override" in str(err):  # a key the recipe does not have
+            raise ValueError(_unknown_key(schema, key)) from None
+        raise ValueError(_first_line(err)) from None
+
+
+def to_config(schema: type[T], raw: DictConfig | dict, validate: Callable[[T], None] | None = None,
+              prefix: str = "") -> T:
+    """Merge ``raw`` onto ``schema``, convert it to dataclasses and run ``validate`` on them.
+
+    Unknown keys, missing required values (``MISSING``/``???``) and values of the wrong
+    type raise a one-line ValueError naming the key (``prefix.key`` when ``raw`` is a
+    section of a larger command line). ``validate`` raises ValueError for bad values.
+    """
+    _check_list_items(schema, OmegaConf.to_container(raw) if OmegaConf.is_config(raw) else raw, prefix)
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))
+    except OmegaConfBaseException as err:
+        raise ValueError(_describe(schema, err, prefix)) from None
+    if validate is not None:
+        validate(cfg)
+    return cfg
+
+
+def load_command(schema: type[T], argv: Sequence[str] | None, config_name: str, doc: str,
+                 validate: Callable[[T], None] | None = None, **parse_options) -> T:
+    """The typed config of one command: parse ``argv``, compose, merge, validate."""
+    line = parse_command_line(sys.argv[1:] if argv is None else argv, config_name, doc, **parse_options)
+    return to_config(schema, compose_recipe(schema, line.config_name, line.overrides), validate)
+
+
+def log_to_stdout() -> None:
+    """Log records of level INFO and up as plain lines on stdout (the trainer's progress notes)."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+
+
+def _check_list_items(schema: type, raw: Any, prefix: str) -> None:
+    """Merge each item of a list of dataclasses on its own: OmegaConf's errors for list items
+    lose the path (``pth`` for ``sources[0].pth``), so the path is added here. ``raw`` is
+    plain containers, interpolations unresolved."""
+    if not isinstance(raw, dict):
+        return
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        value, hint = raw.get(f.name), hints[f.name]
+        where = ".".join(p for p in (prefix, f.name) if p)
+        item = _dataclass_in(hint)
+        if item is None or value is None:
+            continue
+        if dataclasses.is_dataclass(hint):
+            _check_list_items(hint, value, where)
+        elif isinstance(value, list):
+            for i, element in enumerate(value):
+                try:
+                    OmegaConf.merge(OmegaConf.structured(item), element)
+                except OmegaConfBaseException as err:
+                    raise ValueError(_describe(item, err, f"{where}[{i}]")) from None
+
+
+def _describe(schema: type, err: OmegaConfBaseException, prefix: str) -> str:
+    key = str(getattr(err, "full_key", None) or getattr(err, "key", None) or "")
+    shown = ".".join(p for p in (prefix, key) if p)
+    if isinstance(err, ConfigKeyError):
+        return _unknown_key(schema, key, prefix)
+    if isinstance(err, MissingMandatoryValue):
+        field = _field(schema, key)
+        hint = field.metadata.get(HINT, "...") if field else "..."
+        return f"missing value for {shown}: add {shown}={hint} to the command"
+    if isinstance(err, ValidationError):
+        reason = re.sub(r"^Value '.*?' (of type '\w+' )?", "", _first_line(err))
+        return f"wrong type for {shown}={_value(err)!r}: {reason}"
+    return f"{shown}: {_first_line(err)}" if shown else _first_line(err)
+
+
+def _value(err: OmegaConfBaseException) -> Any:
+    value = getattr(err, "value", None)
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def _unknown_key(schema: type, key: str, prefix: str = "") -> str:
+    parent, _, name = key.rpartition(".")
+    known = _keys_of(schema, parent)
+    shown = ".".join(p for p in (prefix, key) if p)
+    where = ".".join(p for p in (prefix, parent) if p)
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return f"unknown key {shown} (did you mean {'.'.join(p for p in (where, close[0]) if p)}?)"
+    listed = ", ".join(known) if known else "none"
+    return f"unknown key {shown} ({where or 'the top level'} has: {listed})"
+
+
+def _keys_of(schema: type, path: str) -> list[str]:
+    """The field names of the dataclass at ``path`` (dotted, list indices allowed) in ``schema``."""
+    node: Any = schema
+    for part in filter(None, _LIST_INDEX.sub("", path).split(".")):
+        if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+            return []
+        node = _dataclass_in(typing.get_type_hints(node)[part])
+    return sorted(f.name for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else []
+
+
+def _field(schema: type, key: str) -> dataclasses.Field | None:
+    """The dataclass field ``key`` (dotted) of ``schema``, if there is one."""
+    parent, _, name = _LIST_INDEX.sub("", key).rpartition(".")
+    if name not in _keys_of(schema, parent):
+        return None
+    node = schema
+    for part in filter(None, parent.split(".")):
+        node = _dataclass_in(typing.get_type_hints(node)[part])
+    return next(f for f in dataclasses.fields(node) if f.name == name)
+
+
+def _dataclass_in(hint: Any) -> Any:
+    """The dataclass a field holds: itself, or inside list[...] / X | None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) in (typing.Union, list):
+        return next((d for d in map(_dataclass_in, typing.get_args(hint)) if d is not None), None)
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
