@@ -532,6 +532,13 @@ def _first_token(logits, sampling: Sampling, generator) -> torch.Tensor:
     return torch.multinomial(sampling.probs(logits), 1, generator=generator)[0]
 
 
+def _cut_after_stop(committed: list[int], stops: set) -> list[int]:
+    for i, tok in enumerate(committed):
+        if tok in stops:
+            return committed[: i + 1]
+    return committed
+
+
 def _check_request(model, input_ids, mask_token_id) -> int:
     """The mask id to fill blocks with; raises on what the runtimes cannot serve."""
     if input_ids.shape[0] != 1:
@@ -586,11 +593,7 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
                      output_hidden_states=True)
         accepted, bonus = _verify(block[0, 1:], draft_probs, out.logits[0], sampling, generator)
         clock.lap("verify")
-        committed = block[0, 1 : accepted + 1].tolist() + [int(bonus)]
-        for i, tok in enumerate(committed):
-            if tok in stops:
-                committed = committed[: i + 1]
-                break
+        committed = _cut_after_stop(block[0, 1 : accepted + 1].tolist() + [int(bonus)], stops)
         tokens += committed
         lengths.append(len(committed))
         _crop(target_cache, len(tokens) - 1)
@@ -613,7 +616,8 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
 # K/V live in preallocated buffers where slot i holds position i: a step writes its block's
 # K/V at the block's positions and masks by position instead of cropping, and the slots
 # past the committed tokens (rejected drafts, an earlier request) are hidden until a later
-# step overwrites them. Every step input is a fixed tensor filled in place.
+# step overwrites them. Every step input is a fixed tensor filled in place. (It lives in
+# this file, past the usual file length, because an exported drafter carries its runtime.)
 
 MIN_SLOTS = 1024  # cache slots: a power of two, at least this, so few requests rebuild
 GRAPH_WARMUP_RUNS = 2  # eager runs on a side stream before capture, as CUDA graphs require
@@ -930,11 +934,7 @@ def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_to
         accepted, bonus = _accept(rt.block[0, 1:], draft_probs, logits[0], sampling, generator, usable)
         clock.lap("verify")
         host = torch.cat([accepted.view(1), bonus.view(1), rt.block[0, 1:]]).tolist()  # the step's one sync
-        committed = host[2 : 2 + host[0]] + [host[1]]
-        for i, tok in enumerate(committed):
-            if tok in stops:
-                committed = committed[: i + 1]
-                break
+        committed = _cut_after_stop(host[2 : 2 + host[0]] + [host[1]], stops)
         tokens += committed
         lengths.append(len(committed))
         # the next draft step writes these B features' context K/V; its mask shows the committed ones

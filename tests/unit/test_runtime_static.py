@@ -35,14 +35,14 @@ LOGIT_ATOL = 1e-5  # float32: the masked B-wide block and the narrowed one diffe
 
 def test_greedy_equals_plain_and_the_dynamic_runtime_on_tiny_targets():
     for arch in ("llama", "qwen2", "qwen3"):
-        target = make_tiny_target(arch)
-        cfg = DFlashConfig.from_target(target.config, mask_token_id=96, num_hidden_layers=2, block_size=5)
+        tiny = make_tiny_target(arch)
+        cfg = DFlashConfig.from_target(tiny.config, mask_token_id=96, num_hidden_layers=2, block_size=5)
         drafter = DFlashDraftModel(cfg).eval()
         ids = torch.randint(0, 90, (1, 7), generator=torch.Generator().manual_seed(2))
         for new in (1, 2, 9, 23):
-            static = drafter.spec_generate(target, ids, new, return_stats=True, static=True)
-            dynamic = drafter.spec_generate(target, ids, new, return_stats=True, static=False)
-            assert torch.equal(static.output_ids, target.generate(ids, max_new_tokens=new, do_sample=False))
+            static = drafter.spec_generate(tiny, ids, new, return_stats=True, static=True)
+            dynamic = drafter.spec_generate(tiny, ids, new, return_stats=True, static=False)
+            assert torch.equal(static.output_ids, tiny.generate(ids, max_new_tokens=new, do_sample=False))
             assert static.acceptance_lengths == dynamic.acceptance_lengths
             assert static.num_new_tokens == new
 
@@ -57,8 +57,8 @@ def _record(monkeypatch, drafter):
         steps["static"].append((int(self.block_pos[0, 0]), logits[0].clone()))
         return logits
 
-    def dynamic_recording(target, block_ids, new_features, start, cache):
-        logits = dynamic_draft(target, block_ids, new_features, start, cache)
+    def dynamic_recording(model, block_ids, new_features, start, cache):
+        logits = dynamic_draft(model, block_ids, new_features, start, cache)
         steps["dynamic"].append((start, logits[0].clone()))
         return logits
 
@@ -69,7 +69,8 @@ def _record(monkeypatch, drafter):
 
 @pytest.mark.parametrize("which", list(DRAFTERS))
 @pytest.mark.parametrize("new_tokens", [32, 13])
-def test_every_step_equals_the_dynamic_runtime(monkeypatch, target, prompts, trained, which, new_tokens):
+def test_every_step_equals_the_dynamic_runtime(monkeypatch, target, prompts, trained,  # noqa: F811
+                                               which, new_tokens):
     drafter = trained if DRAFTERS[which] is None else _drafter(target, seed=6, **DRAFTERS[which])
     lengths = []
     for prompt in prompts:
@@ -92,7 +93,7 @@ def test_every_step_equals_the_dynamic_runtime(monkeypatch, target, prompts, tra
         assert sum(lengths) / len(lengths) > 1.5 and max(lengths) == BLOCK and min(lengths) < BLOCK
 
 
-def test_stop_tokens_end_like_plain_decoding(target, prompts, trained):
+def test_stop_tokens_end_like_plain_decoding(target, prompts, trained):  # noqa: F811
     ids = prompts[:1]
     full = target_generate(target, ids, 32)[0, ids.shape[1]:].tolist()
     stop = full[9]  # a token the answer really emits, mid-block for some step
@@ -104,7 +105,7 @@ def test_stop_tokens_end_like_plain_decoding(target, prompts, trained):
     assert static.acceptance_lengths == dynamic.acceptance_lengths
 
 
-def test_runtime_is_reused_and_stale_slots_stay_hidden(target, trained):
+def test_runtime_is_reused_and_stale_slots_stay_hidden(target, trained):  # noqa: F811
     """A longer earlier request leaves its K/V in slots a shorter one never writes: the mask
     by position must hide them. A request that needs more slots gets a bigger runtime."""
     long_ids = torch.randint(0, 90, (1, 40), generator=torch.Generator().manual_seed(8))
@@ -121,7 +122,7 @@ def test_runtime_is_reused_and_stale_slots_stay_hidden(target, trained):
     assert torch.equal(got, target_generate(target, huge, 5))
 
 
-def test_plain_static_decoding_equals_dynamic(target, prompts):
+def test_plain_static_decoding_equals_dynamic(target, prompts):  # noqa: F811
     for prompt in prompts:
         ids = prompt[None]
         gaps_static, gaps_dynamic = [], []
