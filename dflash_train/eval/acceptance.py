@@ -21,6 +21,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
+
+from dflash_train.model.dflash import TargetSlots, static_runtime
 
 NEAR_TIE_ULPS = 4.0  # a divergence at a top-2 gap of at most this many rounding steps is numerics
 
@@ -180,35 +183,69 @@ def top2_gap_ulps(logits: torch.Tensor, dtype: torch.dtype | None = None) -> flo
     """(1, V) logits -> gap between the two largest, in rounding steps of the largest: the
     spacing of representable values of ``dtype`` (the model's compute dtype; default the
     logits' own) at that magnitude. A model that upcasts its logits still rounded in bf16."""
-    top = logits[0].topk(2).values.float()
-    gap = float(top[0] - top[1])
-    exponent = math.frexp(abs(float(top[0])) or 1.0)[1] - 1  # floor(log2 |top|)
-    ulp = math.ldexp(torch.finfo(dtype or logits.dtype).eps, exponent)
-    return gap / ulp
+    return top2_gaps_ulps([logits[0].topk(2).values], dtype)[0]
+
+
+def top2_gaps_ulps(top2: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[float]:
+    """`top2_gap_ulps` of each step's two largest logits (a (2,) tensor per step), read from
+    the device in one copy: decoding records them without waiting for the device."""
+    if not top2:
+        return []
+    eps = torch.finfo(dtype or top2[0].dtype).eps
+    top = torch.stack(top2).float()  # (steps, 2)
+    gaps = []
+    for first, gap in zip(top[:, 0].tolist(), (top[:, 0] - top[:, 1]).tolist()):
+        exponent = math.frexp(abs(first) or 1.0)[1] - 1  # floor(log2 |top|)
+        gaps.append(gap / math.ldexp(eps, exponent))
+    return gaps
 
 
 @torch.inference_mode()
 def target_generate(model, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=None,
-                    temperature: float = 0.0, gaps_ulps: list[float] | None = None) -> torch.Tensor:
+                    temperature: float = 0.0, gaps_ulps: list[float] | None = None,
+                    static: bool = False) -> torch.Tensor:
     """Plain autoregressive decoding with a KV cache: the baseline speculative output must equal.
 
     Returns (1, T + n) ids, prompt included; stops after emitting a stop token.
     ``gaps_ulps``, when given, receives the top-2 gap (``top2_gap_ulps``) of every step.
+    ``static``: the static runtime's slot cache and one-token step (a CUDA graph on a GPU).
     """
-    from transformers import DynamicCache
+    top2 = None if gaps_ulps is None else []
+    out = plain_decode(model, input_ids, max_new_tokens, stop_token_ids, temperature, top2, static)
+    if gaps_ulps is not None:
+        gaps_ulps += top2_gaps_ulps(top2, model.dtype)
+    return out
 
+
+@torch.inference_mode()
+def plain_decode(model, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids, temperature: float,
+                 top2: list | None, static: bool) -> torch.Tensor:
+    """`target_generate`'s loop: ``top2`` receives each step's two largest logits, left on the
+    device (converting them is the caller's, outside any timing)."""
     stop = set(stop_token_ids or ())
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    if static:
+        runtime = static_runtime(model, input_ids.shape[1] + max_new_tokens,
+                                 lambda rt, size: rt.fits(model, size, True),
+                                 lambda size: TargetSlots(model, size, width=1))
+        logits = runtime.prefill(input_ids, logits_to_keep=1)[0]
+    else:
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     new = []
     for _ in range(max_new_tokens):
-        token = _next_token(out.logits[:, -1], temperature)  # (1, 1)
-        if gaps_ulps is not None:
-            gaps_ulps.append(top2_gap_ulps(out.logits[:, -1], model.dtype))
+        token = _next_token(logits[:, -1], temperature)  # (1, 1)
+        if top2 is not None:
+            top2.append(logits[0, -1].topk(2).values)
         new.append(token)
-        if token.item() in stop or len(new) == max_new_tokens:
+        # the one device->host copy of a step, and only when a stop token can end the run
+        if len(new) == max_new_tokens or (stop and token.item() in stop):
             break
-        out = model(token, past_key_values=cache, use_cache=True)
+        if static:
+            runtime.ids.copy_(token)
+            runtime.positions.fill_(input_ids.shape[1] + len(new) - 1)
+            logits = runtime.step()[0]
+        else:
+            logits = model(token, past_key_values=cache, use_cache=True).logits
     return torch.cat([input_ids, *new], dim=1)
 
 
@@ -239,23 +276,26 @@ def _timed(fn, device: torch.device):
 
 def compare_prompt(drafter, model, prompt_id: str, input_ids: torch.Tensor, max_new_tokens: int,
                    stop_token_ids: list[int], temperature: float = 0.0, seed: int = 0, turn: int = 1,
-                   time_steps: bool = False) -> PromptResult:
+                   time_steps: bool = False, static: bool = False) -> PromptResult:
     """Decode one prompt speculatively and plainly, each timed end to end (prefill included).
 
     Both runs start from the same RNG seed so sampled runs are reproducible. ``time_steps``
     also splits the speculative decode steps into draft, verify and bookkeeping time (on a
     GPU that synchronises at each boundary, which slows the speculative run a little).
+    ``static``: both runs use the static runtime (slot caches, CUDA graphs on a GPU). The
+    plain run's top-2 gaps are read from the device after its timer stops.
     """
     device = input_ids.device
     prompt_len = input_ids.shape[1]
     torch.manual_seed(seed)
     stats, spec_s = _timed(lambda: drafter.spec_generate(
         target=model, input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-        stop_token_ids=stop_token_ids, return_stats=True, time_steps=time_steps), device)
+        stop_token_ids=stop_token_ids, return_stats=True, time_steps=time_steps, static=static), device)
     torch.manual_seed(seed)
-    gaps: list[float] = []
-    plain, plain_s = _timed(lambda: target_generate(model, input_ids, max_new_tokens, stop_token_ids,
-                                                    temperature, gaps), device)
+    top2: list[torch.Tensor] = []
+    plain, plain_s = _timed(lambda: plain_decode(model, input_ids, max_new_tokens, stop_token_ids, temperature,
+                                                 top2, static), device)
+    gaps = top2_gaps_ulps(top2, model.dtype)
     spec_ids = stats.output_ids[0, prompt_len:].tolist()
     plain_ids = plain[0, prompt_len:].tolist()
     return PromptResult(

@@ -10,6 +10,7 @@ target's own previous answer (the plain run's, greedy or sampled). Writes
 is new tokens over the wall time of whole generations (prefill included), summed over the
 dataset's prompts; speedup is the ratio of the two rates. ``batch_size=N`` decodes N
 prompts at once in both runs (throughput; 1, the default, gives latency numbers).
+``runtime=static|dynamic|auto`` picks the decode loops of both runs (auto: static on a GPU).
 ``step_timing=true`` adds the speculative steps' draft / verify / bookkeeping time per step.
 Settings are Hydra overrides of ``recipes/eval.yaml``: key=value, group=option (target=qwen3_8b).
 """
@@ -37,6 +38,7 @@ from dflash_train.eval.report import format_table
 from dflash_train.recipe import HINT, load_command, log_to_stdout
 
 RANDOM_DRAFTER = "random"
+RUNTIMES = ("auto", "static", "dynamic")
 WARMUP_TOKENS = 8
 DATASET_KEYS = {"name", "label", "limit", "column", "subset"}
 
@@ -54,6 +56,7 @@ class EvalConfig:
     temperature: float = 0.0
     max_turns: int | None = None
     batch_size: int = 1
+    runtime: str = "auto"  # auto | static | dynamic (auto: static on a GPU at batch_size=1)
     step_timing: bool = False
     enable_thinking: bool = False
     system_prompt: str | None = None
@@ -75,6 +78,11 @@ def validate(cfg: EvalConfig) -> None:
         raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
     if cfg.max_turns is not None and cfg.max_turns < 1:
         raise ValueError(f"max_turns must be >= 1 or null (every turn), got {cfg.max_turns}")
+    if cfg.runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {cfg.runtime!r}")
+    if cfg.runtime == "static" and cfg.batch_size != 1:
+        raise ValueError(f"runtime=static decodes one prompt at a time but batch_size={cfg.batch_size}; use "
+                         "batch_size=1 or runtime=dynamic")
 
 
 def _dataset_entries(cfg: EvalConfig) -> list[dict]:
@@ -158,6 +166,15 @@ def _check_machine(cfg: EvalConfig) -> None:
     check_writable_dir(cfg.output_dir, "output_dir")
 
 
+def resolve_runtime(cfg: EvalConfig, target) -> bool:
+    """Whether both runs use the static runtime (``runtime``: auto, static or dynamic)."""
+    from dflash_train.model.dflash import use_static
+
+    if cfg.runtime == "dynamic" or (cfg.runtime == "auto" and cfg.batch_size != 1):
+        return False
+    return use_static(True if cfg.runtime == "static" else None, target.model, cfg.device)
+
+
 def setup(cfg: EvalConfig):
     """Everything a user can get wrong, checked before any decoding: raises ValueError.
 
@@ -171,6 +188,7 @@ def setup(cfg: EvalConfig):
     target = load_target(cfg.target.name, dtype=cfg.dtype, device=cfg.device)
     tokenizer = load_tokenizer(cfg.target.name)
     drafter = _setup_drafter(cfg, target)
+    resolve_runtime(cfg, target)  # runtime=static on a target it cannot serve fails here
     datasets = {}
     for label, (name, items) in prompts.items():
         encoded = [encode_prompt(tokenizer, p, cfg.system_prompt, cfg.enable_thinking) for p in items]
@@ -183,8 +201,9 @@ def _compare(cfg: EvalConfig, drafter, target, prompt_ids: list[str], prompts: l
              stops: list[int], seed: int, turn: int = 1) -> list[PromptResult]:
     """One turn of several prompts: one by one (the latency numbers) or as one batch."""
     if cfg.batch_size == 1:
+        static = resolve_runtime(cfg, target)
         return [compare_prompt(drafter, target.model, pid, torch.tensor([ids], device=target.device), max_new_tokens,
-                               stops, cfg.temperature, seed, turn=turn, time_steps=cfg.step_timing)
+                               stops, cfg.temperature, seed, turn=turn, time_steps=cfg.step_timing, static=static)
                 for pid, ids in zip(prompt_ids, prompts)]
     return compare_batch(drafter, target.model, prompt_ids, prompts, max_new_tokens, stops, cfg.temperature, seed,
                          turn=turn, time_steps=cfg.step_timing)
@@ -224,7 +243,8 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
     _compare(cfg, drafter, target, [p.id for p, _ in first], [x[0].tolist() for _, x in first], WARMUP_TOKENS, stops,
              cfg.seed)
 
-    report = {"target": cfg.target.name, "drafter": cfg.drafter_path, "block_size": block_size,
+    runtime = "static" if resolve_runtime(cfg, target) else "dynamic"
+    report = {"target": cfg.target.name, "drafter": cfg.drafter_path, "block_size": block_size, "runtime": runtime,
               "config": asdict(cfg), "datasets": {}}
     summaries = {}
     for label, (name, prompts) in datasets.items():
@@ -238,7 +258,7 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
             bar.set_postfix(tau=f"{sum(steps) / max(len(steps), 1):.2f}")
         bar.close()
         summaries[label] = {**summarize(results, block_size, greedy=cfg.temperature == 0),
-                            "temperature": cfg.temperature, "batch_size": cfg.batch_size}
+                            "temperature": cfg.temperature, "batch_size": cfg.batch_size, "runtime": runtime}
         report["datasets"][label] = {"source": name, **summaries[label], "prompts": [r.to_dict() for r in results]}
 
     out = Path(cfg.output_dir)

@@ -43,6 +43,10 @@ def _footnotes(summaries: dict[str, dict]) -> list[str]:
             rows.append(f"{label}: sampled (temperature {s.get('temperature', '>0')}): tau is acceptance under "
                         "rejection sampling; agreement with plain decoding does not apply (two draws of the "
                         "same distribution differ)")
+    runtimes = sorted({s["runtime"] for s in summaries.values() if "runtime" in s})
+    if runtimes:
+        rows.append(f"runtime: {', '.join(runtimes)} (both runs; static: preallocated caches, captured CUDA graphs "
+                    "on a GPU)")
     batched = {s.get("batch_size", 1) for s in summaries.values()} - {1}
     if batched:
         rows.append(f"batch_size={max(batched)}: tok/s is the batches' throughput (new tokens over the batches' "

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 # hidden_states[0] of an HF causal LM is the embedding output: id i is hidden_states[i + 1].
 EMBEDDING_OFFSET = 1
@@ -381,15 +382,21 @@ class DFlashDraftModel(PreTrainedModel):
         return_stats: bool = False,
         generator: torch.Generator | None = None,
         time_steps: bool = False,
+        static: bool | None = None,
     ):
         """Speculative decoding with `target` (an HF causal LM); batch size 1. See `speculate`.
 
         time_steps: fill `SpecOutput.step_times` (draft, verify, bookkeeping seconds); on a
         GPU this synchronises the device at every boundary, so leave it off when only
         throughput matters.
+        static: the fixed-shape runtime (`speculate_static`: preallocated caches, each step a
+        CUDA graph on a GPU) or, False, the growing-cache one (`speculate`). None picks
+        static on a GPU when the target allows it (`static_unsupported`).
         """
         self.eval()
-        result = speculate(
+        static = use_static(static, target, input_ids.device)
+        run = speculate_static if static else speculate
+        result = run(
             self, target, input_ids, max_new_tokens, Sampling(temperature, top_p, top_k),
             stop_token_ids, mask_token_id, generator, StepClock(input_ids.device) if time_steps else NO_CLOCK,
         )
@@ -526,6 +533,23 @@ def _first_token(logits, sampling: Sampling, generator) -> torch.Tensor:
     return torch.multinomial(sampling.probs(logits), 1, generator=generator)[0]
 
 
+def _cut_after_stop(committed: list[int], stops: set) -> list[int]:
+    for i, tok in enumerate(committed):
+        if tok in stops:
+            return committed[: i + 1]
+    return committed
+
+
+def _check_request(model, input_ids, mask_token_id) -> int:
+    """The mask id to fill blocks with; raises on what the runtimes cannot serve."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"spec_generate supports batch size 1, got input_ids of shape {tuple(input_ids.shape)}")
+    mask_id = model.mask_token_id if mask_token_id is None else mask_token_id
+    if mask_id is None:
+        raise ValueError("no mask_token_id: pass one or set dflash_config.mask_token_id in the drafter config")
+    return mask_id
+
+
 @torch.inference_mode()
 def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids, mask_token_id, generator,
               clock=NO_CLOCK):
@@ -537,11 +561,7 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
     """
     from transformers import DynamicCache
 
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"spec_generate supports batch size 1, got input_ids of shape {tuple(input_ids.shape)}")
-    mask_id = model.mask_token_id if mask_token_id is None else mask_token_id
-    if mask_id is None:
-        raise ValueError("no mask_token_id: pass one or set dflash_config.mask_token_id in the drafter config")
+    mask_id = _check_request(model, input_ids, mask_token_id)
     stops = set(stop_token_ids or [])
     device = input_ids.device
     prompt_len = input_ids.shape[1]
@@ -574,15 +594,354 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
                      output_hidden_states=True)
         accepted, bonus = _verify(block[0, 1:], draft_probs, out.logits[0], sampling, generator)
         clock.lap("verify")
-        committed = block[0, 1 : accepted + 1].tolist() + [int(bonus)]
-        for i, tok in enumerate(committed):
-            if tok in stops:
-                committed = committed[: i + 1]
-                break
+        committed = _cut_after_stop(block[0, 1 : accepted + 1].tolist() + [int(bonus)], stops)
         tokens += committed
         lengths.append(len(committed))
         _crop(target_cache, len(tokens) - 1)
         new_features = target_features(out.hidden_states, model.target_layer_ids)[:, : accepted + 1]
+        clock.lap("bookkeeping")
+    t2 = _sync(device)
+    return SpecOutput(
+        output_ids=torch.tensor([tokens], dtype=torch.long, device=device),
+        acceptance_lengths=lengths,
+        num_new_tokens=len(tokens) - prompt_len,
+        prefill_s=t1 - t0,
+        decode_s=t2 - t1,
+        step_times=clock.result(),
+    )
+
+
+# The static runtime. Every decode step has fixed shapes, so on a GPU each step is captured
+# once as a CUDA graph and replayed (one launch instead of hundreds of kernels from Python);
+# on a CPU the same step functions run eagerly. The target's K/V and the drafter's context
+# K/V live in preallocated buffers where slot i holds position i: a step writes its block's
+# K/V at the block's positions and masks by position instead of cropping, and the slots
+# past the committed tokens (rejected drafts, an earlier request) are hidden until a later
+# step overwrites them. Every step input is a fixed tensor filled in place. (It lives in
+# this file, past the usual file length, because an exported drafter carries its runtime.)
+
+MIN_SLOTS = 1024  # cache slots: a power of two, at least this, so few requests rebuild
+GRAPH_WARMUP_RUNS = 2  # eager runs on a side stream before capture, as CUDA graphs require
+STATIC_ATTENTION = ("sdpa", "eager")  # the implementations that read our 4D additive masks
+
+
+def static_unsupported(target) -> str | None:
+    """Why the static runtime cannot drive `target`, or None when it can."""
+    config = target.config
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in STATIC_ATTENTION:
+        return f"attention implementation {impl!r} (the static runtime needs one of {list(STATIC_ATTENTION)})"
+    kinds = set(getattr(config, "layer_types", None) or [FULL_ATTENTION])
+    if kinds != {FULL_ATTENTION} or getattr(config, "use_sliding_window", False):
+        return f"layer types {sorted(kinds)} (the static runtime serves full-attention targets only)"
+    rope = rope_parameters(config).get("rope_type", "default")
+    if rope in ("dynamic", "longrope"):  # they resize their tables from the positions' values
+        return f"rope_type {rope!r} (its tables depend on the positions' values)"
+    return None
+
+
+def use_static(static: bool | None, target, device) -> bool:
+    """Resolve `spec_generate(static=...)`: None is static on a GPU when the target allows it."""
+    reason = static_unsupported(target)
+    if static is None:
+        return torch.device(device).type == "cuda" and reason is None
+    if static and reason is not None:
+        raise ValueError(f"static=True cannot serve this target: {reason}; use static=False")
+    return bool(static)
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One target layer's K/V in (b, g, S, d) buffers; a forward writes at `owner.write_at`."""
+
+    is_compileable = True  # the buffers never move after the first write
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states, value_states=None):
+        b, g, _, d = key_states.shape
+        values = key_states if value_states is None else value_states
+        self.keys = key_states.new_zeros(b, g, self.owner.size, d)
+        self.values = values.new_zeros(b, g, self.owner.size, values.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, self.owner.write_at, key_states)
+        self.values.index_copy_(2, self.owner.write_at, value_states)
+        return self.keys, self.values  # every slot: the mask decides which are seen
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.owner.size, 0
+
+    def get_seq_length(self) -> int:
+        return 0  # positions come from position_ids and masks from us: nothing reads a length
+
+    def get_max_length(self) -> int:  # transformers 5.x
+        return self.owner.size
+
+    def get_max_cache_shape(self) -> int:  # transformers 4.57
+        return self.owner.size
+
+
+class SlotCache(Cache):
+    """The target's K/V in `size` slots per layer (slot i holds position i)."""
+
+    def __init__(self, num_layers: int, size: int):
+        self.size = size
+        self.write_at = None  # (L,) the slots the next forward writes: its tokens' positions
+        super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+
+
+class SlotContextCache:
+    """The drafter's context K/V in `size` slots per layer, the `ContextCache` interface:
+    a forward writes its new context at `write_at` and reads every slot."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.write_at = None  # (C,) positions of the forward's new context features
+        self.keys: list = []
+        self.values: list = []
+
+    def read_and_append(self, layer: int, k_ctx: torch.Tensor, v_ctx: torch.Tensor):
+        if layer == len(self.keys):
+            self.keys.append(k_ctx.new_zeros(*k_ctx.shape[:2], self.size, k_ctx.shape[-1]))
+            self.values.append(v_ctx.new_zeros(*v_ctx.shape[:2], self.size, v_ctx.shape[-1]))
+        self.keys[layer].index_copy_(2, self.write_at, k_ctx)
+        self.values[layer].index_copy_(2, self.write_at, v_ctx)
+        return self.keys[layer], self.values[layer]  # (b, g, S, d)
+
+
+class Replayable:
+    """A step of no arguments that reads and writes only fixed tensors.
+
+    Eager unless `capture`; then its first call warms it up on a side stream and captures
+    it as a CUDA graph, and every call replays the graph. The step must be idempotent (the
+    warm-up repeats the first call) and its results are overwritten by the next call.
+    """
+
+    def __init__(self, fn, device, capture: bool):
+        self.fn, self.device, self.graph, self.out = fn, torch.device(device), None, None
+        self.capture = capture and self.device.type == "cuda"
+
+    def __call__(self):
+        if not self.capture:
+            return self.fn()
+        if self.graph is None:
+            with torch.cuda.device(self.device):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(GRAPH_WARMUP_RUNS):
+                        self.fn()
+                torch.cuda.current_stream().wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.out = self.fn()
+        self.graph.replay()
+        return self.out
+
+
+def _causal_slot_mask(positions: torch.Tensor, slots: torch.Tensor, dtype) -> torch.Tensor:
+    """(1, 1, L, S) additive: the query at position p sees slots 0..p, the tokens up to itself."""
+    visible = slots[None, None, None, :] <= positions[:, None, :, None]
+    return torch.zeros(visible.shape, dtype=dtype, device=slots.device).masked_fill(~visible, torch.finfo(dtype).min)
+
+
+def _where(module: nn.Module) -> tuple:
+    """Device and dtype of a module's first weight: a captured graph reads the weights there."""
+    weight = next(module.parameters())
+    return weight.device, weight.dtype
+
+
+class TargetSlots:
+    """The target over a `SlotCache`: a prefill of any length, and a step over `width`
+    tokens at fixed `ids`/`positions` buffers (replayable). Features: of `layer_ids`."""
+
+    def __init__(self, target, size: int, width: int, layer_ids=(), graphs: bool = True):
+        device = target.get_input_embeddings().weight.device
+        self.target, self.layer_ids, self.graphs, self.weights = target, list(layer_ids), graphs, _where(target)
+        self.cache = SlotCache(target.config.num_hidden_layers, size)
+        self.slots = torch.arange(size, device=device)
+        self.ids = torch.zeros(1, width, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, width, dtype=torch.long, device=device)
+        self.step = Replayable(lambda: self.forward(self.ids, self.positions), device, graphs)
+
+    def forward(self, ids, positions, logits_to_keep: int = 0):
+        """Logits (1, L, V) and features (1, L, n*H) or None; writes K/V at `positions` (1, L)."""
+        self.cache.write_at = positions[0]
+        mask = _causal_slot_mask(positions, self.slots, self.target.dtype)
+        out = self.target(ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                          use_cache=True, output_hidden_states=bool(self.layer_ids), logits_to_keep=logits_to_keep)
+        return out.logits, target_features(out.hidden_states, self.layer_ids) if self.layer_ids else None
+
+    def prefill(self, input_ids, logits_to_keep: int = 0):
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        return self.forward(input_ids, positions, logits_to_keep)
+
+    def fits(self, target, size: int, graphs: bool) -> bool:
+        """Still valid for `target`: the same module, dtype and device (the graphs read its
+        weights where they were at capture), enough slots, the same capture choice."""
+        return (target is self.target and self.weights == _where(target) and size <= self.cache.size
+                and graphs == self.graphs)
+
+
+def _slot_draft_masks(drafter, slots, block_pos, end) -> dict:
+    """Per layer type (1, 1, B, S + B) bool: what each block slot sees.
+
+    Context slots before the anchor's position hold committed tokens' features. Block slots
+    at or past `end` (positions the budget can never commit) are hidden from the others,
+    which makes a B-wide block compute what the dynamic runtime's narrowed last block does;
+    a slot always sees itself, so no softmax row is empty.
+    """
+    width = block_pos.shape[1]
+    see_ctx = (slots[None, None, :] < block_pos[:, :1, None]).expand(-1, width, -1)  # (1, B, S)
+    own = torch.eye(width, dtype=torch.bool, device=slots.device)[None]
+    see_block = (block_pos < end)[:, None, :] | own  # (1, B, B)
+    masks = {FULL_ATTENTION: torch.cat([see_ctx, see_block.expand(see_ctx.shape[0], -1, -1)], -1)[:, None]}
+    if SLIDING_ATTENTION in drafter.layer_types:
+        window = drafter.config.sliding_window
+        near = block_pos[:, :, None] - slots[None, None, :] < window  # (1, B, S)
+        back = own.new_ones(width, width).tril() & ~own.new_ones(width, width).tril(-window)  # (B, B)
+        masks[SLIDING_ATTENTION] = torch.cat([see_ctx & near, see_block & back], -1)[:, None]
+    return masks
+
+
+class StaticSpeculator:
+    """The static runtime's buffers and replayable steps for one drafter and target.
+
+    The verify step reads the block (1, B) at its positions; the draft step reads the same
+    block plus the previous verify's B features (`ctx_feats`, at `ctx_pos`), writes their
+    context K/V and drafts. Only what the host decides between steps is filled in place.
+    """
+
+    def __init__(self, drafter, target, size: int, graphs: bool = True):
+        self.verifier = TargetSlots(target, size, drafter.block_size, drafter.target_layer_ids, graphs)
+        device, dtype = self.verifier.slots.device, target.dtype
+        self.target, self.drafter, self.weights = target, drafter, _where(drafter)
+        self.context = SlotContextCache(size)
+        self.offsets = torch.arange(drafter.block_size, device=device)[None]
+        self.end = torch.zeros((), dtype=torch.long, device=device)  # first position never committed
+        self.ctx_feats = torch.zeros(1, drafter.block_size, drafter.fc.in_features, dtype=dtype, device=device)
+        self.ctx_pos = torch.zeros(1, drafter.block_size, dtype=torch.long, device=device)
+        self.draft_step = Replayable(lambda: self.draft(self.ctx_feats, self.ctx_pos), device, graphs)
+
+    @property
+    def block(self) -> torch.Tensor:
+        return self.verifier.ids
+
+    @property
+    def block_pos(self) -> torch.Tensor:
+        return self.verifier.positions
+
+    def fits(self, drafter, target, size: int, graphs: bool) -> bool:
+        return drafter is self.drafter and self.weights == _where(drafter) and self.verifier.fits(target, size, graphs)
+
+    def draft(self, feats, ctx_pos) -> torch.Tensor:
+        """Logits for block slots 1..B-1: (1, B-1, V). feats: (1, C, n*H) at ctx_pos (1, C)."""
+        self.context.write_at = ctx_pos[0]
+        masks = _slot_draft_masks(self.drafter, self.verifier.slots, self.block_pos, self.end)
+        noise = self.target.get_input_embeddings()(self.block)
+        hidden = self.drafter(noise, feats, torch.cat([ctx_pos, self.block_pos], 1), masks, self.context, True)
+        return self.target.get_output_embeddings()(hidden[:, 1:])
+
+    def set_block(self, anchor: torch.Tensor, start: int, mask_id: int) -> None:
+        """[anchor, MASK, ...] at positions start..start+B-1; anchor: (1,) on the device."""
+        self.block.fill_(mask_id)
+        self.block[:, :1].copy_(anchor[None])
+        torch.add(self.offsets, start, out=self.block_pos)
+
+
+def static_runtime(owner: nn.Module, needed: int, fits, build):
+    """The static runtime kept on `owner`, rebuilt (with more slots) when `fits(size)` fails."""
+    size = max(MIN_SLOTS, 1 << (needed - 1).bit_length())
+    runtime = owner.__dict__.get("_static_runtime")
+    if runtime is None or not fits(runtime, size):
+        owner.__dict__["_static_runtime"] = None  # free the old buffers and graphs first
+        runtime = owner.__dict__["_static_runtime"] = build(size)
+    return runtime
+
+
+def _accept(drafts, draft_probs, target_logits, sampling: Sampling, generator, usable: int):
+    """`_verify` on the device, with no host sync: accepted count and next token, 0-d tensors.
+
+    Only the first `usable` drafts count (the rest lie past the budget). Sampling draws all
+    uniforms at once and accepts the prefix where u < p/q; after a rejection at row i the
+    token comes from the residual max(0, p - q) there, after `usable` acceptances from p:
+    the same distribution as the sequential rule.
+    """
+    usable_rows = torch.arange(drafts.shape[0], device=drafts.device) < usable
+    if sampling.greedy:
+        target_tokens = target_logits.argmax(-1)  # (B,)
+        accepted = ((drafts == target_tokens[:-1]) & usable_rows).long().cumprod(0).sum()
+        return accepted, target_tokens.gather(0, accepted.view(1))[0]
+    p = sampling.probs(target_logits)  # (B, V)
+    if usable == 0:  # nothing was drafted: the target's own next token
+        return torch.zeros((), dtype=torch.long, device=p.device), torch.multinomial(p[0], 1, generator=generator)[0]
+    picked = drafts[:, None]
+    ratio = p[:-1].gather(1, picked)[:, 0] / draft_probs.gather(1, picked)[:, 0]
+    u = torch.rand(drafts.shape, generator=generator, device=p.device)
+    accepted = ((u < ratio) & usable_rows).long().cumprod(0).sum()
+    residual = (p[:-1] - draft_probs).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:-1])
+    after = torch.where(accepted < usable, torch.cat([residual, p[-1:]]).index_select(0, accepted.view(1)),
+                        p.index_select(0, accepted.view(1)))[0]
+    return accepted, torch.multinomial(after / after.sum(), 1, generator=generator)[0]
+
+
+@torch.inference_mode()
+def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_token_ids, mask_token_id, generator,
+                     clock=NO_CLOCK, graphs: bool = True):
+    """`speculate` with fixed shapes: every block is B wide and both caches are slot buffers.
+
+    The first draft step reads the prompt's features (any length) eagerly; later ones read
+    the previous verify's B features. Each step copies one small tensor to the host (the
+    accepted count and the tokens), which decides what is committed and when to stop.
+    """
+    mask_id = _check_request(model, input_ids, mask_token_id)
+    stops = set(stop_token_ids or [])
+    device = input_ids.device
+    prompt_len, width = input_ids.shape[1], model.block_size
+    rt = static_runtime(model, prompt_len + max_new_tokens + width,
+                        lambda rt, size: rt.fits(model, target, size, graphs),
+                        lambda size: StaticSpeculator(model, target, size, graphs))
+    end = prompt_len + max_new_tokens - 1  # the last new token's position: no block slot there commits
+    t0 = _sync(device)
+    logits, feats = rt.verifier.prefill(input_ids, logits_to_keep=1)
+    anchor = _first_token(logits[0, -1], sampling, generator).view(1)
+    tokens = input_ids[0].tolist() + [int(anchor)]
+    rt.end.fill_(end)
+    first_ctx = (feats, torch.arange(prompt_len, device=device)[None])
+    t1 = _sync(device)
+    lengths = []
+    while len(tokens) - prompt_len < max_new_tokens and tokens[-1] not in stops:
+        clock.lap()
+        start = len(tokens) - 1
+        usable = min(width, end - start) - 1  # drafts the budget can commit: the dynamic runtime's width - 1
+        rt.set_block(anchor, start, mask_id)
+        draft_probs = None
+        if usable > 0:
+            logits = (rt.draft(*first_ctx) if first_ctx else rt.draft_step())[0]  # (B-1, V)
+            if sampling.greedy:
+                rt.block[0, 1:] = logits.argmax(-1)
+            else:
+                draft_probs = sampling.probs(logits)
+                rt.block[0, 1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
+        first_ctx = None
+        clock.lap("draft")
+        logits, step_feats = rt.verifier.step()
+        accepted, bonus = _accept(rt.block[0, 1:], draft_probs, logits[0], sampling, generator, usable)
+        clock.lap("verify")
+        host = torch.cat([accepted.view(1), bonus.view(1), rt.block[0, 1:]]).tolist()  # the step's one sync
+        committed = _cut_after_stop(host[2 : 2 + host[0]] + [host[1]], stops)
+        tokens += committed
+        lengths.append(len(committed))
+        # the next draft step writes these B features' context K/V; its mask shows the committed ones
+        rt.ctx_feats.copy_(step_feats)
+        rt.ctx_pos.copy_(rt.block_pos)
+        anchor = bonus.view(1)
         clock.lap("bookkeeping")
     t2 = _sync(device)
     return SpecOutput(

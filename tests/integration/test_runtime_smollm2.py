@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from dflash_train.eval.acceptance import target_generate
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 from tests.conftest import SMOLLM2_MASK_ID
 
@@ -66,6 +67,18 @@ def test_random_drafter_is_lossless_with_tau_near_one(smollm2, prompts, plain):
     assert 1.0 <= sum(taus) / len(taus) < 1.2
 
 
+def test_static_runtime_equals_plain_and_the_dynamic_runtime(smollm2, prompts, plain):
+    """The static runtime (slot caches, B-wide blocks masked by position) on the real target:
+    plain decoding's tokens, and the dynamic runtime's acceptance length at every step."""
+    drafter = _random_drafter(smollm2.model)
+    for ids, expected in zip(prompts, plain):
+        static = drafter.spec_generate(smollm2.model, ids, NEW_TOKENS, return_stats=True, static=True)
+        dynamic = drafter.spec_generate(smollm2.model, ids, NEW_TOKENS, return_stats=True, static=False)
+        assert torch.equal(static.output_ids, expected)
+        assert static.acceptance_lengths == dynamic.acceptance_lengths
+        assert torch.equal(target_generate(smollm2.model, ids, NEW_TOKENS, static=True), expected)
+
+
 def test_forced_correct_drafter_is_lossless_with_tau_near_block_size(smollm2, prompts, plain):
     drafter = OracleDrafter(DFlashConfig.from_target(smollm2.config, mask_token_id=SMOLLM2_MASK_ID)).eval()
     for ids, expected in zip(prompts, plain):
@@ -82,5 +95,6 @@ def test_stop_tokens_end_generation_like_plain_decoding(smollm2, smollm2_tokeniz
     ids = prompts[0]
     expected = _generate(smollm2.model, ids, 200, eos)
     assert expected[0, -1] == eos and expected.shape[1] - ids.shape[1] < 200  # it really stops early
-    got = drafter.spec_generate(smollm2.model, ids, 200, stop_token_ids=[eos])
-    assert torch.equal(got, expected)
+    for static in (False, True):
+        got = drafter.spec_generate(smollm2.model, ids, 200, stop_token_ids=[eos], static=static)
+        assert torch.equal(got, expected)

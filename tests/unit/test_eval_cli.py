@@ -184,3 +184,37 @@ def test_batched_conversations_equal_one_by_one(chat_models):
         assert b.spec_ids == b.plain_ids
     s = summarize(batched, 4, greedy=True)
     assert s["step_times"]["ms_per_step"]["verify"] > 0 and s["greedy_agreement"] == 1.0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_static_runtime_decodes_conversations_like_the_dynamic_one(chat_models):
+    target, drafter = chat_models
+    tok = _CharTokenizer()
+    items = _items(tok)
+    dynamic = decode_conversations(_cfg("drafter_path=random", "max_new_tokens=7", "runtime=dynamic"), drafter,
+                                   target, tok, items, [], 0)
+    static = decode_conversations(_cfg("drafter_path=random", "max_new_tokens=7", "runtime=static"), drafter,
+                                  target, tok, items, [], 0)
+    for a, b in zip(dynamic, static, strict=True):
+        assert (a.spec_ids, a.plain_ids, a.acceptance_lengths) == (b.spec_ids, b.plain_ids, b.acceptance_lengths)
+        assert a.plain_gaps_ulps == pytest.approx(b.plain_gaps_ulps, rel=1e-3, abs=1e-3)
+    with pytest.raises(ValueError, match="runtime must be one of .'auto', 'static', 'dynamic'., got 'fast'"):
+        _cfg("drafter_path=random", "runtime=fast")
+    with pytest.raises(ValueError, match="runtime=static decodes one prompt at a time but batch_size=4"):
+        _cfg("drafter_path=random", "runtime=static", "batch_size=4")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_speed_table_measures_both_runtimes(chat_models):
+    from dflash_train.eval.speed import format_speed_table, measure
+
+    target, drafter = chat_models
+    items = _items(_CharTokenizer())
+    summaries = measure(_cfg("drafter_path=random", "max_new_tokens=6"), {"chat": ("chat", items)}, target, drafter,
+                        [], None)
+    assert list(summaries) == ["dynamic", "static"]
+    for s in summaries.values():  # every generation runs the whole budget: stop tokens are not given
+        assert (s["num_prompts"], s["plain_tokens"], s["spec_tokens"], s["greedy_agreement"]) == (3, 18, 18, 1.0)
+    lines = format_speed_table(summaries).splitlines()
+    assert lines[0].split() == ["runtime", "n", "tau", "plain", "tok/s", "spec", "tok/s", "speedup", "agree", "%"]
+    assert [line.split()[0] for line in lines[2:]] == ["dynamic", "static"]

@@ -116,6 +116,9 @@ spec = model.spec_generate(input_ids=ids, max_new_tokens=20, temperature=0.0, ta
                            stop_token_ids=None)
 plain = target.generate(ids, max_new_tokens=20, do_sample=False)
 print("lossless", bool(torch.equal(spec, plain)))
+static = model.spec_generate(input_ids=ids, max_new_tokens=20, temperature=0.0, target=target, mask_token_id=96,
+                             stop_token_ids=None, static=True)
+print("static", bool(torch.equal(static, plain)))
 """
 
 
@@ -132,9 +135,10 @@ def test_export_loads_under_transformers_457(export, target, tmp_path):
     run = subprocess.run([str(TF457_PYTHON), "-c", TF457_SCRIPT, str(out), str(tmp_path / "target"),
                           str(tmp_path / "io.safetensors")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    lines = dict(line.split() for line in run.stdout.splitlines() if line.startswith(("maxdiff", "lossless")))
+    lines = dict(line.split() for line in run.stdout.splitlines() if line.startswith(("maxdiff", "lossless", "static")))
     assert float(lines["maxdiff"]) < 1e-5
     assert lines["lossless"] == "True"
+    assert lines["static"] == "True"  # the static runtime's cache classes work with 4.57's Cache too
 
 
 def test_load_validates_against_the_target(export):

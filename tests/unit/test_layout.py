@@ -30,7 +30,7 @@ LAYERS = (
     ("dflash_train.export",),
     ("dflash_train.training.trainer",),
     ("dflash_train.train", "dflash_train.bench", "dflash_train.quickstart", "dflash_train.quality",
-     "dflash_train.eval.cli"),
+     "dflash_train.eval.cli", "dflash_train.eval.speed"),
     ("data_gen",),
 )
 

@@ -48,9 +48,11 @@ def _chi2(counts, probs):
 # Not 1: a sampler that ignores the temperature would pass there. Both sides of 1: peaked
 # (more drafts accepted) and flat (more rejections and residual samples). A sampler that
 # draws at temperature 1 instead expects a chi-square of 2100..2900 per position here at
-# 0.6 and 340..730 at 1.5, far above the critical 29.88.
+# 0.6 and 340..730 at 1.5, far above the critical 29.88. Both runtimes: the static one
+# accepts on the device, drawing every uniform of a step at once.
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("temperature", [0.6, 1.5])
-def test_rejection_sampling_matches_target_distribution(models, temperature):
+def test_rejection_sampling_matches_target_distribution(models, temperature, static):
     target, drafter = models
     prompt = torch.tensor([[1, 5, 2, 3]])
     exact = _exact_marginals(target, prompt, temperature)
@@ -58,7 +60,8 @@ def test_rejection_sampling_matches_target_distribution(models, temperature):
     counts = torch.zeros(NEW, VOCAB)
     steps = []
     for _ in range(DRAWS):
-        out = drafter.spec_generate(target, prompt, NEW, temperature=temperature, return_stats=True, generator=gen)
+        out = drafter.spec_generate(target, prompt, NEW, temperature=temperature, return_stats=True, generator=gen,
+                                    static=static)
         new = out.output_ids[0, prompt.shape[1]:]
         counts[torch.arange(NEW), new] += 1
         steps.append(out.acceptance_lengths)

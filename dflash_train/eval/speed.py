@@ -1,0 +1,68 @@
+"""Plain and speculative tokens/s at batch 1, per runtime: the latency numbers of a target.
+
+    python -m dflash_train.eval.speed target=qwen25_coder_05b device=cuda drafter_path=random \
+        max_new_tokens=256 limit=10
+
+The config is ``dflash-eval``'s (``recipes/eval.yaml``): the first ``limit`` prompts of the
+first dataset are decoded speculatively and plainly with each runtime (``runtime=auto``
+measures both, ``static`` or ``dynamic`` one), every generation exactly ``max_new_tokens``
+long (stop tokens are ignored, so each prompt costs the same work in every run). Each
+runtime first decodes one prompt untimed, which sizes its caches and captures its CUDA
+graphs. A random drafter (tau near 1) measures the runtime's overhead: its speedup is the
+floor a trained drafter's acceptance multiplies.
+"""
+
+from __future__ import annotations
+
+from dflash_train.errors import run_command
+from dflash_train.eval.acceptance import compare_prompt, summarize
+from dflash_train.eval.cli import EvalConfig, setup, validate
+from dflash_train.model.dflash import static_unsupported
+from dflash_train.recipe import load_command
+
+
+def measure(cfg: EvalConfig, datasets, target, drafter, stops, tokenizer) -> dict[str, dict]:
+    """runtime -> dataset summary (tokens/s, tau, agreement) of the first dataset's prompts."""
+    runtimes = ["dynamic", "static"] if cfg.runtime == "auto" else [cfg.runtime]
+    if cfg.runtime == "auto" and static_unsupported(target.model):
+        runtimes = ["dynamic"]
+    _, items = next(iter(datasets.values()))
+    summaries = {}
+    for runtime in runtimes:
+        static = runtime == "static"
+
+        def decode(prompt_id, ids, static=static):
+            return compare_prompt(drafter, target.model, prompt_id, ids, cfg.max_new_tokens, [], cfg.temperature,
+                                  cfg.seed, static=static)
+
+        decode("warmup", items[0][1])
+        results = [decode(p.id, ids) for p, ids in items]
+        summaries[runtime] = summarize(results, drafter.config.block_size, greedy=cfg.temperature == 0)
+    return summaries
+
+
+def format_speed_table(summaries: dict[str, dict]) -> str:
+    header = f"{'runtime':<8} {'n':>4} {'tau':>6} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'agree %':>8}"
+    rows = [header, "-" * len(header)]
+    for runtime, s in summaries.items():
+        agree = "-" if s["greedy_agreement"] is None else f"{100 * s['greedy_agreement']:.1f}"
+        rows.append(f"{runtime:<8} {s['num_prompts']:>4} {s['tau']:>6.2f} {s['plain_tok_s']:>12.1f} "
+                    f"{s['spec_tok_s']:>11.1f} {s['speedup']:>7.2f}x {agree:>8}")
+    return "\n".join(rows)
+
+
+def run(argv: list[str] | None = None) -> dict[str, dict]:
+    cfg = load_command(EvalConfig, argv, "eval", __doc__, validate)
+    summaries = measure(cfg, *setup(cfg))
+    print(f"{cfg.target.name} on {cfg.device} ({cfg.dtype}), batch 1, {cfg.max_new_tokens} new tokens, "
+          f"drafter {cfg.drafter_path}")
+    print(format_speed_table(summaries))
+    return summaries
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_command("dflash-speed", run, argv)
+
+
+if __name__ == "__main__":
+    main()
