@@ -48,8 +48,11 @@ def test_graphs_give_the_eager_steps_tokens_and_lengths(on_gpu, prompts):  # noq
             dynamic = drafter.spec_generate(model, ids, new, return_stats=True, static=False)
             assert torch.equal(graphed.output_ids, eager.output_ids)
             assert graphed.acceptance_lengths == eager.acceptance_lengths == dynamic.acceptance_lengths
-            assert torch.equal(graphed.output_ids, model.generate(ids, max_new_tokens=new, do_sample=False,
-                                                                   eos_token_id=None, pad_token_id=0))
+            # An explicit mask: generate would otherwise mask the prompt's token 0 as padding (pad_token_id=0).
+            reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)
+            assert torch.equal(graphed.output_ids, reference)
+            assert torch.equal(graphed.output_ids, target_generate(model, ids, new, static=True))
             lengths += graphed.acceptance_lengths
     assert sum(lengths) / len(lengths) > 1.5  # drafts are accepted: the draft graph matters
 
