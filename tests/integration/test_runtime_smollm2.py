@@ -71,7 +71,8 @@ def test_static_runtime_equals_plain_and_the_dynamic_runtime(smollm2, prompts, p
     """The static runtime (slot caches, B-wide blocks masked by position) on the real target:
     plain decoding's tokens, and the dynamic runtime's acceptance length at every step."""
     drafter = _random_drafter(smollm2.model)
-    for ids, expected in zip(prompts, plain):
+    # Two prompts: the step-by-step equality on every prompt is the unit tests' (tiny targets).
+    for ids, expected in list(zip(prompts, plain))[:2]:
         static = drafter.spec_generate(smollm2.model, ids, NEW_TOKENS, return_stats=True, static=True)
         dynamic = drafter.spec_generate(smollm2.model, ids, NEW_TOKENS, return_stats=True, static=False)
         assert torch.equal(static.output_ids, expected)
