@@ -445,6 +445,14 @@ class SpecOutput:
     decode_s: float
     step_times: dict | None = None  # seconds per part of the decode steps, when timed (StepClock)
 
+    @classmethod
+    def of_run(cls, tokens: list, lengths: list, prompt_len: int, times: tuple, clock, device) -> "SpecOutput":
+        """One batch-1 run: ``tokens`` prompt included; ``times`` (start, prefill done, decode done)."""
+        t0, t1, t2 = times
+        return cls(output_ids=torch.tensor([tokens], dtype=torch.long, device=device), acceptance_lengths=lengths,
+                   num_new_tokens=len(tokens) - prompt_len, prefill_s=t1 - t0, decode_s=t2 - t1,
+                   step_times=clock.result())
+
 
 def target_features(hidden_states, layer_ids) -> torch.Tensor:
     """(b, T, n*H) the target's features: decoder layer outputs ``layer_ids`` side by side.
@@ -600,15 +608,7 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
         _crop(target_cache, len(tokens) - 1)
         new_features = target_features(out.hidden_states, model.target_layer_ids)[:, : accepted + 1]
         clock.lap("bookkeeping")
-    t2 = _sync(device)
-    return SpecOutput(
-        output_ids=torch.tensor([tokens], dtype=torch.long, device=device),
-        acceptance_lengths=lengths,
-        num_new_tokens=len(tokens) - prompt_len,
-        prefill_s=t1 - t0,
-        decode_s=t2 - t1,
-        step_times=clock.result(),
-    )
+    return SpecOutput.of_run(tokens, lengths, prompt_len, (t0, t1, _sync(device)), clock, device)
 
 
 # The static runtime. Every decode step has fixed shapes, so on a GPU each step is captured
@@ -943,12 +943,4 @@ def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_to
         rt.ctx_pos.copy_(rt.block_pos)
         anchor = bonus.view(1)
         clock.lap("bookkeeping")
-    t2 = _sync(device)
-    return SpecOutput(
-        output_ids=torch.tensor([tokens], dtype=torch.long, device=device),
-        acceptance_lengths=lengths,
-        num_new_tokens=len(tokens) - prompt_len,
-        prefill_s=t1 - t0,
-        decode_s=t2 - t1,
-        step_times=clock.result(),
-    )
+    return SpecOutput.of_run(tokens, lengths, prompt_len, (t0, t1, _sync(device)), clock, device)
