@@ -180,7 +180,7 @@ def target_generate_batch(model, prompts: list[list[int]], max_new_tokens: int, 
     stop token. ``gaps_ulps`` (one list per row) receives each recorded step's top-2 gap."""
     from transformers import DynamicCache
 
-    from dflash_train.eval.acceptance import _next_token, top2_gap_ulps
+    from dflash_train.eval.acceptance import _next_token, top2_gaps_ulps
 
     ids, valid, positions = left_pad(prompts, model.device)
     cache = DynamicCache(config=model.config)
@@ -188,16 +188,24 @@ def target_generate_batch(model, prompts: list[list[int]], max_new_tokens: int, 
                 logits_to_keep=1)
     rows = _Rows(len(prompts), max_new_tokens, set(stop_token_ids or []))
     mask, position = valid.long(), positions[:, -1]
+    tops, recorded = [], [[] for _ in prompts]  # each step's (b, 2) top logits; the steps each row recorded
     while True:
         token = _next_token(out.logits[:, -1], temperature)  # (b, 1)
+        if gaps_ulps is not None:  # kept on the device: one copy after the loop, not one per row and step
+            tops.append(out.logits[:, -1].topk(2).values)
         for i, t in enumerate(token[:, 0].tolist()):
-            if gaps_ulps is not None and not rows.done[i]:
-                gaps_ulps[i].append(top2_gap_ulps(out.logits[i:i + 1, -1], model.dtype))
+            if not rows.done[i]:
+                recorded[i].append(len(tops) - 1)
             rows.record(i, [t])
         if all(rows.done):
-            return rows.new
+            break
         mask, position = torch.cat([mask, mask.new_ones(len(prompts), 1)], 1), position + 1
         out = model(token, attention_mask=mask, position_ids=position[:, None], past_key_values=cache, use_cache=True)
+    if gaps_ulps is not None:
+        top = torch.stack(tops).cpu()  # (steps, b, 2)
+        for i, steps in enumerate(recorded):
+            gaps_ulps[i].extend(top2_gaps_ulps([top[s, i] for s in steps], model.dtype))
+    return rows.new
 
 
 def compare_batch(drafter, model, prompt_ids: list[str], prompts: list[list[int]], max_new_tokens: int,

@@ -56,6 +56,23 @@ def test_each_row_is_its_batch_one_run(arch):
     assert plain_batch[1][-1] == stop and len(plain_batch[1]) < 13  # the stop really ended row 1
 
 
+def test_plain_rows_record_their_batch_one_top2_gaps():
+    """The lossless report's gaps: one per recorded token of each row, as its batch-1 run's."""
+    tiny = make_tiny_target("llama")
+    rows = _ragged()
+    plain = [target_generate(tiny, torch.tensor([p]), 12)[0, len(p):].tolist() for p in rows]
+    stops = [plain[2][4]]  # row 2 stops within 5 tokens; rows that never emit it go on to 12
+    gaps = [[] for _ in rows]
+    news = target_generate_batch(tiny, rows, 12, stops, gaps_ulps=gaps)
+    for p, new, got in zip(rows, news, gaps):
+        expected = []
+        target_generate(tiny, torch.tensor([p]), 12, stops, gaps_ulps=expected)
+        assert len(got) == len(new) == len(expected)
+        assert got == pytest.approx(expected, rel=1e-4, abs=1e-3)
+    assert len(gaps[2]) == plain[2].index(stops[0]) + 1 <= 5
+    assert any(len(g) == 12 for g in gaps)  # the batch went on after row 2 stopped
+
+
 @pytest.mark.parametrize("which", ["trained", "sliding"])
 def test_rows_accept_what_their_batch_one_runs_accept(target, prompts, trained, which):  # noqa: F811
     drafter = trained if which == "trained" else _drafter(
