@@ -50,7 +50,8 @@ def _footnotes(summaries: dict[str, dict]) -> list[str]:
     batched = {s.get("batch_size", 1) for s in summaries.values()} - {1}
     if batched:
         rows.append(f"batch_size={max(batched)}: tok/s is the batches' throughput (new tokens over the batches' "
-                    "wall time); batch_size=1 gives the per-prompt latency numbers")
+                    "wall time, a batch's time split evenly over its rows, which may mix datasets); batch_size=1 gives "
+                    "the per-prompt latency numbers")
     timed = {label: s["step_times"]["ms_per_step"] for label, s in summaries.items() if s.get("step_times")}
     if timed:
         w = max(7, *(len(label) for label in timed))

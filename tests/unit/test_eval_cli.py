@@ -8,6 +8,7 @@ from dflash_train.eval.cli import (
     _check_machine,
     _dataset_entries,
     decode_conversations,
+    decode_datasets,
     encode_messages,
     validate,
 )
@@ -184,6 +185,28 @@ def test_batched_conversations_equal_one_by_one(chat_models):
         assert b.spec_ids == b.plain_ids
     s = summarize(batched, 4, greedy=True)
     assert s["step_times"]["ms_per_step"]["verify"] > 0 and s["greedy_agreement"] == 1.0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_batch_mixes_datasets_and_each_keeps_its_own_results(chat_models):
+    target, drafter = chat_models
+    tok = _CharTokenizer()
+    items = _items(tok)
+    datasets = {"a": ("a", items[:2]), "b": ("b", items[2:]), "c": ("c", items[:1])}
+    alone = {label: decode_conversations(_cfg("drafter_path=random", "max_new_tokens=7"), drafter, target, tok,
+                                         its, [], 0) for label, (_, its) in datasets.items()}
+    cfg = _cfg("drafter_path=random", "max_new_tokens=7", "batch_size=3")
+    calls = []
+    mixed = decode_datasets(cfg, drafter, target, tok, datasets, [], lambda n, res: calls.append(n))
+    assert calls == [3, 1]  # a's two prompts with b's one, then c's: two decode loops, not three
+    assert list(mixed) == ["a", "b", "c"]
+    for label, results in mixed.items():
+        assert [(r.id, r.turn) for r in results] == [(r.id, r.turn) for r in alone[label]]
+        for x, y in zip(results, alone[label], strict=True):
+            assert (x.prompt_tokens, x.spec_ids, x.plain_ids) == (y.prompt_tokens, y.spec_ids, y.plain_ids)
+    # rows of one batch share its wall time evenly: the first batch's rows report the same time
+    first_turns = [r for r in mixed["a"] + mixed["b"] if r.turn == 1]
+    assert len({r.spec_s for r in first_turns}) == 1 and first_turns[0].spec_s > 0
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -60,10 +60,20 @@ def test_recipe_composes_and_validates(primary, overrides):
     assert isinstance(cfg, COMMANDS[primary.split("_")[0]][0])
 
 
+# Where an experiment departs from the paper, and why: the one-GPU quality recipe trains for
+# minutes, and at an equal budget 2 rows a step at lr 1.5e-3 beat the paper's lr (README,
+# quality section).
+SHORT_BUDGET = {"qwen25_coder_05b_1xh100": (1.5e-3, 2, 1)}
+
+
 @pytest.mark.parametrize("rel", [r for r in ALL if r.startswith("experiment/")])
 def test_experiments_use_the_paper_settings(rel):
     c = _load("train", f"+experiment={Path(rel).stem}")
-    assert (c.optim.lr, c.optim.warmup_ratio, c.optim.schedule, c.optim.grad_clip) == (6e-4, 0.04, "cosine", 1.0)
+    lr = 6e-4
+    if Path(rel).stem in SHORT_BUDGET:
+        lr, micro, accum = SHORT_BUDGET[Path(rel).stem]
+        assert (c.optim.micro_batch_size, c.optim.grad_accum_steps) == (micro, accum)
+    assert (c.optim.lr, c.optim.warmup_ratio, c.optim.schedule, c.optim.grad_clip) == (lr, 0.04, "cosine", 1.0)
     assert (c.data.max_length, c.data.num_anchors, c.epochs) == (3072, 512, 6)
     assert (c.drafter.num_hidden_layers, c.drafter.block_size) == (5, 16)
 
