@@ -6,8 +6,10 @@ drafter's context K/V) and a per-row validity mask hides what was not committed:
 rejected drafts' slots, and the left padding of shorter prompts. Positions are per row, so
 each row sees exactly the keys, at exactly the positions, that its batch-1 run sees; in
 float32 its greedy output is the batch-1 output (tests/unit/test_eval_batched.py). The
-caches grow by B slots a step whatever was accepted, which costs attention work at long
-lengths; this is an evaluation tool, not a server.
+caches grow by B slots a step whatever was accepted; when the fullest row holds valid
+keys in at most half of a cache's slots, the cache is compacted (each row's valid slots
+gathered, in order, to the right), so attention reads about twice the committed length
+at most, not B slots per step. This is an evaluation tool, not a server.
 
 A row that has finished (stop token or budget) keeps decoding with the others until the
 whole batch has finished; nothing more is recorded for it. Every block is B slots wide;
@@ -108,6 +110,28 @@ def _accept(block, draft_probs, logits, sampling, generator) -> tuple[torch.Tens
             torch.stack([torch.as_tensor(t, device=block.device) for _, t in pairs]))
 
 
+def _compaction(valid: torch.Tensor, longest: int) -> torch.Tensor | None:
+    """(b, L') gather index keeping each row's valid slots in order, right-aligned, when the
+    fullest row (``longest`` valid slots) fills at most half of the L slots; else None."""
+    if 2 * longest > valid.shape[1]:
+        return None
+    order = torch.sort(valid.long(), dim=1, stable=True).indices  # invalid slots first, each group in order
+    return order[:, valid.shape[1] - longest:]
+
+
+def _gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """(b, h, L, d) -> (b, h, L', d): the slots ``idx`` (b, L') of each row."""
+    b, h, _, d = t.shape
+    return t.gather(2, idx[:, None, :, None].expand(b, h, idx.shape[1], d))
+
+
+def _compactable(cache) -> bool:
+    """A transformers cache whose layers all hold their full K/V (no sliding window, no
+    quantisation): those can be gathered slot by slot."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+
+
 @torch.inference_mode()
 def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
                         stop_token_ids=None, generator=None, clock=NO_CLOCK) -> list[SpecOutput]:
@@ -135,6 +159,8 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
     anchor, start = first, torch.tensor([len(p) for p in prompts], device=device)  # (b,) position of the anchor
     slot = torch.arange(width, device=device)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    committed = [len(p) for p in prompts]  # valid slots per row, in the target's cache and the drafter's
+    compact = _compactable(cache)
     t1 = _sync(device)
     while not all(rows.done):
         clock.lap()
@@ -146,6 +172,11 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
         feats = new_feats.masked_fill(~new_valid[..., None], 0.0)
         hidden = drafter(embed(block), feats, torch.cat([new_pos, block_pos], 1),
                          _draft_masks(drafter, ctx_valid, ctx_pos, block_pos), draft_cache, True)
+        idx = _compaction(ctx_valid, max(committed)) if compact else None
+        if idx is not None:  # the drafter's context holds what the target's cache held before this step
+            draft_cache.keys = [_gather_slots(k, idx) for k in draft_cache.keys]
+            draft_cache.values = [_gather_slots(v, idx) for v in draft_cache.values]
+            ctx_valid, ctx_pos = ctx_valid.gather(1, idx), ctx_pos.gather(1, idx)
         logits = head(hidden[:, 1:])  # (b, B-1, V)
         draft_probs = None
         if sampling.greedy:
@@ -161,9 +192,15 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
         clock.lap("verify")
         for i, (n, tok) in enumerate(zip(accepted.tolist(), bonus.tolist())):
             rows.record(i, block[i, 1 : n + 1].tolist() + [tok])
+            committed[i] += n + 1
         # the anchor and the accepted drafts are committed; their features are the next context
         new_valid = slot[None] <= accepted[:, None]  # (b, B)
         key_valid = torch.cat([key_valid, new_valid], 1)
+        idx = _compaction(key_valid, max(committed)) if compact else None
+        if idx is not None:
+            for layer in cache.layers:
+                layer.keys, layer.values = _gather_slots(layer.keys, idx), _gather_slots(layer.values, idx)
+            key_valid = key_valid.gather(1, idx)
         new_feats, new_pos = target_features(out.hidden_states, drafter.target_layer_ids), block_pos
         anchor, start = bonus, start + accepted + 1
         clock.lap("bookkeeping")

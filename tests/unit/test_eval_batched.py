@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dflash_train.eval.acceptance import target_generate
+from dflash_train.eval import batched
 from dflash_train.eval.batched import spec_generate_batch, target_generate_batch
 from dflash_train.model.dflash import SLIDING_ATTENTION, DFlashConfig, DFlashDraftModel, Sampling, StepClock
 from tests.conftest import make_tiny_target
@@ -36,7 +37,17 @@ def _ragged(seed=3, vocab=90):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_each_row_is_its_batch_one_run(arch):
+def test_each_row_is_its_batch_one_run(arch, monkeypatch):
+    compactions = []
+    compaction = batched._compaction
+
+    def spy(valid, longest):
+        idx = compaction(valid, longest)
+        if idx is not None:
+            compactions.append((valid.shape[1], idx.shape[1]))
+        return idx
+
+    monkeypatch.setattr(batched, "_compaction", spy)
     tiny = make_tiny_target(arch)
     torch.manual_seed(1)
     drafter = DFlashDraftModel(DFlashConfig.from_target(tiny.config, mask_token_id=96, num_hidden_layers=2,
@@ -54,6 +65,8 @@ def test_each_row_is_its_batch_one_run(arch):
             assert out.output_ids[0, len(p):].tolist() == got_plain == expected
             assert out.num_new_tokens == len(expected) and sum(out.acceptance_lengths) == len(expected) - 1
     assert plain_batch[1][-1] == stop and len(plain_batch[1]) < 13  # the stop really ended row 1
+    # the caches were compacted along the way (to at most half their slots), and nothing changed
+    assert compactions and all(2 * after <= before for before, after in compactions)
 
 
 def test_plain_rows_record_their_batch_one_top2_gaps():
