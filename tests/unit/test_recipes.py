@@ -76,6 +76,8 @@ def test_experiments_use_the_paper_settings(rel):
     assert (c.optim.lr, c.optim.warmup_ratio, c.optim.schedule, c.optim.grad_clip) == (lr, 0.04, "cosine", 1.0)
     assert (c.data.max_length, c.data.num_anchors, c.epochs) == (3072, 512, 6)
     assert (c.drafter.num_hidden_layers, c.drafter.block_size) == (5, 16)
+    # The two departures that won the equal-steps ablation (README, quality section).
+    assert (c.loss.position_weighting, c.drafter.init_from_target) == ("dpace", True)
 
 
 def test_every_recipe_starts_with_its_command():
