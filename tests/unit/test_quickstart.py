@@ -1,8 +1,14 @@
-"""dflash-quickstart's summary lines."""
+"""dflash-quickstart's summary lines and its choice of dtype for the CPU it runs on."""
 
 import json
+from pathlib import Path
 
-from dflash_train.quickstart import _held_out
+from dflash_train.quickstart import _held_out, _stages, cpu_has_native_bf16, stage_overrides
+
+EPYC_NO_AVX512 = "processor\t: 0\nflags\t\t: fpu vme sse sse2 avx avx2 fma\n"
+EPYC_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
+SAPPHIRE_RAPIDS = "flags\t\t: avx512f amx_tile amx_bf16 amx_int8\n"
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
 
 
 def test_held_out_line_reads_the_last_validation(tmp_path):
@@ -15,3 +21,22 @@ def test_held_out_line_reads_the_last_validation(tmp_path):
                                    "rows (teacher-forced, from the per-position accuracy)")
     (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[1]) + "\n")
     assert _held_out(tmp_path) is None
+
+
+def test_native_bf16_is_read_from_the_cpu_flags():
+    assert cpu_has_native_bf16(EPYC_BF16) and cpu_has_native_bf16(SAPPHIRE_RAPIDS) and cpu_has_native_bf16(GRAVITON3)
+    assert not cpu_has_native_bf16(EPYC_NO_AVX512)
+    assert not cpu_has_native_bf16("model name\t: bf16 in a name is not a flag\n")
+    assert not cpu_has_native_bf16("")
+
+
+def test_stages_run_float32_without_bf16_instructions_and_the_user_still_wins():
+    run_dir = Path("runs/qs")  # only named in the commands
+    given = {"datagen": [], "train": ["target.dtype=bfloat16"], "eval": ["limit=2"]}
+    commands = {name: cmd for name, _, cmd in _stages(run_dir, stage_overrides(given, native_bf16=False))}
+    assert commands["datagen"][-1] == "target.dtype=float32"
+    train = commands["train"]
+    assert train[-3:] == ["target.dtype=float32", "backend.mixed_precision=none", "target.dtype=bfloat16"]
+    assert commands["eval-trained"][-1] == "limit=2" and "target.dtype=float32" not in commands["eval-trained"]
+    native = {name: cmd for name, _, cmd in _stages(run_dir, stage_overrides(given, native_bf16=True))}
+    assert not any("float32" in c or "mixed_precision" in c for cmd in native.values() for c in cmd)
