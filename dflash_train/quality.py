@@ -75,10 +75,12 @@ def training_seconds(starts: list[float], metric_times: list[float], finished: f
     return total
 
 
-def summarise(lines: list[dict], train_seconds: float, evals: dict) -> dict:
-    """The quality table's numbers from the training metrics and dflash-eval's results."""
+def summarise(lines: list[dict], train_seconds: float, evals: dict, eval_seconds: float) -> dict:
+    """The quality table's numbers from the training metrics and dflash-eval's results;
+    ``eval_seconds``: the evaluation stage's wall time, loading the target included."""
     held_out = next((m for m in reversed(lines) if "val_expected_tau" in m), None)
-    return {"train_minutes": train_seconds / 60, "steps": max((m["step"] for m in lines), default=0),
+    return {"train_minutes": train_seconds / 60, "eval_minutes": eval_seconds / 60,
+            "steps": max((m["step"] for m in lines), default=0),
             "conversations": int(sum(m.get("conversations", 0) for m in lines)),
             "val_expected_tau": None if held_out is None else held_out["val_expected_tau"],
             "tau": {name: d["tau"] for name, d in evals.items()},
@@ -89,10 +91,10 @@ def table(s: dict) -> str:
     """A Markdown table, pasteable into the README."""
     names = list(s["tau"])
     head = ["training min", "steps", "conversations", "held-out expected tau"] + [
-        f"tau {n} ({s['prompts'][n]})" for n in names]
+        f"tau {n} ({s['prompts'][n]})" for n in names] + ["eval min"]
     val = "-" if s["val_expected_tau"] is None else f"{s['val_expected_tau']:.2f}"
     row = [f"{s['train_minutes']:.1f}", str(s["steps"]), str(s["conversations"]), val] + [
-        f"{s['tau'][n]:.2f}" for n in names]
+        f"{s['tau'][n]:.2f}" for n in names] + [f"{s['eval_minutes']:.1f}"]
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), "| " + " | ".join(row) + " |"])
 
 
@@ -156,14 +158,17 @@ def _run(argv: list[str] | None) -> None:
             defaults=(f"checkpoint.every={max(1, n // 10)}",)))
         seconds = training_seconds(starts, [m["time"] for m in _metrics(train_dir)], time.time())
         timing.write_text(json.dumps({"starts": starts, "seconds": seconds}))
+    eval_timing = run_dir / "eval_seconds.json"
     if not (eval_dir / "results.json").exists():
-        _run_stage("eval", [sys.executable, "-m", "dflash_train.eval.cli", f"target={args.target}", *args.set,
-                            f"drafter_path={train_dir / 'export'}", f"output_dir={eval_dir}",
-                            f"datasets=[{','.join(args.datasets)}]", f"limit={args.limit}",
-                            f"max_new_tokens={args.max_new_tokens}", f"device={args.device}", *args.eval])
+        eval_s = _run_stage("eval", [sys.executable, "-m", "dflash_train.eval.cli", f"target={args.target}",
+                                     *args.set, f"drafter_path={train_dir / 'export'}", f"output_dir={eval_dir}",
+                                     f"datasets=[{','.join(args.datasets)}]", f"limit={args.limit}",
+                                     f"max_new_tokens={args.max_new_tokens}", f"device={args.device}", *args.eval])
+        eval_timing.write_text(json.dumps({"seconds": eval_s}))
     evals = json.loads((eval_dir / "results.json").read_text())["datasets"]
     seconds = json.loads(timing.read_text()).get("seconds", float("nan")) if timing.exists() else float("nan")
-    summary = summarise(_metrics(train_dir), seconds, evals)
+    eval_s = json.loads(eval_timing.read_text())["seconds"] if eval_timing.exists() else float("nan")
+    summary = summarise(_metrics(train_dir), seconds, evals, eval_s)
     (run_dir / "quality.json").write_text(json.dumps({"plan": plan, **summary}, indent=2))
     print(f"\nquality run: target={args.target} data={args.data} budget={args.budget_min:g} min")
     print(table(summary))

@@ -29,11 +29,12 @@ def test_summary_table():
     lines = [{"step": 10, "time": 0, "conversations": 40.0},
              {"step": 20, "time": 0, "conversations": 40.0, "val_expected_tau": 1.234}]
     evals = {"mtbench": {"tau": 1.5, "num_prompts": 40}, "humaneval": {"tau": 2.25, "num_prompts": 40}}
-    s = quality.summarise(lines, 600.0, evals)
+    s = quality.summarise(lines, 600.0, evals, 150.0)
     assert quality.table(s) == (
-        "| training min | steps | conversations | held-out expected tau | tau mtbench (40) | tau humaneval (40) |\n"
-        "|---|---|---|---|---|---|\n"
-        "| 10.0 | 20 | 80 | 1.23 | 1.50 | 2.25 |")
+        "| training min | steps | conversations | held-out expected tau | tau mtbench (40) | tau humaneval (40) "
+        "| eval min |\n"
+        "|---|---|---|---|---|---|---|\n"
+        "| 10.0 | 20 | 80 | 1.23 | 1.50 | 2.25 | 2.5 |")
 
 
 TINY_TRAIN = ["drafter.num_hidden_layers=1", "drafter.block_size=8", "drafter.attention=dense",
@@ -58,6 +59,8 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys):
     assert out["steps"] == plan["steps"] >= 1 and not (run / "probe").exists()
     assert set(out["tau"]) == {"mtbench", "humaneval"} and all(t >= 1 for t in out["tau"].values())
     assert out["val_expected_tau"] >= 1 and out["conversations"] == 2 * plan["steps"]
+    eval_s = json.loads((run / "eval_seconds.json").read_text())["seconds"]
+    assert out["eval_minutes"] == pytest.approx(eval_s / 60) and 0 < eval_s < 600
     lines = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # the schedule ends with the budgeted steps
     printed = capsys.readouterr().out
