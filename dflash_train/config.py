@@ -30,6 +30,9 @@ class TargetConfig:
     mask_token_id: int = MISSING
     num_layers: int = MISSING  # lets layer ids be checked before the target is loaded
     dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
+    # torch.compile each decoder layer's forward (fused norms, rotary and activations). One
+    # graph serves every layer; give it fixed shapes (data.blocks_per_row) or it recompiles.
+    compile: bool = False
 
 
 @dataclass
@@ -243,6 +246,9 @@ def validate(cfg: TrainConfig) -> None:
             )
         if d.num_features is not None and d.num_features != len(ids):
             raise ValueError(f"drafter.num_features={d.num_features} but target_layer_ids has {len(ids)} entries")
+    if cfg.target.compile and cfg.backend.shard_target:
+        raise ValueError("target.compile=true with backend.shard_target=true: a sharded target's layers are "
+                         "not compiled; set one of them to false")
     if d.init_from_target and d.num_hidden_layers > cfg.target.num_layers:
         raise ValueError(f"drafter.init_from_target with drafter.num_hidden_layers={d.num_hidden_layers} needs a "
                          f"target with at least as many layers; target.num_layers={cfg.target.num_layers}")

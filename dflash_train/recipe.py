@@ -203,6 +203,8 @@ def _unknown_key(schema: type, key: str, prefix: str = "") -> str:
     shown = ".".join(p for p in (prefix, key) if p)
     where = ".".join(p for p in (prefix, parent) if p)
     close = difflib.get_close_matches(name, known, n=1)
+    if name in known:  # in the schema, but the composed recipe never sets it
+        return f"unknown key {shown}: not in this recipe (+{shown}=... adds it)"
     if close:
         return f"unknown key {shown} (did you mean {'.'.join(p for p in (where, close[0]) if p)}?)"
     listed = ", ".join(known) if known else "none"

@@ -178,10 +178,12 @@ class Backend(ABC):
         last micro-step of an update skips the gradient communication."""
 
     @abstractmethod
-    def step(self) -> float:
+    def step(self, loss: torch.Tensor | None = None) -> float:
         """Clips, steps optimizer and scheduler, zeroes grads; returns the pre-clip norm.
         A non-finite norm means the update was skipped like `skip_step` does: gradients
-        dropped, weights, optimizer state and schedule untouched."""
+        dropped, weights, optimizer state and schedule untouched. ``loss`` (this step's
+        reduced loss, on the device) skips it the same way when it is not finite; the
+        norm is then NaN."""
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

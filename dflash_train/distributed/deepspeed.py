@@ -112,7 +112,10 @@ class DeepSpeedBackend(Backend):
         self._engine.set_gradient_accumulation_boundary(sync)
         self._engine.backward(loss)
 
-    def step(self) -> float:
+    def step(self, loss: torch.Tensor | None = None) -> float:
+        if loss is not None and not bool(torch.isfinite(loss)):
+            self.skip_step()
+            return math.nan
         self._engine.step()
         if not self._engine.was_step_applied():
             return math.nan  # DeepSpeed found a non-finite gradient norm and skipped the update

@@ -36,6 +36,9 @@ from dflash_train.distributed.backend import (
     shardable_blocks,
 )
 
+# torch.optim.AdamW reads ``grad_scale`` from itself and hands it to the fused kernel.
+_FUSED_CLIP_SUPPORTED = hasattr(torch.nn.utils, "get_total_norm")
+
 # Gathers full tensors to rank 0 on CPU: the GPU never holds the whole unsharded state.
 _FULL_TO_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 # Every rank passes the full state dict it read (memory-mapped); each keeps its own shard.
@@ -56,6 +59,11 @@ class _TorchBackend(Backend):
         self._params = [p for p in self._model.parameters() if p.requires_grad]
         self.optimizer = optimizer_factory(self._params)
         self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory is not None else None
+        # A fused AdamW over plain tensors divides the gradients by its ``grad_scale`` inside
+        # its one kernel: clipping then costs no pass of its own over the gradients (1B fp32
+        # gradients: 8 GB of traffic, ~3 ms an H100). DTensor shards and other optimizers clip.
+        self._clip_in_step = (bool(self.optimizer.defaults.get("fused")) and _FUSED_CLIP_SUPPORTED
+                              and not any(isinstance(p, DTensor) for p in self._params))
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         return _compute_in(model.to(self.device), self.mixed_dtype)
@@ -63,7 +71,12 @@ class _TorchBackend(Backend):
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
         (loss / self.grad_accum_steps).backward()
 
-    def step(self) -> float:
+    def step(self, loss: torch.Tensor | None = None) -> float:
+        if self._clip_in_step:
+            return self._fused_step(loss)
+        if loss is not None and not bool(torch.isfinite(loss)):
+            self.skip_step()
+            return math.nan
         # max_norm=inf when clipping is off still returns the norm and scales by exactly 1
         norm = torch.nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
         if isinstance(norm, DTensor):
@@ -73,6 +86,35 @@ class _TorchBackend(Backend):
             self.skip_step()  # an inf/NaN gradient would poison weights and Adam moments
             return norm
         self.optimizer.step()
+        return self._after_update(norm)
+
+    def _fused_step(self, loss: torch.Tensor | None) -> float:
+        """The fused AdamW step, queued without waiting for the device: the kernel divides
+        the gradients by ``grad_scale`` (the clip) and skips the whole update when
+        ``found_inf`` is set (a non-finite norm or loss; its step counters stay as they
+        were). Only the norm comes back to the host, copied before the update in the
+        stream, so the host returns to launching the next step while the update runs."""
+        total = torch.nn.utils.get_total_norm([p.grad for p in self._params if p.grad is not None]).float()
+        ok = torch.isfinite(total) if loss is None else torch.isfinite(total) & torch.isfinite(loss)
+        # Dividing by max(1, norm / max_norm) is clip_grad_norm_'s min(1, max_norm / norm).
+        self.optimizer.grad_scale = (total / self.clip_grad_norm).clamp(min=1.0)
+        self.optimizer.found_inf = (~ok).float()
+        report = torch.where(ok, total, torch.full_like(total, math.nan))
+        host = torch.empty((), dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        host.copy_(report, non_blocking=True)
+        copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        if copied is not None:
+            copied.record()
+        self.optimizer.step()
+        if copied is not None:
+            copied.synchronize()
+        norm = float(host)
+        if not math.isfinite(norm):
+            self.skip_step()  # the kernel left weights and moments alone; drop the gradients
+            return norm
+        return self._after_update(norm)
+
+    def _after_update(self, norm: float) -> float:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -239,6 +239,15 @@ class TargetModel:
         """The output projection; it is the embedding when ``tie_word_embeddings`` is set."""
         return self.model.get_output_embeddings()
 
+    def compile_layers(self) -> None:
+        """``torch.compile`` each decoder layer's forward, fusing what runs between the
+        matmuls (RMSNorm in float32, rotary, SiLU-and-multiply, residual adds), which an
+        eager forward runs as separate kernels over the whole row. Only ``forward`` is
+        compiled, so the feature hooks stay outside the graph; the layers share one code
+        object, so one graph serves them all (their weights are its inputs)."""
+        for layer in decoder_layers(self.model):
+            layer.forward = torch.compile(layer.forward)
+
     def features(self, input_ids, layer_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """Concatenated outputs of decoder layers ``layer_ids``: (b, T, len(ids) * hidden).
 

@@ -168,6 +168,8 @@ class Trainer:
                 log.info("drafter initialised from target layers: %s", copied)
         # After the copy: a sharded target's weights are no longer plain tensors.
         target.model = self.backend.prepare_target(target.model)
+        if cfg.target.compile:
+            target.compile_layers()
         self.drafter.activation_checkpointing = d.activation_checkpointing
         if d.compile:
             for layer in self.drafter.layers:
@@ -208,27 +210,42 @@ class Trainer:
         return collate(examples, self.cfg.target.mask_token_id, shape=data.fixed_shape, rows=rows)
 
     def micro_batches(self, step: int) -> list[Batch]:
-        """This process's micro-batches of global step ``step``, on the device.
-
-        The next step's batches are built on a host thread meanwhile, so the GPU never
-        waits for Python (tokens to tensors, anchors, labels, pinning).
-        """
+        """This process's micro-batches of global step ``step``, on the device: the ones
+        ``prefetch(step)`` built on the host thread, or built now."""
         pending = self._prefetched.pop(step, None)
         batches = pending.result() if pending is not None else self._host_batches(step)
         for stale in self._prefetched.values():
             stale.cancel()
-        self._prefetched = {step + 1: self._prefetcher.submit(self._host_batches, step + 1)}
+        self._prefetched = {}
         return [b.to(self.backend.device) for b in batches]
+
+    def prefetch(self, step: int) -> None:
+        """Start building step ``step``'s host batches on a thread (tokens to tensors,
+        anchors, labels, pinning). ``train_step`` calls it once the current step's GPU work
+        is queued and it is about to wait for the GPU: the thread then has the interpreter
+        to itself, instead of taking it from the thread that launches the kernels."""
+        if step not in self._prefetched:
+            self._prefetched[step] = self._prefetcher.submit(self._host_batches, step)
 
     def target_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Frozen-target features (b, T, n*H), block-token embeddings (b, Q, H) and, when
         distilling, the target's final hidden states (b, T, H) in the head's dtype (else None)."""
-        # Packed rows keep their conversations apart with a block-diagonal causal mask.
-        mask = batch.attention_mask if batch.doc_ids is None else document_causal_mask(batch.doc_ids)
+        # Packed rows keep their conversations apart with a block-diagonal causal mask. Rows
+        # without padding need none: the host knows, where HF would check the mask on the
+        # device and wait for it (a sync that leaves the GPU idle while the step relaunches).
+        # Their positions are then 0..T-1, HF's own default: passing them would make it look
+        # for packed sequences in them, on the device, and wait for the answer too.
+        positions = batch.position_ids
+        if batch.doc_ids is not None:
+            mask = document_causal_mask(batch.doc_ids)
+        elif batch.stats.tokens == batch.input_ids.numel():
+            mask = positions = None
+        else:
+            mask = batch.attention_mask
         final = None
         with torch.inference_mode():
             args = (batch.input_ids, self.layer_ids)
-            kwargs = dict(attention_mask=mask, position_ids=batch.position_ids)
+            kwargs = dict(attention_mask=mask, position_ids=positions)
             if self.distill:
                 # final stays an inference tensor: the loss only gathers rows of it, outside autograd.
                 feats, final = self.target.features_and_final(*args, **kwargs)
@@ -281,16 +298,18 @@ class Trainer:
             conversations += batch.stats.conversations
             tokens += batch.stats.tokens
             step_flops += self._flops(batch)
-        local = torch.tensor([tokens, step_flops, conversations], dtype=torch.float64).to(self.backend.device)
+        self.prefetch(step + 1)
+        # Pinned: a copy from pageable memory would wait for the queued backward first.
+        local = torch.tensor([tokens, step_flops, conversations], dtype=torch.float64)
+        if self.backend.device.type == "cuda":
+            local = local.pin_memory()
+        local = local.to(self.backend.device, non_blocking=True)
         sums = torch.cat([loss_sum.reshape(1).double(), local, correct.double(), count.double()])
         sums = self.backend.all_reduce_sum(sums)
-        finite = bool(torch.isfinite(sums[0]))
-        if finite:
-            grad_norm = self.backend.step()  # non-finite: a finite loss with inf/NaN gradients, skipped too
-            finite = math.isfinite(grad_norm)
-        else:
-            self.backend.skip_step()  # weights, moments and schedule stay as they were
-            grad_norm = float("nan")
+        # A non-finite loss, or a finite one with inf/NaN gradients, skips the update:
+        # weights, moments and schedule stay as they were, and the norm comes back NaN.
+        grad_norm = self.backend.step(loss=sums[0])
+        finite = math.isfinite(grad_norm)
         b = self.drafter.block_size
         return {"finite": finite, "loss_sum": sums[0], "weight_sum": global_weight.double(), "tokens": sums[1],
                 "flops": sums[2], "conversations": sums[3], "correct": sums[4:4 + b], "count": sums[4 + b:],

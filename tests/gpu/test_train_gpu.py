@@ -39,7 +39,8 @@ def _random_conversations(out_dir, vocab: int, count: int = 24):
 
 
 def test_packed_flex_rows_compile_once_on_gpu(tmp_path):
-    """The GPU path of the CPU no-recompilation test: flex attention compiled, with backward."""
+    """The GPU path of the CPU no-recompilation test: flex attention compiled, with backward,
+    and the target's layers compiled (packed rows: SDPA with the document mask)."""
     from torch._dynamo.utils import counters
 
     from dflash_train.training.trainer import Trainer
@@ -50,7 +51,7 @@ def test_packed_flex_rows_compile_once_on_gpu(tmp_path):
     data = _random_conversations(tmp_path / "data", vocab=97)
     cfg = tiny_train_config(
         str(tmp_path / "target"), data, tmp_path / "run",
-        target={"mask_token_id": 96, "num_layers": 6},
+        target={"mask_token_id": 96, "num_layers": 6, "compile": True},
         drafter={"compile": True, "attention": "flex", "num_hidden_layers": 2},
         data={"packing": True, "max_length": 256, "num_anchors": 6, "blocks_per_row": 24, "val_rows": 5,
               "check_manifest": False},
@@ -69,3 +70,73 @@ def test_packed_flex_rows_compile_once_on_gpu(tmp_path):
             assert trainer.train_step(step)["finite"]
         trainer.validate()
     assert counters["stats"]["unique_graphs"] == warm
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3])  # clipping active / inactive
+def test_clipping_inside_the_fused_adamw_step_equals_clip_then_step(max_norm):
+    """On CUDA the single backend hands the clip to fused AdamW as its gradient divisor;
+    two steps must match torch's clip_grad_norm_ followed by a plain AdamW step."""
+    from dflash_train.config import OptimConfig
+    from dflash_train.distributed.backend import build_backend
+    from dflash_train.training.optim import optimizer_factory
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+    ref.load_state_dict(model.state_dict())
+    backend = build_backend({"name": "single", "device": "cuda", "mixed_precision": "none"})
+    backend.setup(model, optimizer_factory(OptimConfig(lr=1e-2)), None, clip_grad_norm=max_norm, grad_accum_steps=1)
+    assert backend._clip_in_step  # the fused path is what this test is about
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                foreach=False)
+    x = torch.randn(32, 64, device="cuda")
+    for _ in range(2):
+        backend.backward(backend.model(x).square().mean() * 100, sync=True)
+        norm = backend.step()
+        ref_opt.zero_grad()
+        (ref(x).square().mean() * 100).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        ref_opt.step()
+        assert norm == pytest.approx(float(ref_norm), rel=1e-5)
+        assert norm > 0.05  # so max_norm=0.05 really clips
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_step_skips_non_finite_updates_on_the_device():
+    """The fused step never waits before queuing the update: a NaN gradient or a NaN loss
+    must still leave weights, moments, step counters and the schedule exactly as they were."""
+    from dflash_train.config import OptimConfig
+    from dflash_train.distributed.backend import build_backend
+    from dflash_train.training.optim import optimizer_factory, scheduler_factory
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).cuda()
+    backend = build_backend({"name": "single", "device": "cuda", "mixed_precision": "none"})
+    cfg = OptimConfig(lr=1e-2, warmup_ratio=0.5)
+    backend.setup(model, optimizer_factory(cfg), scheduler_factory(cfg, 10), clip_grad_norm=1.0, grad_accum_steps=1)
+    assert backend._clip_in_step
+    x = torch.randn(8, 16, device="cuda")
+    backend.backward(backend.model(x).square().mean(), sync=True)
+    assert math.isfinite(backend.step())  # one real update: moments and counters exist
+
+    def snapshot():
+        state = [{k: v.clone() for k, v in backend.optimizer.state[p].items()} for p in model.parameters()]
+        return [p.detach().clone() for p in model.parameters()], state, backend.lr()
+
+    before = snapshot()
+    for poison in ("gradient", "loss"):
+        loss = backend.model(x).square().mean()
+        backend.backward(loss * float("nan") if poison == "gradient" else loss, sync=True)
+        norm = backend.step(loss=torch.tensor(float("nan"), device="cuda") if poison == "loss" else None)
+        assert math.isnan(norm), poison
+        assert all(p.grad is None for p in model.parameters())  # gradients dropped
+        after = snapshot()
+        assert after[2] == before[2]  # the schedule did not move
+        for a, b in zip(after[0], before[0]):
+            assert torch.equal(a, b), poison
+        for sa, sb in zip(after[1], before[1]):
+            for k in sb:
+                assert torch.equal(sa[k], sb[k]), (poison, k)
+    backend.backward(backend.model(x).square().mean(), sync=True)
+    assert math.isfinite(backend.step()) and backend.lr() != before[2]  # and training goes on

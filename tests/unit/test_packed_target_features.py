@@ -79,3 +79,33 @@ def test_a_plain_mask_would_be_caught(packed):
     assert all(e <= ATOL for (_, d), e in errors.items() if d == 0)  # nothing before the first
     later = {k: e for k, e in errors.items() if k[1] > 0}
     assert later and min(later.values()) > 1000 * ATOL, errors
+
+
+def test_unpadded_rows_run_without_a_mask(tmp_path, monkeypatch):
+    """One conversation per row, no padding: the trainer passes no mask at all (HF would
+    otherwise check an all-ones mask on the device and wait for it) and the features are
+    the conversation's own; a padded micro-batch still gets its padding mask."""
+    tok = load_tokenizer(SMOLLM2)
+    target = save_tiny_target(tmp_path / "target", tok)
+    data = write_datagen_dir(tmp_path / "data", target, tok, repeat=1)
+    cfg = tiny_train_config(target, data, tmp_path / "out", optim={"micro_batch_size": 1, "grad_accum_steps": 1})
+    trainer = Trainer(cfg)
+    masks, positions = [], []
+    features = trainer.target.features
+    monkeypatch.setattr(trainer.target, "features",
+                        lambda *a, **kw: masks.append(kw.get("attention_mask"))
+                        or positions.append(kw.get("position_ids")) or features(*a, **kw))
+    batch = trainer.micro_batches(0)[0]
+    assert batch.doc_ids is None and batch.stats.tokens == batch.input_ids.numel()
+    assert torch.equal(batch.position_ids[0], torch.arange(batch.input_ids.shape[1]))  # HF's default
+    feats = trainer.target_inputs(batch)[0]
+    assert masks == [None] and positions == [None]
+    assert (feats[0].float() - _alone(trainer, batch.input_ids[0]).float()).abs().max().item() <= ATOL
+
+    padded = Trainer(tiny_train_config(target, data, tmp_path / "out2",
+                                       optim={"micro_batch_size": 2, "grad_accum_steps": 1}))
+    monkeypatch.setattr(padded.target, "features", lambda *a, **kw: masks.append(kw.get("attention_mask")) or features(*a, **kw))
+    batch = next(b for s in range(padded.steps_per_epoch) for b in padded.micro_batches(s)
+                 if b.stats.tokens < b.input_ids.numel())
+    padded.target_inputs(batch)
+    assert torch.equal(masks[-1], batch.attention_mask)

@@ -50,3 +50,22 @@ def test_bad_values_are_reported_with_the_values(patch, message):
 
 def test_block_size_without_paper_gamma_works_with_explicit_gamma():
     assert to_train_config(_cfg(drafter={"block_size": 12}, loss={"gamma": 6.0})).loss.gamma == 6.0
+
+
+def test_a_schema_key_the_recipe_lacks_is_not_called_a_typo():
+    """target.compile is a training key: the training recipes set it, the evaluation recipe
+    does not, and the error must not suggest the very key that was given."""
+    from dflash_train.config import TrainConfig
+    from dflash_train.eval.cli import EvalConfig
+    from dflash_train.recipe import compose_recipe
+
+    cfg = compose_recipe(TrainConfig, "train", ["target.compile=true", "data.path=d", "output_dir=o"])
+    assert to_train_config(cfg).target.compile is True
+    with pytest.raises(ValueError) as err:
+        compose_recipe(EvalConfig, "eval", ["target.compile=true", "drafter_path=random"])
+    assert str(err.value) == "unknown key target.compile: not in this recipe (+target.compile=... adds it)"
+
+
+def test_a_compiled_target_cannot_be_sharded():
+    with pytest.raises(ValueError, match="target.compile=true with backend.shard_target=true"):
+        to_train_config(_cfg(target={"compile": True}, backend={"shard_target": True}))
