@@ -248,6 +248,8 @@ def run(trainer: Trainer, steps: int, warmup: int) -> dict:
         "tokens_per_s": sum(float(s["tokens"]) for s in sums) / seconds,
         "supervised_tokens_per_s": held["supervised"] * ranks / seconds,
         "conversations_per_row": held["conversations"] / held["rows"],
+        # The timed steps draw few rows; the data set's own mean gives the steady rate.
+        "data_conversations_per_row": len(trainer.data.indices) / len(trainer.data),
         "token_fill": held["tokens"] / (held["rows"] * shape[0]) if shape else None,
         "block_fill": held["blocks"] / (held["rows"] * shape[1]) if shape else None,
         "phase_ms": {k: 1000 * sum(p[k] for p in phases) / steps for k in PHASES},
@@ -255,6 +257,7 @@ def run(trainer: Trainer, steps: int, warmup: int) -> dict:
         "drafter_params_m": sum(p.numel() for p in trainer.drafter.parameters()) / 1e6,
         "graphs_compiled_after_warmup": recompiled,
     }
+    result["samples_per_s_at_data_mean"] = result["rows_per_s"] * result["data_conversations_per_row"]
     if val_s is not None:
         every = trainer.cfg.data.val_every or trainer.last_step
         result.update(validation_s=val_s, validation_rows=len(trainer.val_data), validation_every=every,
@@ -278,6 +281,9 @@ def format_result(r: dict) -> str:
         lines.append(f"fixed shape {r['fixed_shape'][0]} tokens x {r['fixed_shape'][1]} blocks per row: "
                      f"{r['conversations_per_row']:.2f} conversations per row, token fill "
                      f"{100 * r['token_fill']:.1f}%, block fill {100 * r['block_fill']:.1f}%")
+        lines.append(f"the data set packs {r['data_conversations_per_row']:.2f} conversations per row: "
+                     f"{r['samples_per_s_at_data_mean']:.2f} conversations/s at its mean (the timed steps "
+                     f"drew {r['conversations_per_row']:.2f})")
     if "validation_s" in r:
         lines.append(f"validation {r['validation_s']:.2f} s for {r['validation_rows']} rows, every "
                      f"{r['validation_every']} steps: {r['samples_per_s_with_validation']:.2f} samples/s with it")

@@ -31,6 +31,12 @@ def test_real_rows_packed_in_fixed_shapes_with_validation(tiny, tmp_path):
     # Several conversations per row: conversations/s exceeds rows/s by the packing factor.
     assert result["conversations_per_row"] >= 2
     assert result["samples_per_s"] == pytest.approx(result["rows_per_s"] * result["conversations_per_row"])
+    # The 20 training conversations (4 held out) over a whole number of packed rows, whichever
+    # rows the timed steps drew.
+    rows = 20 / result["data_conversations_per_row"]
+    assert rows == pytest.approx(round(rows)) and 2 <= round(rows) <= 10
+    assert result["samples_per_s_at_data_mean"] == pytest.approx(
+        result["rows_per_s"] * result["data_conversations_per_row"])
     assert 0 < result["token_fill"] <= 1 and 0 < result["block_fill"] <= 1
     assert 0 < result["supervised_tokens_per_s"] < result["tokens_per_s"]
     assert result["validation_rows"] >= 1 and result["validation_s"] > 0
@@ -44,4 +50,5 @@ def test_random_rows_stay_full_length(tiny):
                          "drafter=cpu_small", "drafter.target_layer_ids=[1,3]", "data.max_length=64",
                          "data.num_anchors=4", "--steps", "1", "--warmup", "1"])
     assert result["fixed_shape"] is None and result["conversations_per_row"] == 1
+    assert result["data_conversations_per_row"] == 1
     assert result["tokens_per_s"] == pytest.approx(64 * result["rows_per_s"], rel=1e-6)
