@@ -40,7 +40,7 @@ import torch
 from dflash_train.config import TrainConfig, validate
 from dflash_train.data.dataset import TrainingData
 from dflash_train.distributed.backend import build_backend
-from dflash_train.errors import run_command
+from dflash_train.errors import RunError, run_command
 from dflash_train.model.target import TargetModel, load_target, resolve_target, target_dtype
 from dflash_train.recipe import compose_recipe, parse_command_line, to_config
 from dflash_train.training import flops
@@ -223,6 +223,13 @@ def run(trainer: Trainer, steps: int, warmup: int) -> dict:
     start = _sync(dev)
     sums = [trainer.train_step(warmup + s) for s in range(steps)]
     seconds = _sync(dev) - start
+    skipped = sum(not s["finite"] for s in sums)
+    if skipped:
+        # A skipped update leaves out the optimizer's pass over the weights: such a step is
+        # faster than a real one, and its rate is not a training rate.
+        raise RunError(f"{skipped} of the {steps} timed steps had a non-finite loss or gradient norm and skipped "
+                       "their update: the timing would not be of training steps (check the kernel options, "
+                       "dtype and learning rate)")
     val_s = None
     if val:
         t0 = _sync(dev)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from dflash_train import bench
+from dflash_train.errors import RunError
 from dflash_train.model.target import load_tokenizer
 from tests.conftest import SMOLLM2
 from tests.train_data import save_tiny_target, write_datagen_dir
@@ -52,3 +53,16 @@ def test_random_rows_stay_full_length(tiny):
     assert result["fixed_shape"] is None and result["conversations_per_row"] == 1
     assert result["data_conversations_per_row"] == 1
     assert result["tokens_per_s"] == pytest.approx(64 * result["rows_per_s"], rel=1e-6)
+
+
+def test_steps_that_skip_their_update_are_not_timed(tiny):
+    """A step with a non-finite loss skips the optimizer's pass, so it is faster than a real
+    one: a kernel option or learning rate that makes every step NaN must not pass for speed."""
+    target, _ = tiny
+    args = [f"target.name={target}", "target.mask_token_id=16", "target.num_layers=6", "drafter=cpu_small",
+            "drafter.target_layer_ids=[1,3]", "data.max_length=64", "data.num_anchors=4", "--steps", "2",
+            "--warmup", "1", "optim.warmup_ratio=0"]
+    # The warm-up step moves every weight by about the learning rate: 1e30 overflows the next forward.
+    with pytest.raises(RunError, match="2 of the 2 timed steps had a non-finite loss or gradient norm"):
+        bench.main([*args, "optim.lr=1e30"])
+    assert bench.main([*args, "optim.lr=1e-4"])["step_s"] > 0
