@@ -65,4 +65,4 @@ def test_steps_that_skip_their_update_are_not_timed(tiny):
     # The warm-up step moves every weight by about the learning rate: 1e30 overflows the next forward.
     with pytest.raises(RunError, match="2 of the 2 timed steps had a non-finite loss or gradient norm"):
         bench.main([*args, "optim.lr=1e30"])
-    assert bench.main([*args, "optim.lr=1e-4"])["step_s"] > 0
+    # (A run with finite steps still reports: the other tests here.)
