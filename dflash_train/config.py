@@ -13,8 +13,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from dflash_train.contract import default_gamma
-from dflash_train.model.dflash import DEFAULT_BLOCK_SIZE
+from dflash_train.contract import DEFAULT_BLOCK_SIZE, default_gamma
 from dflash_train.recipe import HINT, to_config
 
 ATTENTION_KINDS = ("flex", "dense")

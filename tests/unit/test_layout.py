@@ -128,3 +128,18 @@ def test_imports_along_the_direction_pass():
     assert violations("from dflash_train.training.trainer import Trainer\nimport torch\n", "dflash_train.train") == []
     assert violations("from dflash_train.data.format import load_generated\n", "data_gen.pipeline") == []
     assert violations("from dflash_train.export.hub import model_card_files\n", "dflash_train.training.trainer") == []
+
+
+def test_backend_workers_import_no_model_code():
+    """A distributed worker process reaches the config through the backend: neither may pull
+    in transformers (4 s a process) for a constant. The block size's two homes agree."""
+    import subprocess
+    import sys
+
+    from dflash_train import contract
+    from dflash_train.model import dflash
+
+    assert contract.DEFAULT_BLOCK_SIZE == dflash.DEFAULT_BLOCK_SIZE
+    code = "import sys, dflash_train.distributed.backend; print(sorted(m for m in sys.modules if m == 'transformers'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
