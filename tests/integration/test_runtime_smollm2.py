@@ -30,6 +30,14 @@ def plain(smollm2, prompts):
     return [_generate(smollm2.model, ids, NEW_TOKENS, eos=None) for ids in prompts]
 
 
+@pytest.fixture(scope="module")
+def random_dynamic(smollm2, prompts):
+    """The random drafter's decodes on the dynamic runtime (CPU's default), shared by the two
+    tests that check them: each costs about 10 s."""
+    drafter = _random_drafter(smollm2.model)
+    return [drafter.spec_generate(smollm2.model, ids, NEW_TOKENS, return_stats=True, static=False) for ids in prompts]
+
+
 def _generate(model, ids, new, eos):
     # SmolLM2's pad id equals <|im_end|>, which the chat prompt contains: without an explicit
     # all-ones attention mask, generate() would mask those prompt tokens out.
@@ -56,25 +64,22 @@ class OracleDrafter(DFlashDraftModel):
         return logits
 
 
-def test_random_drafter_is_lossless_with_tau_near_one(smollm2, prompts, plain):
-    drafter = _random_drafter(smollm2.model)
+def test_random_drafter_is_lossless_with_tau_near_one(plain, random_dynamic):
     taus = []
-    for ids, expected in zip(prompts, plain):
-        out = drafter.spec_generate(smollm2.model, ids, NEW_TOKENS, return_stats=True)
+    for out, expected in zip(random_dynamic, plain):
         assert torch.equal(out.output_ids, expected)
         assert sum(out.acceptance_lengths) == NEW_TOKENS - 1  # the first token comes from the prefill
         taus.append(sum(out.acceptance_lengths) / len(out.acceptance_lengths))
     assert 1.0 <= sum(taus) / len(taus) < 1.2
 
 
-def test_static_runtime_equals_plain_and_the_dynamic_runtime(smollm2, prompts, plain):
+def test_static_runtime_equals_plain_and_the_dynamic_runtime(smollm2, prompts, plain, random_dynamic):
     """The static runtime (slot caches, B-wide blocks masked by position) on the real target:
     plain decoding's tokens, and the dynamic runtime's acceptance length at every step."""
     drafter = _random_drafter(smollm2.model)
     # Two prompts: the step-by-step equality on every prompt is the unit tests' (tiny targets).
-    for ids, expected in list(zip(prompts, plain))[:2]:
+    for ids, expected, dynamic in list(zip(prompts, plain, random_dynamic))[:2]:
         static = drafter.spec_generate(smollm2.model, ids, NEW_TOKENS, return_stats=True, static=True)
-        dynamic = drafter.spec_generate(smollm2.model, ids, NEW_TOKENS, return_stats=True, static=False)
         assert torch.equal(static.output_ids, expected)
         assert static.acceptance_lengths == dynamic.acceptance_lengths
         assert torch.equal(target_generate(smollm2.model, ids, NEW_TOKENS, static=True), expected)
