@@ -73,15 +73,20 @@ def profile_gaps(trainer, step: int, trace: str | None) -> str:
         for s in range(STEPS):
             trainer.train_step(step + s)
         torch.cuda.synchronize()
+    return analyse(trace_events(prof, trace))
+
+
+def trace_events(prof, keep: str | None = None) -> list[dict]:
+    """The profiler's Chrome-trace events; ``keep``: also write the trace there, gzipped."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-        if trace:
-            with open(path, "rb") as src, gzip.open(trace, "wb") as dst:
+        if keep:
+            with open(path, "rb") as src, gzip.open(keep, "wb") as dst:
                 shutil.copyfileobj(src, dst)
-    return analyse(events)
+    return events
 
 
 def main(argv: list[str]) -> None:

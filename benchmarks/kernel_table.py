@@ -17,13 +17,12 @@ Python stacks, so the host's timing is close to an unprofiled run's.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import re
 import sys
-import tempfile
 
 import torch
+from gpu_gaps import trace_events  # a sibling script: run this one as benchmarks/kernel_table.py
 
 from dflash_train import bench
 
@@ -35,17 +34,8 @@ KINDS = [("flex attention bwd", r"flex_attention_backward"), ("flex attention fw
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
-def _device_kernels(prof) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    return [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-
-
 def tables(prof, top: int = 40) -> str:
-    kernels = _device_kernels(prof)
+    kernels = [e for e in trace_events(prof) if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     by_kind, by_name, launches = collections.Counter(), collections.Counter(), collections.Counter()
     for k in kernels:
         name, us = k["name"], k.get("dur", 0)

@@ -104,7 +104,9 @@ def test_unpadded_rows_run_without_a_mask(tmp_path, monkeypatch):
 
     padded = Trainer(tiny_train_config(target, data, tmp_path / "out2",
                                        optim={"micro_batch_size": 2, "grad_accum_steps": 1}))
-    monkeypatch.setattr(padded.target, "features", lambda *a, **kw: masks.append(kw.get("attention_mask")) or features(*a, **kw))
+    padded_features = padded.target.features
+    monkeypatch.setattr(padded.target, "features",
+                        lambda *a, **kw: masks.append(kw.get("attention_mask")) or padded_features(*a, **kw))
     batch = next(b for s in range(padded.steps_per_epoch) for b in padded.micro_batches(s)
                  if b.stats.tokens < b.input_ids.numel())
     padded.target_inputs(batch)
