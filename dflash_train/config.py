@@ -8,6 +8,7 @@ it), and runs ``validate``, all before anything heavy is loaded.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from dflash_train.contract import DEFAULT_BLOCK_SIZE, default_gamma
 from dflash_train.recipe import HINT, to_config
 
 ATTENTION_KINDS = ("flex", "dense")
+FLEX_BACKENDS = ("triton", "flash")
 SCHEDULES = ("cosine", "constant")
 WANDB_MODES = ("offline", "online", "disabled")
 RESUME_CHOICES = (True, False, "force")
@@ -41,6 +43,9 @@ class DrafterConfig:
     num_features: int | None = None  # None: one feature layer per draft layer
     target_layer_ids: list[int] | None = None  # None: the contract's default spread
     attention: str = "flex"  # mask implementation: flex BlockMask or a dense boolean mask
+    # The compiled flex kernels: inductor's Triton templates, or "flash": FlashAttention-4's
+    # CuTe DSL kernels (``pip install --pre flash-attn-4``; Hopper or newer, drafter.compile=true).
+    flex_backend: str = "triton"
     activation_checkpointing: bool = False
     compile: bool = False
     # Start draft layer i from the target's decoder layer L - n + i (its last n layers) and the
@@ -184,10 +189,28 @@ def _check_positive(**values: float) -> None:
         raise ValueError(f"these settings must be positive: {bad}")
 
 
+def _check_flash(d: DrafterConfig) -> None:
+    if d.attention != "flex" or not d.compile:
+        raise ValueError(f"drafter.flex_backend=flash runs compiled flex kernels: it needs drafter.attention=flex "
+                         f"and drafter.compile=true (got attention={d.attention!r}, compile={d.compile})")
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        raise ValueError("drafter.flex_backend=flash needs FlashAttention-4's CuTe DSL kernels, which are not "
+                         "installed: pip install --pre flash-attn-4 (or use drafter.flex_backend=triton)")
+    if importlib.util.find_spec("cutlass") is None:
+        # nvidia-cutlass-dsl puts its packages on sys.path through a .pth file, which a
+        # `pip install --target` directory on PYTHONPATH never runs
+        raise ValueError("drafter.flex_backend=flash: flash-attn-4 is installed but its CuTe DSL is not importable "
+                         "(no module 'cutlass'): pip install nvidia-cutlass-dsl, or after `pip install --target DIR` "
+                         "add DIR/nvidia_cutlass_dsl/dsl_packages to PYTHONPATH")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks; each error names the offending values."""
     d, o = cfg.drafter, cfg.optim
     _check_choice("drafter.attention", d.attention, ATTENTION_KINDS)
+    _check_choice("drafter.flex_backend", d.flex_backend, FLEX_BACKENDS)
+    if d.flex_backend == "flash":
+        _check_flash(d)
     _check_choice("optim.schedule", o.schedule, SCHEDULES)
     _check_choice("logging.wandb", cfg.logging.wandb, WANDB_MODES)
     _check_choice("loss.position_weighting", cfg.loss.position_weighting, POSITION_WEIGHTINGS)

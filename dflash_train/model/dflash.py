@@ -231,6 +231,8 @@ class ContextCache:
 
 
 class Attention(nn.Module):
+    flex_kernel_options: dict | None = None  # flex_attention's kernel_options (the trainer's backend choice)
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -272,7 +274,8 @@ class Attention(nn.Module):
         if mask is not None and not isinstance(mask, torch.Tensor):  # a flex-attention BlockMask
             from torch.nn.attention.flex_attention import flex_attention
 
-            out = flex_attention(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True)
+            out = flex_attention(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True,
+                                 kernel_options=self.flex_kernel_options)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))  # (b, Q, H)

@@ -171,6 +171,9 @@ class Trainer:
         if cfg.target.compile:
             target.compile_layers()
         self.drafter.activation_checkpointing = d.activation_checkpointing
+        if d.flex_backend == "flash":
+            for layer in self.drafter.layers:
+                layer.self_attn.flex_kernel_options = {"BACKEND": "FLASH"}
         if d.compile:
             for layer in self.drafter.layers:
                 layer.compile()  # per layer: the flex-attention kernels need compiling too

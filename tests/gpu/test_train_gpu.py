@@ -1,11 +1,20 @@
 """GPU: the paper's geometry trains in bf16 on one GPU (Qwen3-8B-shaped random target)."""
 
+import functools
+import importlib.util
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# drafter.flex_backend=flash runs FlashAttention-4's kernels: an optional install
+needs_flash = pytest.mark.skipif(
+    importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None,
+    reason="needs FlashAttention-4 (pip install --pre flash-attn-4)")
+# a target whose drafter has head_dim 128, GQA 2:1 (FlashAttention-4's Hopper kernels' home ground)
+HEAD_DIM_128 = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 1}
 
 
 def test_qwen3_8b_geometry_trains_on_one_gpu_without_oom():
@@ -38,21 +47,24 @@ def _random_conversations(out_dir, vocab: int, count: int = 24):
     return out_dir
 
 
-def test_packed_flex_rows_compile_once_on_gpu(tmp_path):
+@pytest.mark.parametrize("flex_backend", ["triton", pytest.param("flash", marks=needs_flash)])
+def test_packed_flex_rows_compile_once_on_gpu(tmp_path, flex_backend):
     """The GPU path of the CPU no-recompilation test: flex attention compiled, with backward,
-    and the target's layers compiled (packed rows: SDPA with the document mask)."""
+    and the target's layers compiled (packed rows: SDPA with the document mask); with either
+    backend of the flex kernels."""
     from torch._dynamo.utils import counters
 
     from dflash_train.training.trainer import Trainer
     from tests.conftest import make_tiny_target
     from tests.train_data import tiny_train_config
 
-    make_tiny_target("llama", vocab=97).save_pretrained(tmp_path / "target")
+    make_tiny_target("llama", vocab=97, **(HEAD_DIM_128 if flex_backend == "flash" else {})).save_pretrained(
+        tmp_path / "target")
     data = _random_conversations(tmp_path / "data", vocab=97)
     cfg = tiny_train_config(
         str(tmp_path / "target"), data, tmp_path / "run",
         target={"mask_token_id": 96, "num_layers": 6, "compile": True},
-        drafter={"compile": True, "attention": "flex", "num_hidden_layers": 2},
+        drafter={"compile": True, "attention": "flex", "num_hidden_layers": 2, "flex_backend": flex_backend},
         data={"packing": True, "max_length": 256, "num_anchors": 6, "blocks_per_row": 24, "val_rows": 5,
               "check_manifest": False},
         optim={"micro_batch_size": 2, "grad_accum_steps": 1},
@@ -70,6 +82,39 @@ def test_packed_flex_rows_compile_once_on_gpu(tmp_path):
             assert trainer.train_step(step)["finite"]
         trainer.validate()
     assert counters["stats"]["unique_graphs"] == warm
+
+
+@pytest.mark.parametrize("docs", [False, True])
+@pytest.mark.parametrize("kernels", [None, pytest.param({"BACKEND": "FLASH"}, marks=needs_flash)],
+                         ids=["triton", "flash"])
+def test_compiled_flex_kernels_attend_like_the_dense_mask(kernels, docs):
+    """The compiled flex kernels (either backend) on the DFlash training mask, with contexts of
+    several 128-key tiles (full tiles skip mask_mod), short packed documents, GQA and d=128:
+    output and gradients equal float32 SDPA under the dense mask of the same rule."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash_train.model.dflash import visible_mask
+    from dflash_train.model.masks import build_block_mask
+
+    torch.manual_seed(0)
+    ctx, n, block, heads, kv_heads, d = 1000, 48, 16, 4, 2, 128
+    anchors = torch.randperm(ctx - block)[:n].sort().values[None].cuda()
+    doc_ids = (torch.arange(ctx) // 170)[None].cuda() if docs else None
+    q = torch.randn(1, heads, n * block, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, ctx + n * block, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    grad_out = torch.randn_like(q)
+    attend = torch.compile(functools.partial(flex_attention, block_mask=build_block_mask(anchors, ctx, block, doc_ids),
+                                             scale=d**-0.5, enable_gqa=True, kernel_options=kernels))
+    out = attend(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    ref_in = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*ref_in, attn_mask=visible_mask(anchors, ctx, block, doc_ids),
+                                         scale=d**-0.5, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, ref_in, grad_out.float())
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(g.float(), r, atol=3e-2, rtol=3e-2, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e3])  # clipping active / inactive

@@ -35,6 +35,9 @@ def test_missing_required_value_is_named():
         ({"drafter": {"target_layer_ids": [3, 40]}}, r"target_layer_ids=\[3, 40\] but the target has 30 layers"),
         ({"drafter": {"block_size": 12}}, "block_size=12"),
         ({"drafter": {"attention": "sdpa"}}, "drafter.attention='sdpa'"),
+        ({"drafter": {"flex_backend": "cutlass"}}, "drafter.flex_backend='cutlass'"),
+        ({"drafter": {"flex_backend": "flash", "attention": "dense", "compile": True}}, "attention='dense'"),
+        ({"drafter": {"flex_backend": "flash", "attention": "flex", "compile": False}}, "compile=False"),
         ({"optim": {"warmup_ratio": 1.5}}, "warmup_ratio=1.5"),
         ({"optim": {"micro_batch_size": 0}}, "optim.micro_batch_size"),
         ({"data": {"max_length": 8}}, "max_length=8 must exceed drafter.block_size=16"),
@@ -69,3 +72,39 @@ def test_a_schema_key_the_recipe_lacks_is_not_called_a_typo():
 def test_a_compiled_target_cannot_be_sharded():
     with pytest.raises(ValueError, match="target.compile=true with backend.shard_target=true"):
         to_train_config(_cfg(target={"compile": True}, backend={"shard_target": True}))
+
+
+def _flash_installed(monkeypatch, installed: bool, cutlass: bool = True):
+    """find_spec answers for flash_attn (and the CuTe DSL's cutlass) as if FlashAttention-4 were (not) installed."""
+    import importlib.machinery
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "cutlass":
+            return importlib.machinery.ModuleSpec(name, None) if installed and cutlass else None
+        if name == "flash_attn" or name.startswith("flash_attn."):
+            return importlib.machinery.ModuleSpec(name, None) if installed else None
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_the_flash_backend_without_flash_attention_installed_says_what_to_install(monkeypatch):
+    _flash_installed(monkeypatch, False)
+    with pytest.raises(ValueError, match="pip install --pre flash-attn-4"):
+        to_train_config(_cfg(drafter={"flex_backend": "flash", "attention": "flex", "compile": True}))
+
+
+def test_the_flash_backend_without_the_cute_dsl_on_the_path_says_how_to_add_it(monkeypatch):
+    _flash_installed(monkeypatch, True, cutlass=False)
+    with pytest.raises(ValueError, match="no module 'cutlass'.*dsl_packages to PYTHONPATH"):
+        to_train_config(_cfg(drafter={"flex_backend": "flash", "attention": "flex", "compile": True}))
+
+
+def test_the_flash_backend_with_flash_attention_installed_is_accepted(monkeypatch):
+    _flash_installed(monkeypatch, True)
+    cfg = to_train_config(_cfg(drafter={"flex_backend": "flash", "attention": "flex", "compile": True}))
+    assert cfg.drafter.flex_backend == "flash"
+    assert to_train_config(_cfg()).drafter.flex_backend == "triton"  # the default needs nothing extra
