@@ -9,8 +9,10 @@ one chunk of logits exists at any time and nothing is recomputed in backward.
 Two walks share that structure. The plain one (CPU) runs each step of the softmax as its
 own op; on a GPU each of those ops is a full memory pass over a (chunk, vocab) float32
 tensor while the matmuls are cheap. The fused one (CUDA by default) keeps the logits in the
-head's dtype and computes loss, argmax hits and d loss / d logits in one compiled function
-over fixed-size chunks, so it compiles once whatever the number of supervised slots.
+head's dtype and computes loss, argmax hits and d loss / d logits in one kernel over
+fixed-size chunks: on CUDA a Triton kernel that reads each row twice (``ce_kernel.py``),
+elsewhere ``_fused_ce`` through torch.compile, which compiles once whatever the number of
+supervised slots. ``_fused_ce`` is the reference both are held to.
 
 Two options beside the contract's loss (both off by default, which leaves the hard-label
 path exactly as it was):
@@ -45,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.contract import IGNORE_INDEX
+from dflash_train.training import ce_kernel
 
 # One chunk: (logits (c, V), teacher logits (c, V) or None, labels (c,), slot_w (c,) float32, with_grad)
 # -> (w * loss per row (c,), hard CE per row (c,), argmax hits (c,), w * dloss/dlogits or None)
@@ -330,8 +333,10 @@ def dflash_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, 
         teacher = distill.hidden.flatten(0, 1).index_select(0, t_index).to(lm_head.weight.dtype)  # (M, H)
         soft = _compiled(_soft_ce) if fused and compiled else _soft_ce
         kernel = functools.partial(soft, distill_weight=distill.weight, temperature=distill.temperature)
+    elif fused and not compiled:
+        kernel = _fused_ce
     elif fused:
-        kernel = _compiled(_fused_ce) if compiled else _fused_ce
+        kernel = ce_kernel.fused_ce if ce_kernel.available(hidden.device) else _compiled(_fused_ce)
     reweight = None
     if dpace_alpha is not None:
         w = torch.ones_like(w)

@@ -167,7 +167,7 @@ def cuda_case():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_default_is_the_compiled_fused_walk_and_never_waits_for_the_gpu():
+def test_cuda_default_fused_walk_never_waits_for_the_gpu():
     head, hidden, labels, index = cuda_case()
     weights = contract.slot_weights(B, 2.0)  # on the host, like the trainer's
     plain, plain_grad = _run(head, hidden, labels, 3, fused=False)
@@ -181,3 +181,38 @@ def test_cuda_default_is_the_compiled_fused_walk_and_never_waits_for_the_gpu():
     torch.testing.assert_close(out.weighted_sum, plain.weighted_sum, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, plain_grad, rtol=1e-2, atol=1e-2)
     assert torch.equal(out.correct, plain.correct) and torch.equal(out.count, plain.count)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_triton_chunk_kernel_equals_the_reference_on_a_qwen_sized_vocabulary(dtype):
+    """Qwen's 151,936 entries are 38 blocks of the kernel's 4096, the last one partial: the largest
+    logit planted there, a label in the last column, a padding row of weight 0, with and
+    without the gradient."""
+    from dflash_train.training import ce_kernel
+    from dflash_train.training.loss import _fused_ce
+
+    torch.manual_seed(0)
+    rows, vocab = 64, 151936
+    logits = (torch.randn(rows, vocab, device="cuda") * 4).to(dtype)
+    logits[1, vocab - 5] = 60.0
+    labels = torch.randint(0, vocab, (rows,), device="cuda")
+    labels[1], labels[2], labels[3] = vocab - 5, vocab - 1, logits[3].float().argmax()
+    weights = torch.rand(rows, device="cuda")
+    weights[-1] = 0.0
+    loss, ce, hit, grad = ce_kernel.fused_ce(logits, None, labels, weights, True)
+    ref_loss, ref_ce, ref_hit, ref_grad = _fused_ce(logits, None, labels, weights, True)
+    torch.testing.assert_close(ce, ref_ce, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-4)
+    assert loss[-1] == 0 and torch.count_nonzero(grad[-1]) == 0
+    assert grad.dtype == dtype
+    # bf16: the same float32 value rounds alike, so one bf16 step at most (2^-8 relative)
+    tol = {"rtol": 8e-3, "atol": 1e-7} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-9}
+    torch.testing.assert_close(grad, ref_grad, **tol)
+    assert hit[1] and hit[3] and ref_hit[1] and ref_hit[3]
+    x = logits.float()
+    unique = (x == x.max(1, keepdim=True).values).sum(1) == 1  # rows whose argmax is not a tie
+    assert torch.equal(hit[unique], ref_hit[unique])
+    no_grad = ce_kernel.fused_ce(logits, None, labels, weights, False)
+    assert no_grad[3] is None and torch.equal(no_grad[1], ce) and torch.equal(no_grad[2], hit)

@@ -1,0 +1,60 @@
+"""The GPU loss's chunk kernel: the Triton kernel (``dflash_train/training/ce_kernel.py``, the
+CUDA default) against ``loss._fused_ce`` through torch.compile (its reference and the
+fallback), on one chunk of head-dtype logits, with the gradient and without.
+
+    python benchmarks/ce_kernel.py [--rows 1024] [--vocab 151936] [--dtype bfloat16]
+
+Prints the median time of each and the memory rate it implies, counting each kernel's
+minimum traffic (logits read twice and the gradient written once, or logits read once).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from dflash_train.training import ce_kernel
+from dflash_train.training.loss import _compiled, _fused_ce
+
+
+def median_ms(fn, runs: int = 20, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[runs // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("ce_kernel.py: needs a CUDA GPU")
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    logits = (torch.randn(args.rows, args.vocab, device="cuda") * 4).to(dtype)
+    labels = torch.randint(0, args.vocab, (args.rows,), device="cuda")
+    weights = torch.rand(args.rows, device="cuda")
+    size = logits.numel() * logits.element_size()
+    kernels = {"triton (ce_kernel.fused_ce)": ce_kernel.fused_ce, "torch.compile(_fused_ce)": _compiled(_fused_ce)}
+    print(f"one chunk of {args.rows} x {args.vocab} {args.dtype} logits ({size / 1e6:.0f} MB)")
+    print("| kernel | with gradient ms | GB/s at 3 passes | loss only ms | GB/s at 1 pass |")
+    print("|---|---|---|---|---|")
+    for name, kernel in kernels.items():
+        both = median_ms(lambda: kernel(logits, None, labels, weights, True))
+        loss = median_ms(lambda: kernel(logits, None, labels, weights, False))
+        print(f"| {name} | {both:.3f} | {3 * size / both / 1e6:.0f} | {loss:.3f} | {size / loss / 1e6:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
