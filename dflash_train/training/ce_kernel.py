@@ -34,16 +34,14 @@ def _kernel():
         # pass 1: running max m, sum of exp(x - m), and the first index of the largest logit
         m = tl.full((), float("-inf"), tl.float32)
         s = tl.zeros((), tl.float32)
-        best = tl.full((), float("-inf"), tl.float32)
         best_idx = tl.zeros((), tl.int64)
         for start in range(0, vocab, BLOCK):
             cols = start + offs
             x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
             top = tl.max(x, 0)
             top_idx = tl.min(tl.where(x == top, cols, vocab), 0).to(tl.int64)
-            better = top > best  # strictly: ties keep the earlier block's index
-            best_idx = tl.where(better, top_idx, best_idx)
-            best = tl.maximum(best, top)
+            # strictly greater: a tie keeps the earlier block's index
+            best_idx = tl.where(top > m, top_idx, best_idx)
             m_new = tl.maximum(m, top)
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
             m = m_new
