@@ -13,23 +13,10 @@ from __future__ import annotations
 import argparse
 
 import torch
+from cuda_timing import median_ms  # a sibling script: run this one as benchmarks/ce_kernel.py
 
 from dflash_train.training import ce_kernel
 from dflash_train.training.loss import _compiled, _fused_ce
-
-
-def median_ms(fn, runs: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[runs // 2]
 
 
 def main() -> None:
@@ -51,8 +38,8 @@ def main() -> None:
     print("| kernel | with gradient ms | GB/s at 3 passes | loss only ms | GB/s at 1 pass |")
     print("|---|---|---|---|---|")
     for name, kernel in kernels.items():
-        both = median_ms(lambda: kernel(logits, None, labels, weights, True))
-        loss = median_ms(lambda: kernel(logits, None, labels, weights, False))
+        both = median_ms(lambda: kernel(logits, None, labels, weights, True), runs=20, warmup=5)
+        loss = median_ms(lambda: kernel(logits, None, labels, weights, False), runs=20, warmup=5)
         print(f"| {name} | {both:.3f} | {3 * size / both / 1e6:.0f} | {loss:.3f} | {size / loss / 1e6:.0f} |")
 
 

@@ -19,26 +19,13 @@ import time
 import traceback
 
 import torch
+from cuda_timing import median_ms  # a sibling script: run this one as benchmarks/flex_backends.py
 from torch.nn.attention.flex_attention import flex_attention
 
 from dflash_train.model.masks import _document_starts, build_block_mask
 
 BLOCK = 16
 BACKENDS = {"triton": None, "flash": {"BACKEND": "FLASH"}}
-
-
-def median_ms(fn, runs: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[runs // 2]
 
 
 def case(args, packed: bool) -> dict:

@@ -45,3 +45,21 @@ def make_tiny_target(arch: str = "llama", vocab: int = 97, layers: int = 6, seed
     fields.update(overrides)
     torch.manual_seed(seed)
     return model_cls(config_cls(**fields)).eval()
+
+
+def pretend_flash_attention(monkeypatch, installed: bool = True, cutlass: bool = True) -> None:
+    """importlib.util.find_spec answers as if FlashAttention-4 were (not) installed, with its
+    CuTe DSL's ``cutlass`` importable or not; every other module is looked up for real."""
+    import importlib.machinery
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "cutlass":
+            return importlib.machinery.ModuleSpec(name, None) if installed and cutlass else None
+        if name == "flash_attn" or name.startswith("flash_attn."):
+            return importlib.machinery.ModuleSpec(name, None) if installed else None
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)

@@ -2,41 +2,26 @@
 and each layer's attention passes it to flex_attention. (That the FLASH kernels compute the
 DFlash mask exactly is a GPU test: tests/gpu/test_train_gpu.py.)"""
 
-import importlib.machinery
-import importlib.util
-
 import pytest
 import torch
 
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 from dflash_train.model.masks import build_training_masks
-from dflash_train.model.target import load_tokenizer
 from dflash_train.training.trainer import Trainer
-from tests.conftest import SMOLLM2, make_tiny_target
-from tests.train_data import save_tiny_target, tiny_train_config, write_datagen_dir
+from tests.conftest import make_tiny_target, pretend_flash_attention
+from tests.train_data import tiny_inputs, tiny_train_config
 
 FLASH = {"BACKEND": "FLASH"}
 
 
 @pytest.fixture
 def flash_installed(monkeypatch):
-    """find_spec answers for flash_attn as if FlashAttention-4 were installed (it is not, on CPU)."""
-    real = importlib.util.find_spec
-
-    def find_spec(name, *args):
-        if name in ("flash_attn", "cutlass") or name.startswith("flash_attn."):
-            return importlib.machinery.ModuleSpec(name, None)
-        return real(name, *args)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    pretend_flash_attention(monkeypatch)  # it is not, on CPU
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    tok = load_tokenizer(SMOLLM2)
-    target = save_tiny_target(root / "target", tok)
-    return {"target": target, "data": write_datagen_dir(root / "data", target, tok)}
+    return tiny_inputs(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.mark.parametrize("backend, options", [("triton", None), ("flash", FLASH)])

@@ -4,6 +4,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from dflash_train.config import to_train_config
+from tests.conftest import pretend_flash_attention
 
 BASE = {"target": {"name": "t", "mask_token_id": 1, "num_layers": 30}, "data": {"path": "d"}, "output_dir": "o"}
 
@@ -74,37 +75,20 @@ def test_a_compiled_target_cannot_be_sharded():
         to_train_config(_cfg(target={"compile": True}, backend={"shard_target": True}))
 
 
-def _flash_installed(monkeypatch, installed: bool, cutlass: bool = True):
-    """find_spec answers for flash_attn (and the CuTe DSL's cutlass) as if FlashAttention-4 were (not) installed."""
-    import importlib.machinery
-    import importlib.util
-
-    real = importlib.util.find_spec
-
-    def find_spec(name, *args):
-        if name == "cutlass":
-            return importlib.machinery.ModuleSpec(name, None) if installed and cutlass else None
-        if name == "flash_attn" or name.startswith("flash_attn."):
-            return importlib.machinery.ModuleSpec(name, None) if installed else None
-        return real(name, *args)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-
-
 def test_the_flash_backend_without_flash_attention_installed_says_what_to_install(monkeypatch):
-    _flash_installed(monkeypatch, False)
+    pretend_flash_attention(monkeypatch, installed=False)
     with pytest.raises(ValueError, match="pip install --pre flash-attn-4"):
         to_train_config(_cfg(drafter={"flex_backend": "flash", "attention": "flex", "compile": True}))
 
 
 def test_the_flash_backend_without_the_cute_dsl_on_the_path_says_how_to_add_it(monkeypatch):
-    _flash_installed(monkeypatch, True, cutlass=False)
+    pretend_flash_attention(monkeypatch, cutlass=False)
     with pytest.raises(ValueError, match="no module 'cutlass'.*dsl_packages to PYTHONPATH"):
         to_train_config(_cfg(drafter={"flex_backend": "flash", "attention": "flex", "compile": True}))
 
 
 def test_the_flash_backend_with_flash_attention_installed_is_accepted(monkeypatch):
-    _flash_installed(monkeypatch, True)
+    pretend_flash_attention(monkeypatch)
     cfg = to_train_config(_cfg(drafter={"flex_backend": "flash", "attention": "flex", "compile": True}))
     assert cfg.drafter.flex_backend == "flash"
     assert to_train_config(_cfg()).drafter.flex_backend == "triton"  # the default needs nothing extra

@@ -13,19 +13,16 @@ from dflash_train.config import to_train_config
 from dflash_train.contract import IGNORE_INDEX
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 from dflash_train.model.init import init_from_target, source_layers
-from dflash_train.model.target import TargetModel, load_tokenizer
+from dflash_train.model.target import TargetModel
 from dflash_train.training.logging import METRICS_FILE
 from dflash_train.training.trainer import Trainer
-from tests.conftest import SMOLLM2, make_tiny_target
-from tests.train_data import save_tiny_target, tiny_train_config, write_datagen_dir
+from tests.conftest import make_tiny_target
+from tests.train_data import tiny_inputs, tiny_train_config
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    tok = load_tokenizer(SMOLLM2)
-    target = save_tiny_target(root / "target", tok)
-    return {"target": target, "data": write_datagen_dir(root / "data", target, tok)}
+    return tiny_inputs(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
