@@ -39,7 +39,7 @@ import torch
 
 from dflash_train.config import TrainConfig, validate
 from dflash_train.data.dataset import TrainingData
-from dflash_train.distributed.backend import build_backend
+from dflash_train.distributed.build import build_backend
 from dflash_train.errors import RunError, run_command
 from dflash_train.model.target import TargetModel, load_target, resolve_target, target_dtype
 from dflash_train.recipe import compose_recipe, parse_command_line, to_config

@@ -5,8 +5,8 @@ recipe cannot disagree with it: ZeRO stage from the backend name, bf16 under mix
 precision, clipping, one micro-batch per call and the accumulation steps. The trainer's
 own optimizer and scheduler are handed to DeepSpeed as client objects.
 
-Checkpoints use the full format of the other backends (see backend.STATE_FILES) rather
-than DeepSpeed's sharded one: the fp32 master weights and the optimizer state are gathered
+Checkpoints use the full format of the other backends (STATE_FILES, training/state_files.py)
+rather than DeepSpeed's sharded one: the fp32 master weights and the optimizer state are gathered
 per parameter with DeepSpeed's `safe_get_full_*` API onto rank 0, which alone keeps them
 and writes them; loading scatters them back with `safe_set_full_*`. This needs no
 conversion step (DeepSpeed's universal checkpoint needs an offline `ds_to_universal` pass)
@@ -33,6 +33,7 @@ from deepspeed.utils import (
 from torch import nn
 
 from dflash_train.distributed.backend import Backend, OptimizerFactory, SchedulerFactory
+from dflash_train.training.state_files import read_state
 
 log = logging.getLogger(__name__)
 ZERO_STAGES = {"zero2": 2, "zero3": 3}
@@ -198,7 +199,7 @@ class DeepSpeedBackend(Backend):
         return model_sd if self.is_main else None
 
     def load_state(self, directory: str | os.PathLike) -> None:
-        model_sd, optim_sd, scheduler_sd = self._read_state(directory)
+        model_sd, optim_sd, scheduler_sd = read_state(directory)
         entries = dict(self._entries())
         if set(entries) != set(model_sd):
             raise ValueError(f"checkpoint {directory} names {sorted(set(model_sd) ^ set(entries))} "

@@ -26,15 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from dflash_train.distributed.backend import (
-    Backend,
-    OptimizerFactory,
-    SchedulerFactory,
-    is_sharded,
-    load_sharded,
-    read_scheduler,
-    shardable_blocks,
-)
+from dflash_train.distributed.backend import Backend, OptimizerFactory, SchedulerFactory, shardable_blocks
+from dflash_train.training.state_files import is_sharded, load_sharded, read_scheduler, read_state
 
 # Gathers full tensors to rank 0 on CPU: the GPU never holds the whole unsharded state.
 _FULL_TO_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -127,7 +120,7 @@ class _TorchBackend(Backend):
         if is_sharded(directory):
             self._load_sharded(directory)
             return
-        model_sd, optim_sd, scheduler_sd = self._read_state(directory)
+        model_sd, optim_sd, scheduler_sd = read_state(directory)
         set_state_dict(self._model, self.optimizer, model_state_dict=model_sd,
                        optim_state_dict=optim_sd, options=_LOAD_FULL)
         self._load_scheduler(scheduler_sd)

@@ -22,7 +22,6 @@ import torch
 from omegaconf import MISSING, OmegaConf
 
 from dflash_train.config import as_dict, to_train_config
-from dflash_train.distributed.backend import SHARDED_DIR, STATE_FILES, is_sharded, read_model_state
 from dflash_train.errors import run_command
 from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY, model_card_files, push_to_hub
 from dflash_train.model.dflash import DFlashDraftModel
@@ -36,6 +35,7 @@ from dflash_train.training.checkpoint import (
     checkpoint_problem,
     latest_good_checkpoint,
 )
+from dflash_train.training.state_files import SHARDED_DIR, STATE_FILES, is_sharded, read_model_state
 
 
 def find_checkpoint(path: Path) -> Path:

@@ -28,7 +28,8 @@ from dflash_train.data.collate import Batch, collate
 from dflash_train.data.dataset import StepSlice, TrainingData
 from dflash_train.data.format import check_target, load_generated, read_manifest
 from dflash_train.data.packing import document_causal_mask
-from dflash_train.distributed.backend import Backend, build_backend
+from dflash_train.distributed.backend import Backend
+from dflash_train.distributed.build import build_backend
 from dflash_train.errors import RunError, check_writable_dir
 from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY, model_card_files
 from dflash_train.model.dflash import DFlashDraftModel

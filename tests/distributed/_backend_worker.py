@@ -77,7 +77,7 @@ def train(backend_name: str, accum: int, steps: int, first_step: int = 0, micro:
     """Runs updates `first_step ... first_step + steps - 1`; each update takes `micro` micro-steps
     (default `accum`; fewer exercises an update that ends early). Returns the loss curve,
     grad norms, learning rates and final weights on rank 0, None elsewhere."""
-    from dflash_train.distributed.backend import build_backend
+    from dflash_train.distributed.build import build_backend
 
     micro = micro or accum
     torch.manual_seed(0)
@@ -118,7 +118,7 @@ def held_per_rank(held_by: str, save: str) -> dict | None:
     those `full_state_dict` returns. Rank 0 returns every rank's counts."""
     import torch.distributed as dist
 
-    from dflash_train.distributed.backend import build_backend
+    from dflash_train.distributed.build import build_backend
 
     torch.manual_seed(0)
     backend = build_backend({"name": held_by, "device": "cpu"})
@@ -157,7 +157,7 @@ def target_outputs(shard_target: bool) -> dict | None:
     of an untouched copy and whether the decoder layers were really sharded."""
     from torch.distributed.tensor import DTensor
 
-    from dflash_train.distributed.backend import build_backend
+    from dflash_train.distributed.build import build_backend
     from dflash_train.model.target import TargetModel, decoder_layers
 
     backend = build_backend({"name": "ddp", "device": "cpu", "shard_target": shard_target})

@@ -10,8 +10,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dflash_train.distributed import backend as backend_mod
-from dflash_train.distributed.backend import STATE_FILES, BackendConfig, build_backend, validate_config
+from dflash_train.config import BackendConfig
+from dflash_train.distributed import build as build_mod
+from dflash_train.distributed.build import build_backend, validate_config
+from dflash_train.training.state_files import STATE_FILES
 from tests.distributed._backend_worker import TinyNet, micro_batch, optimizer_factory, scheduler_factory
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "backend"
@@ -34,7 +36,7 @@ def test_bad_config_names_the_offending_value(cfg, message):
 
 def test_zero_without_deepspeed_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(backend_mod.importlib.util, "find_spec",
+    monkeypatch.setattr(build_mod.importlib.util, "find_spec",
                         lambda name, *a: None if name == "deepspeed" else real(name, *a))
     with pytest.raises(ValueError, match=r"backend 'zero3' needs deepspeed: pip install 'dflash-train\[deepspeed\]'"):
         build_backend({"name": "zero3"})

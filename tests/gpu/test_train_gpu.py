@@ -122,7 +122,7 @@ def test_clipping_inside_the_fused_adamw_step_equals_clip_then_step(max_norm):
     """On CUDA the single backend hands the clip to fused AdamW as its gradient divisor;
     two steps must match torch's clip_grad_norm_ followed by a plain AdamW step."""
     from dflash_train.config import OptimConfig
-    from dflash_train.distributed.backend import build_backend
+    from dflash_train.distributed.build import build_backend
     from dflash_train.training.optim import optimizer_factory
 
     torch.manual_seed(0)
@@ -152,7 +152,7 @@ def test_the_fused_step_skips_non_finite_updates_on_the_device():
     """The fused step never waits before queuing the update: a NaN gradient or a NaN loss
     must still leave weights, moments, step counters and the schedule exactly as they were."""
     from dflash_train.config import OptimConfig
-    from dflash_train.distributed.backend import build_backend
+    from dflash_train.distributed.build import build_backend
     from dflash_train.training.optim import optimizer_factory, scheduler_factory
 
     torch.manual_seed(0)
