@@ -12,8 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from dflash_train.atomic import atomic_write
 from dflash_train.model import dflash
@@ -24,6 +23,7 @@ from dflash_train.model.dflash import (
     dflash_field,
     rope_parameters,
 )
+from dflash_train.model.foreign import read_foreign, read_weights
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -208,20 +208,20 @@ def check_finite(state: dict, where) -> None:
 
 
 def load_drafter(path, target=None, dtype: torch.dtype | None = None, device="cpu") -> DFlashDraftModel:
-    """Load an export (safetensors only, never pickle), validated against `target` if given."""
+    """Load an export (safetensors only, never pickle), validated against `target` if given.
+    A drafter from another trainer (z-lab, SpecForge, Model-Optimizer, speculators) is mapped
+    onto ours on the way in (model/foreign.py)."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"drafter path {str(path)!r} is not a directory")
-    config = read_config(path)
+    mapped = read_foreign(path, None if target is None else target.num_layers)
+    if mapped is not None:
+        validate_config(mapped.config)
+    config = read_config(path) if mapped is None else mapped.config
     if target is not None:
         validate_against_target(config, target)
     file = path / WEIGHTS_NAME
-    if not file.is_file():
-        raise ValueError(f"{path}: no {WEIGHTS_NAME}")
-    try:
-        state = load_file(str(file))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{file}: unreadable safetensors file (truncated or corrupt): {err}") from None
+    state = read_weights(path) if mapped is None else mapped.state
     model = DFlashDraftModel(config)
     check_weights(state, model.state_dict(), file)
     check_finite(state, file)
