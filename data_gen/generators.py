@@ -42,8 +42,16 @@ class GeneratorUnavailable(RuntimeError):
 
 
 class Generator(Protocol):
-    def generate(self, prompts: list[list[int]], seed: int) -> list[Completion | Failure]:
-        """Responses for `prompts`, in order; `seed` makes sampled output reproducible."""
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion | Failure]:
+        """Responses for `prompts`, in order. `seeds[i]` is prompt i's own sampling seed (63-bit):
+        a sampled answer depends on it and the prompt only, never on the other prompts of
+        the call (data_gen/sampling.py draws the numbers; greedy ignores the seeds)."""
+
+
+def prompts_per_call(cfg: BackendConfig) -> int:
+    """How many prompts the pipeline hands one `generate` call: enough to keep the generator
+    busy, few enough that a conversation's next turn waits one call at most."""
+    return cfg.max_concurrency if cfg.kind == "openai" else cfg.batch_size
 
 
 def trim_response(ids: list[int], stop_ids: list[int]) -> Completion:

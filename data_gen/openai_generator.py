@@ -17,8 +17,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from data_gen.config import BackendConfig, SamplingConfig
-from data_gen.generators import SEED_DIGEST, Completion, Failure, GeneratorUnavailable
-from dflash_train.contract import derive_seed
+from data_gen.generators import Completion, Failure, GeneratorUnavailable
 
 RETRYABLE_HTTP = (408, 429, 500, 502, 503, 504)
 
@@ -135,7 +134,7 @@ class OpenAIGenerator:
             ids.append(self.stop_ids[0])
         return Completion(ids, reason, exact_ids=exact)
 
-    def generate(self, prompts: list[list[int]], seed: int) -> list[Completion | Failure]:
-        seeds = [derive_seed(seed, i, digest=SEED_DIGEST) & 0x7FFFFFFF for i in range(len(prompts))]  # servers take int32 seeds
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion | Failure]:
+        # Servers take int32 seeds; a server's own sampler decides how far a seed pins the answer.
         with ThreadPoolExecutor(max_workers=self.cfg.max_concurrency) as pool:
-            return list(pool.map(self._one, prompts, seeds))
+            return list(pool.map(self._one, prompts, [s & 0x7FFFFFFF for s in seeds]))

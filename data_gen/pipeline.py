@@ -2,8 +2,10 @@
 
 Prompts are numbered after filtering and cut into fixed shards of `shard_size`; shard k
 belongs to rank k % world_size. A shard's content depends only on its prompts and the
-settings (sampling seeds derive from (seed, shard, turn)), so a restart, or a run with a
-different number of ranks, writes the same rows.
+settings (each prompt samples from its own seed, derived from (seed, prompt id, turn)), so a
+restart, or a run with a different number of ranks, writes the same rows. data_gen/turns.py
+schedules the turns of a rank's conversations; magpie sources (prompts written by the
+target, data_gen/magpie.py) are sampled by rank 0 before the prompts are numbered.
 """
 
 from __future__ import annotations
@@ -14,22 +16,19 @@ import math
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
 from tqdm import tqdm
 
-from data_gen.config import DatagenConfig
-from data_gen.generators import (
-    SEED_DIGEST,
-    Failure,
-    GeneratorUnavailable,
-    build_generator,
-)
+from data_gen.config import DatagenConfig, SamplingConfig
+from data_gen.generators import build_generator, prompts_per_call
+from data_gen.magpie import MagpieWriter
+from data_gen.sampling import SAMPLER
 from data_gen.sources import SkipLog, SourcePrompt, eval_hashes, iter_prompts
 from data_gen.template import ChatShaper
-from dflash_train.contract import derive_seed
+from data_gen.turns import generate_shards
 from dflash_train.data import format as data_format
 from dflash_train.errors import check_writable_dir
 from dflash_train.model.target import (
@@ -44,15 +43,6 @@ from dflash_train.model.target import (
 # Ranks that finish their shards early wait for the others at a barrier; a crashed rank
 # makes torchrun stop the whole group, so a long timeout only covers uneven shards.
 BARRIER_TIMEOUT = timedelta(hours=24)
-
-
-@dataclass
-class _Conversation:
-    prompt: SourcePrompt
-    answers: list[list[int]] = field(default_factory=list)
-    # The last completed turn: (prompt ids, prompt mask, response ids, finish reason).
-    row: tuple | None = None
-    ended: bool = False
 
 
 @dataclass
@@ -92,8 +82,26 @@ def _generation_config(spec: str, cache_dir):
         return None
 
 
-def setup(cfg: DatagenConfig, tokenizer=None):
-    """Tokenizer, chat shaper and the usable prompts (with load-time skips counted)."""
+class Generators:
+    """Builds generators of any sampling settings on first use, sharing one loaded target
+    (magpie prompts and the answers use the same weights)."""
+
+    def __init__(self, cfg: DatagenConfig, tokenizer, local_rank: int = 0, target=None):
+        self.cfg, self.tokenizer, self.local_rank, self.target = cfg, tokenizer, local_rank, target
+
+    def build(self, sampling: SamplingConfig, shaper: ChatShaper):
+        cfg = self.cfg
+        gen = build_generator(cfg.backend, sampling, cfg.target.name, shaper.stop_ids, _pad_id(self.tokenizer, shaper),
+                              self.tokenizer, self.local_rank, cfg.target.dtype, cfg.cache_dir, self.target)
+        self.target = getattr(gen, "target", self.target)
+        return gen
+
+
+def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = None):
+    """Tokenizer, chat shaper and the usable prompts (with load-time skips counted).
+
+    Magpie sources sample their prompts with `generators`; without it they only read the
+    prompts an earlier run or rank 0 wrote into out_dir."""
     tokenizer = tokenizer or load_tokenizer(cfg.target.name, cfg.cache_dir)
     identity = target_identity(cfg.target.name, cfg.cache_dir)
     # Before any template override: the target's own tokenizer.
@@ -103,17 +111,25 @@ def setup(cfg: DatagenConfig, tokenizer=None):
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos token: cannot tell where a turn ends")
     t = cfg.template
     shaper = ChatShaper(tokenizer, stop_ids, t.enable_thinking, t.system_prompt, t.chat_template)
-    skips = SkipLog()
-    prompts = []
-    for p in iter_prompts(cfg.sources, eval_hashes(cfg.exclude_eval), t.max_turns, skips):
+
+    def fits(p: SourcePrompt) -> tuple[str, str] | None:
         try:
             ids, _ = shaper.prompt(p.system, p.user_turns, [])
         except Exception as e:  # a template raising (jinja `raise_exception`, odd roles): skip it
-            skips.add("template_error", f"{p.source} {p.prompt_id}: {type(e).__name__}: {e}")
-            continue
+            return "template_error", f"{p.source} {p.prompt_id}: {type(e).__name__}: {e}"
         if len(ids) > cfg.max_prompt_len:
-            skips.add("too_long", f"{p.source} {p.prompt_id}: {len(ids)} tokens > max_prompt_len={cfg.max_prompt_len}")
-            continue
+            return "too_long", f"{p.source} {p.prompt_id}: {len(ids)} tokens > max_prompt_len={cfg.max_prompt_len}"
+        return None
+
+    def magpie(src, skips, remaining):
+        build = None if generators is None else lambda sampling: generators.build(sampling, shaper)
+        writer = MagpieWriter(src, shaper, Path(cfg.out_dir), cfg.sampling.seed, identity, build,
+                              prompts_per_call(cfg.backend))
+        return writer.candidates(remaining, skips)
+
+    skips = SkipLog()
+    prompts = []
+    for p in iter_prompts(cfg.sources, eval_hashes(cfg.exclude_eval), t.max_turns, skips, fits, {"magpie": magpie}):
         prompts.append(p)
         if cfg.num_prompts is not None and len(prompts) == cfg.num_prompts:
             break
@@ -123,69 +139,14 @@ def setup(cfg: DatagenConfig, tokenizer=None):
 def _fingerprint(cfg: DatagenConfig, identity: dict, tok_ident: dict, shaper: ChatShaper, prompts) -> dict:
     ids = hashlib.sha256(json.dumps([p.prompt_id for p in prompts]).encode()).hexdigest()[:16]
     # By content: a restart may name the same weights by another path.
-    return {"target": {"weights": identity["weights"]}, "tokenizer": tok_ident["tokenizer"],
-            "template": {**shaper.settings, "max_turns": cfg.template.max_turns}, "sampling": asdict(cfg.sampling),
-            "max_prompt_len": cfg.max_prompt_len, "shard_size": cfg.shard_size, "num_prompts": len(prompts),
-            "prompts_sha256": ids, "backend": cfg.backend.kind}
-
-
-def _next_prompt(shaper: ChatShaper, conv: _Conversation, max_len: int):
-    """Prompt (ids, mask) for the conversation's next turn, or the reason it ends here."""
-    try:
-        ids, mask = shaper.prompt(conv.prompt.system, conv.prompt.user_turns, conv.answers)
-    except Exception as e:  # see setup(): a later turn the template refuses ends the conversation
-        return f"template_error: {type(e).__name__}"
-    return (ids, mask) if len(ids) <= max_len else "too_long"
-
-
-def _row(conv: _Conversation) -> dict:
-    """The training row of a conversation: its last prompt plus the target's last answer."""
-    ids, mask, response, finish = conv.row
-    return {"input_ids": ids + response, "loss_mask": mask + [1] * len(response), "prompt_id": conv.prompt.prompt_id,
-            "source": conv.prompt.source, "finish_reason": finish, "prompt_len": len(ids),
-            "response_len": len(response), "num_tokens": len(ids) + len(response)}
-
-
-def generate_shard(cfg: DatagenConfig, shaper: ChatShaper, generator, prompts: list[SourcePrompt], index: int):
-    """Rows and metadata of one shard; raises GeneratorUnavailable on retryable failures."""
-    convs = [_Conversation(p) for p in prompts]
-    skips, ended, tokens, retokenized = SkipLog(), SkipLog(), 0, 0
-    for turn in range(max(len(p.user_turns) for p in prompts)):
-        batch = []
-        for c in convs:
-            if c.ended or turn >= len(c.prompt.user_turns):
-                continue
-            nxt = _next_prompt(shaper, c, cfg.max_prompt_len)
-            if isinstance(nxt, str):
-                c.ended = True
-                ended.add(nxt)
-            else:
-                batch.append((c, nxt))
-        if not batch:
-            break
-        results = generator.generate([ids for _, (ids, _) in batch],
-                                     derive_seed(cfg.sampling.seed, index, turn, digest=SEED_DIGEST))
-        retry = [r.detail for r in results if isinstance(r, Failure) and r.retryable]
-        if retry:
-            raise GeneratorUnavailable(f"shard {index}: {len(retry)} prompts failed, e.g. {retry[0]}")
-        for (c, (ids, mask)), r in zip(batch, results):
-            if isinstance(r, Failure):
-                c.ended = True
-                (skips if c.row is None else ended).add("backend_error", f"{c.prompt.prompt_id}: {r.detail}")
-                continue
-            tokens += len(r.ids)
-            retokenized += not r.exact_ids
-            c.answers.append(r.ids)
-            c.row = (ids, mask, r.ids, r.finish_reason)
-            # A cut-off answer is not a history the target would continue from.
-            c.ended = r.finish_reason != "stop"
-    rows = [_row(c) for c in convs if c.row is not None]
-    meta = {"shard": index, "prompt_ids": [p.prompt_id for p in prompts], "generated_tokens": tokens,
-            "retokenized": retokenized, "skipped": dict(skips.counts), "skipped_examples": skips.examples,
-            "ended_early": dict(ended.counts), "finish_reasons": dict(Counter(r["finish_reason"] for r in rows)),
-            "rows": len(rows), "tokens": sum(r["num_tokens"] for r in rows),
-            "response_tokens": sum(r["response_len"] for r in rows)}
-    return rows, meta
+    fingerprint = {"target": {"weights": identity["weights"]}, "tokenizer": tok_ident["tokenizer"],
+                   "template": {**shaper.settings, "max_turns": cfg.template.max_turns},
+                   "sampling": asdict(cfg.sampling), "max_prompt_len": cfg.max_prompt_len,
+                   "shard_size": cfg.shard_size, "num_prompts": len(prompts), "prompts_sha256": ids,
+                   "backend": cfg.backend.kind}
+    if not cfg.sampling.greedy:  # a run started with the older per-batch seeds must not be finished with these
+        fingerprint["sampler"] = SAMPLER
+    return fingerprint
 
 
 def _counts(prompts, load_skips: SkipLog, metas: list[dict]) -> dict:
@@ -211,7 +172,14 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
     # Before the target loads: a user's folder, or one that cannot be written, fails now.
     data_format.check_out_dir(out)
     check_writable_dir(out, "out_dir")
-    tokenizer, identity, tok_ident, shaper, prompts, load_skips = setup(cfg, tokenizer)
+    tokenizer = tokenizer or load_tokenizer(cfg.target.name, cfg.cache_dir)
+    generators = Generators(cfg, tokenizer, local_rank, target)
+    # Rank 0 first: it samples the magpie prompts, which the other ranks then read.
+    if rank == 0:
+        tokenizer, identity, tok_ident, shaper, prompts, load_skips = setup(cfg, tokenizer, generators)
+    _barrier(world)
+    if rank != 0:
+        tokenizer, identity, tok_ident, shaper, prompts, load_skips = setup(cfg, tokenizer)
     if not prompts:
         raise ValueError(f"no usable prompts in sources {[s.name for s in cfg.sources]}: "
                          f"skipped {dict(load_skips.counts)}")
@@ -223,22 +191,19 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
     if rank != 0:
         data_format.check_run(out, fingerprint)
     num_shards = math.ceil(len(prompts) / cfg.shard_size)
-    mine = [k for k in range(rank, num_shards, world) if data_format.read_shard_meta(out, k) is None]
+    mine = {k: prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size] for k in range(rank, num_shards, world)
+            if data_format.read_shard_meta(out, k) is None}
     started, generated = time.perf_counter(), 0
     if mine:
-        generator = build_generator(cfg.backend, cfg.sampling, cfg.target.name, shaper.stop_ids,
-                                    _pad_id(tokenizer, shaper), tokenizer, local_rank, cfg.target.dtype, cfg.cache_dir,
-                                    target)
+        generator = generators.build(cfg.sampling, shaper)
         started = time.perf_counter()
-        bar = tqdm(total=sum(len(prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]) for k in mine),
-                   unit="prompt", disable=not progress or rank != 0, desc=f"rank {rank}")
+        bar = tqdm(total=sum(map(len, mine.values())), unit="prompt", disable=not progress or rank != 0,
+                   desc=f"rank {rank}")
         try:
-            for k in mine:
-                shard_prompts = prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]
-                rows, meta = generate_shard(cfg, shaper, generator, shard_prompts, k)
+            for k, rows, meta in generate_shards(cfg, shaper, generator, mine, prompts_per_call(cfg.backend)):
                 data_format.write_shard(out, k, rows, {**meta, "rank": rank})
                 generated += meta["generated_tokens"]
-                bar.update(len(shard_prompts))
+                bar.update(len(mine[k]))
                 bar.set_postfix_str(f"{generated / (time.perf_counter() - started):.1f} tok/s")
         finally:
             bar.close()  # ends the bar's line, so an error message starts on its own

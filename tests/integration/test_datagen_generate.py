@@ -16,9 +16,9 @@ import torch
 
 from data_gen.cli import generate
 from data_gen.config import to_datagen_config
-from data_gen.generators import SEED_DIGEST
 from data_gen.pipeline import run, setup
-from dflash_train.contract import derive_seed
+from data_gen.sampling import sample_tokens, uniform_stream
+from data_gen.turns import turn_seed
 from dflash_train.data.format import load_generated, read_manifest
 from dflash_train.model.target import resolve_target, target_identity, tokenizer_hash
 from tests.datagen_helpers import JsonHandler
@@ -96,16 +96,34 @@ def test_rows_equal_target_generate(hf_run, smollm2, smollm2_tokenizer):
     assert m["counts"]["rows"] == 4 and m["template"]["mask_method"] == "sentinel_diff"
 
 
-def test_sampled_rows_equal_seeded_generate(tmp_path, smollm2, smollm2_tokenizer):
+def seeded_generate(model, ids, seed, **sampling):
+    """A plain token loop over the whole sequence (no cache, no batch): prompt-own draws."""
+    u = uniform_stream([seed], MAX_NEW)[0]
+    out = []
+    for step in range(MAX_NEW):
+        logits = model(torch.tensor([ids + out])).logits[:, -1]
+        out.append(int(sample_tokens(logits, u[step:step + 1], **sampling)))
+        if out[-1] == 2:
+            break
+    return out
+
+
+def test_sampled_rows_use_each_prompts_own_seed(tmp_path, smollm2, smollm2_tokenizer):
+    """Sampled answers depend on the prompt's seed only: one prompt per call or four per call,
+    in shards of 1 or 3, the rows are the same, and each equals a plain unbatched loop."""
     sampling = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 7}
-    cfg = config(tmp_path, "s", PROMPTS[:1], sampling=sampling, template={"max_turns": 1})
-    run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
-    row = load_generated(cfg.out_dir)[0]
-    ids = row["input_ids"][: row["prompt_len"]]
-    # (seed, shard, turn), then batch 0
-    torch.manual_seed(derive_seed(derive_seed(7, 0, 0, digest=SEED_DIGEST), 0, digest=SEED_DIGEST))
-    expected = plain_generate(smollm2.model, ids, do_sample=True, temperature=0.9, top_k=40, top_p=0.95)
-    assert row["input_ids"][row["prompt_len"]:] == expected
+    kwargs = dict(sampling=sampling, template={"max_turns": 1})
+    wide = config(tmp_path, "wide", **kwargs)
+    narrow = config(tmp_path, "narrow", shard_size=1, backend={"batch_size": 1}, **kwargs)
+    for cfg in (wide, narrow):
+        run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
+    got, other = load_generated(wide.out_dir), load_generated(narrow.out_dir)
+    assert got[:] == other[:] and len(got) == 4
+    _, _, _, _, prompts, _ = setup(wide, smollm2_tokenizer)
+    for p, row in zip(prompts, got):
+        ids = row["input_ids"][: row["prompt_len"]]
+        expected = seeded_generate(smollm2.model, ids, turn_seed(7, p, 0), temperature=0.9, top_p=0.95, top_k=40)
+        assert row["input_ids"][row["prompt_len"]:] == expected
 
 
 def test_restart_is_idempotent_and_settings_are_pinned(hf_run, smollm2, smollm2_tokenizer):
