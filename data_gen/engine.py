@@ -1,0 +1,331 @@
+"""`engine` generator: continuous batching over a fixed KV cache, decode steps as CUDA graphs.
+
+A fixed batch of `batch_size` slots, one row of a preallocated KV cache each (the layout of
+transformers' StaticCache, but written per row: every slot is at its own position). A
+slot whose answer ends (a stop token, or max_new_tokens) takes the next queued prompt at the
+next sync, so long answers never hold a batch. The model is the target's own HF forward,
+called with per-row `position_ids` and an attention function registered under
+ATTENTION_NAME (transformers' AttentionInterface), which writes the new keys/values into the
+slot rows and attends over them:
+  * prefill: the new prompts, right padded, causal attention over the prompts themselves
+    (transformers' SDPA function); all but each prompt's last token, whose logits come from
+    the first decode step, so the prefill needs no logits;
+  * decode: one token per slot, SDPA over the first `width` cache columns with a per-row
+    visibility mask (column <= the row's position). `width` is a multiple of WIDTH_STEP
+    covering every busy row, so attention reads what the rows hold, not the whole cache.
+The decode step (forward, token choice, stop detection, bookkeeping) runs on the device
+without a host sync; on CUDA each width is captured once as a CUDA graph and replayed. The
+host looks at the slots every STEPS_PER_SYNC steps.
+
+Nothing is shared between slots: a prompt's answer does not depend on the prompts beside it
+(up to floating-point rounding of the attention over a wider padded range).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import deque
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from data_gen.config import BackendConfig, SamplingConfig
+from data_gen.generators import Completion
+from data_gen.sampling import sample_tokens, uniform_stream
+from dflash_train.model.target import TargetModel, decoder_layers
+
+ATTENTION_NAME = "dflash_engine"
+STEP_KWARG = "dflash_engine_step"
+# Attention widths are multiples of this: one CUDA graph each.
+WIDTH_STEP = 256
+# Decode steps between two looks of the host at the slots. A finished row idles for at most
+# this many steps; each look costs one device sync.
+STEPS_PER_SYNC = 8
+# Prompt tokens (padding included) per prefill forward: bounds its activations.
+PREFILL_TOKENS = 16384
+
+
+@dataclass
+class _Step:
+    """What the attention function needs besides q, k, v (passed as a model kwarg)."""
+
+    cache_k: list[torch.Tensor]  # per layer (B, Hkv, S, D)
+    cache_v: list[torch.Tensor]
+    rows: torch.Tensor | None = None  # prefill: the slots the prompts go to, (n,)
+    pos: torch.Tensor | None = None  # decode: each slot's position, (B,)
+    width: int = 0  # decode: cache columns attended
+    visible: dict | None = None  # decode: (B, 1, 1, width) masks by sliding window (None: full)
+
+
+def _decode_visible(step: _Step, window: int | None) -> torch.Tensor:
+    mask = step.visible.get(window)
+    if mask is None:  # built once per step (by the first layer) and shared by the others
+        cols = torch.arange(step.width, device=step.pos.device)
+        mask = cols[None, :] <= step.pos[:, None]
+        if window is not None:
+            mask &= cols[None, :] > step.pos[:, None] - window
+        mask = step.visible[window] = mask[:, None, None, :]
+    return mask
+
+
+def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                     sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """The AttentionInterface function of the engine's private model copy.
+    query (b, Hq, T, D), key/value (b, Hkv, T, D), already rotated; returns (b, T, Hq, D)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    step: _Step = kwargs.pop(STEP_KWARG)
+    k_cache, v_cache = step.cache_k[module.layer_idx], step.cache_v[module.layer_idx]
+    if step.rows is not None:
+        length = query.shape[2]
+        k_cache[step.rows, :, :length] = key
+        v_cache[step.rows, :, :length] = value
+        mask = None
+        if sliding_window is not None and sliding_window < length:
+            i = torch.arange(length, device=query.device)
+            mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window))[None, None]
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling,
+                                      is_causal=mask is None)
+    b, hq, _, d = query.shape
+    hkv = key.shape[1]
+    index = step.pos.view(b, 1, 1, 1).expand(b, hkv, 1, d)
+    k_cache.scatter_(2, index, key)
+    v_cache.scatter_(2, index, value)
+    # GQA without repeating the cache: a slot's query heads of one KV head are its queries.
+    q = query.reshape(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
+    out = F.scaled_dot_product_attention(q, k_cache[:, :, :step.width], v_cache[:, :, :step.width],
+                                         attn_mask=_decode_visible(step, sliding_window), scale=scaling)
+    return out.reshape(b, 1, hq, d), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, engine_attention)
+
+
+def _private_model(model: nn.Module) -> nn.Module:
+    """The model with its own config (attention set to the engine's) and the same weights:
+    a tree of shallow module copies, so the caller's model keeps its attention."""
+    config = copy.deepcopy(model.config)
+    config._attn_implementation = ATTENTION_NAME
+    shared = model.config
+
+    def clone(module: nn.Module) -> nn.Module:
+        new = copy.copy(module)
+        new._modules = {name: clone(child) if child is not None else None for name, child in module._modules.items()}
+        if getattr(module, "config", None) is shared:
+            new.config = config
+        return new
+
+    return clone(model)
+
+
+def _kv_shape(config) -> tuple[int, int]:
+    """(KV heads, head dim) of the target's attention layers."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+
+class GenerationEngine:
+    """Continuous-batching generation with a fixed KV cache of `batch_size` rows of
+    `max_len` positions (prompt + answer). Queue prompts with `submit`; `drain` yields
+    (key, Completion) as answers end, and a consumer may submit more while draining."""
+
+    def __init__(self, target: TargetModel, batch_size: int, max_len: int, sampling: SamplingConfig,
+                 stop_ids: list[int], cuda_graphs: bool = True):
+        _register_attention()
+        self.model = _private_model(target.model)
+        self.device = target.device
+        self.sampling = sampling
+        self.batch_size, self.max_new = batch_size, sampling.max_new_tokens
+        self.max_len = max_len
+        self.layers = len(decoder_layers(self.model))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if cuda_graphs and self.device.type == "cuda" else None
+        self._pool = None
+        self.queue: deque = deque()
+        self.slot_key: list[Hashable | None] = [None] * batch_size
+        self.slot_pos = [0] * batch_size  # the host's view of `pos`, as of the last sync
+        self._alloc(stop_ids, target.model.dtype)
+
+    @torch.inference_mode()
+    def _alloc(self, stop_ids: list[int], dtype: torch.dtype) -> None:
+        heads, head_dim = _kv_shape(self.model.config)
+        b, dev = self.batch_size, self.device
+        # Zeros, not empty: masked columns meet a zero attention weight, and 0 * NaN is NaN.
+        shape = (b, heads, self.max_len, head_dim)
+        self.cache_k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(self.layers)]
+        self.cache_v = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(self.layers)]
+        self.tokens = torch.zeros(b, dtype=torch.long, device=dev)  # each slot's next input token
+        self.pos = torch.zeros(b, dtype=torch.long, device=dev)  # ... and its position
+        self.count = torch.zeros(b, dtype=torch.long, device=dev)  # answer tokens so far
+        self.done = torch.ones(b, dtype=torch.bool, device=dev)  # no live answer in the slot
+        # Each slot's uniforms (data_gen/sampling.py), one per answer token: the same draws as
+        # the hf generator's, so sampled answers match it too.
+        self.u = torch.zeros(b, self.max_new, dtype=torch.float64, device=dev)
+        # Answers; the extra last column takes the writes of finished slots.
+        self.out = torch.zeros(b, self.max_new + 1, dtype=torch.long, device=dev)
+        self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=dev)
+
+    # -- the device step --------------------------------------------------------------
+
+    def _decode(self, width: int) -> None:
+        """One decode step of every slot, in place, without a host sync."""
+        step = _Step(self.cache_k, self.cache_v, pos=self.pos, width=width, visible={})
+        logits = self.model(input_ids=self.tokens[:, None], position_ids=self.pos[:, None], use_cache=False,
+                            **{STEP_KWARG: step}).logits[:, -1]  # (B, V)
+        s = self.sampling
+        if s.greedy:
+            nxt = logits.argmax(-1)
+        else:
+            u = self.u.gather(1, self.count.clamp(max=self.max_new - 1)[:, None])[:, 0]
+            nxt = sample_tokens(logits, u, s.temperature, s.top_p, s.top_k)
+        live = ~self.done
+        column = torch.where(live, self.count, self.max_new)
+        self.out.scatter_(1, column[:, None], nxt[:, None])
+        self.count += live
+        ended = torch.isin(nxt, self.stop_ids) | (self.count >= self.max_new)
+        self.done |= live & ended
+        self.pos += live & ~ended  # a finished row never writes past its last token
+        self.tokens.copy_(nxt)
+
+    def _capture(self, width: int) -> torch.cuda.CUDAGraph:
+        """The decode step at `width` as a CUDA graph. Called while every slot is idle:
+        the warm-up steps then change nothing that a live row will read."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # cuBLAS handles and the allocator's blocks, before capture
+                self._decode(width)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._decode(width)
+        self._pool = graph.pool()
+        return graph
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        with torch.cuda.device(self.device):
+            for width in range(WIDTH_STEP, self.max_len + WIDTH_STEP, WIDTH_STEP):
+                self.graphs[min(width, self.max_len)] = self._capture(min(width, self.max_len))
+
+    def _run_steps(self, width: int, steps: int) -> None:
+        if self.graphs is None:
+            for _ in range(steps):
+                self._decode(width)
+            return
+        graph = self.graphs[width]
+        for _ in range(steps):
+            graph.replay()
+
+    # -- prompts in, answers out ------------------------------------------------------
+
+    def submit(self, key: Hashable, prompt: list[int], seed: int = 0) -> None:
+        """Queue a prompt; its answer comes out of `drain` under `key`."""
+        if not prompt or len(prompt) + self.max_new > self.max_len:
+            raise ValueError(f"prompt {key!r} of {len(prompt)} tokens: the engine holds 1 to "
+                             f"{self.max_len - self.max_new} prompt tokens (max_len={self.max_len}, "
+                             f"max_new_tokens={self.max_new})")
+        self.queue.append((key, list(prompt), seed))
+
+    def _prefill(self, admitted: list[tuple[int, list[int]]]) -> None:
+        """Keys/values of every prompt token but the last into the admitted slots."""
+        todo = sorted(((slot, p[:-1]) for slot, p in admitted if len(p) > 1), key=lambda r: len(r[1]))
+        while todo:
+            width = len(todo[-1][1])
+            n = max(1, min(len(todo), PREFILL_TOKENS // width))
+            group, todo = todo[-n:], todo[:-n]  # longest first: similar lengths, little padding
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            for row, (_, p) in enumerate(group):
+                ids[row, :len(p)] = torch.tensor(p)  # right padding: causal rows never see it
+            rows = torch.tensor([slot for slot, _ in group], device=self.device)
+            step = _Step(self.cache_k, self.cache_v, rows=rows)
+            positions = torch.arange(width, device=self.device).expand(len(group), width)
+            self.model(input_ids=ids.to(self.device), position_ids=positions, use_cache=False, logits_to_keep=1,
+                       **{STEP_KWARG: step})
+
+    def _admit(self) -> None:
+        free = [slot for slot, key in enumerate(self.slot_key) if key is None]
+        admitted = []
+        for slot in free[:len(self.queue)]:
+            key, prompt, seed = self.queue.popleft()
+            self.slot_key[slot] = key
+            admitted.append((slot, prompt, seed))
+        if not admitted:
+            return
+        self._prefill([(slot, p) for slot, p, _ in admitted])
+        slots = torch.tensor([a[0] for a in admitted], device=self.device)
+        self.tokens[slots] = torch.tensor([p[-1] for _, p, _ in admitted], device=self.device)
+        self.pos[slots] = torch.tensor([len(p) - 1 for _, p, _ in admitted], device=self.device)
+        if not self.sampling.greedy:
+            self.u[slots] = uniform_stream([s for _, _, s in admitted], self.max_new).to(self.device)
+        self.count[slots] = 0
+        self.done[slots] = False
+        for slot, prompt, _ in admitted:
+            self.slot_pos[slot] = len(prompt) - 1
+
+    def _width(self) -> int:
+        """The attention width for the next STEPS_PER_SYNC steps of the busy slots."""
+        needed = max(p for p, key in zip(self.slot_pos, self.slot_key) if key is not None) + STEPS_PER_SYNC + 1
+        return min(self.max_len, WIDTH_STEP * math.ceil(needed / WIDTH_STEP))
+
+    @torch.inference_mode()
+    def drain(self) -> Iterator[tuple[Hashable, Completion]]:
+        """Generate until the queue and the slots are empty, yielding answers as they end."""
+        if self.graphs == {}:
+            self._capture_all()
+        stop_ids = set(self.stop_ids.tolist())
+        while True:
+            self._admit()
+            if all(key is None for key in self.slot_key):
+                return
+            self._run_steps(self._width(), STEPS_PER_SYNC)
+            done, count, self.slot_pos = torch.stack([self.done.long(), self.count, self.pos]).tolist()
+            ended = [slot for slot, key in enumerate(self.slot_key) if key is not None and done[slot]]
+            if not ended:
+                continue
+            answers = self.out[torch.tensor(ended, device=self.device)].tolist()
+            for slot, ids in zip(ended, answers):
+                ids = ids[:count[slot]]
+                key, self.slot_key[slot] = self.slot_key[slot], None
+                yield key, Completion(ids, "stop" if ids[-1] in stop_ids else "length")
+
+
+class EngineGenerator:
+    """The `engine` backend.kind: the pipeline's Generator interface over a GenerationEngine."""
+
+    def __init__(self, target: TargetModel, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int],
+                 max_prompt_len: int):
+        if target.device.type == "cpu" and cfg.cpu_threads is not None:
+            torch.set_num_threads(cfg.cpu_threads)
+        self.target = target  # shared with a generator of other sampling settings (magpie)
+        self.engine = GenerationEngine(target, cfg.batch_size, max_prompt_len + sampling.max_new_tokens, sampling,
+                                       stop_ids, cfg.cuda_graphs)
+
+    @classmethod
+    def load(cls, spec: str, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int],
+             max_prompt_len: int, local_rank: int = 0, dtype: str = "auto",
+             cache_dir: str | None = None) -> "EngineGenerator":
+        from data_gen.hf_generator import rank_device
+        from dflash_train.model.target import load_target
+
+        device = rank_device(cfg.device, local_rank)
+        return cls(load_target(spec, dtype=dtype, device=device, cache_dir=cache_dir), cfg, sampling, stop_ids,
+                   max_prompt_len)
+
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
+        # Longest first, as the hf generator: long prompts start early, and the prefill
+        # groups of similar lengths.
+        for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
+            self.engine.submit(i, prompts[i], seeds[i])
+        results: list[Completion | None] = [None] * len(prompts)
+        for i, completion in self.engine.drain():
+            results[i] = completion
+        return results
