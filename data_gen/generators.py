@@ -1,4 +1,5 @@
-"""The response generators the pipeline talks to, and the one place that picks one.
+"""What every response generator shares: its interface and the shape of its answers.
+data_gen/build.py, above the generators, is the one place that picks one.
 
 A generator turns prompt token ids into the target's response token ids: in-process
 (``hf``) or through an OpenAI-compatible server (``openai``), chosen by the recipe's
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from data_gen.config import BackendConfig, SamplingConfig
+from data_gen.config import BackendConfig
 
 # The hash of data generation's sampling seeds (dflash_train.contract.derive_seed).
 SEED_DIGEST = "sha256"
@@ -60,19 +61,3 @@ def trim_response(ids: list[int], stop_ids: list[int]) -> Completion:
         if t in stop_ids:
             return Completion(ids[: i + 1], "stop")
     return Completion(list(ids), "length")
-
-
-def build_generator(cfg: BackendConfig, sampling: SamplingConfig, target_spec: str, stop_ids: list[int],
-                  pad_id: int, tokenizer, local_rank: int = 0, dtype: str = "auto", cache_dir: str | None = None,
-                  target=None):
-    """The generator ``cfg.kind`` names; `target` reuses an already loaded TargetModel (hf only)."""
-    if cfg.kind == "hf":
-        from data_gen.hf_generator import HFGenerator
-
-        if target is not None:
-            return HFGenerator(target, cfg, sampling, stop_ids, pad_id)
-        return HFGenerator.load(target_spec, cfg, sampling, stop_ids, pad_id, local_rank=local_rank, dtype=dtype,
-                              cache_dir=cache_dir)
-    from data_gen.openai_generator import OpenAIGenerator
-
-    return OpenAIGenerator(cfg, sampling, stop_ids, tokenizer, model_name=cfg.model or target_spec)

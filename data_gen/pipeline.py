@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -23,13 +22,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data_gen.config import DatagenConfig, SamplingConfig
-from data_gen.generators import build_generator, prompts_per_call
+from data_gen.build import build_generator
+from data_gen.generators import prompts_per_call
 from data_gen.magpie import MagpieWriter
 from data_gen.sampling import SAMPLER
 from data_gen.sources import SkipLog, SourcePrompt, eval_hashes, iter_prompts
 from data_gen.template import ChatShaper
 from data_gen.turns import generate_shards
 from dflash_train.data import format as data_format
+from dflash_train.distributed.launch import launch_env
 from dflash_train.errors import check_writable_dir
 from dflash_train.model.target import (
     load_tokenizer,
@@ -57,13 +58,13 @@ class RunResult:
 
 def _dist():
     """(rank, world size, local rank) from the launcher (torchrun sets these)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
+    env = launch_env()
+    if env.world_size > 1:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
-    return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
+    return env.rank, env.world_size, env.local_rank
 
 
 def _barrier(world: int) -> None:
