@@ -1,12 +1,15 @@
-"""The import graph runs one way: every import, lazy ones inside functions included, goes
-from a layer to itself or to a layer below it in LAYERS.
+"""The import graph runs one way, between files and not only between folders: every
+import, lazy ones inside functions included, goes from a layer to itself or to a layer
+below it in LAYERS, and no module imports one that imports it back, directly or through
+others (no cycle, inside a layer too).
 
 A module belongs to the layer of the longest prefix that names it. The layers, low to high:
 the foundations (errors, resources, atomic writes, the contract and the single-file drafter,
 which is copied beside exports and so imports nothing of ours), the data formats both sides
-of the pipeline share, the structured config, then data, model, training parts, evaluation,
-export, the trainer, the commands, and data_gen on top (it may use dflash_train, never the
-reverse).
+of the pipeline share, the structured config, then data, model, evaluation, export (the
+model card and the Hub push), distributed and training, the commands, and data_gen on top
+(it may use dflash_train, never the reverse). A command (a CLI module) sits above every
+library, whatever its folder: eval/cli.py and export/cli.py read what the trainer writes.
 """
 
 from __future__ import annotations
@@ -25,12 +28,11 @@ LAYERS = (
     ("dflash_train.config",),
     ("dflash_train.data",),
     ("dflash_train.model",),
-    ("dflash_train.distributed", "dflash_train.training"),
     ("dflash_train.eval",),
     ("dflash_train.export",),
-    ("dflash_train.training.trainer",),
+    ("dflash_train.distributed", "dflash_train.training"),
     ("dflash_train.train", "dflash_train.bench", "dflash_train.quickstart", "dflash_train.quality",
-     "dflash_train.eval.cli", "dflash_train.eval.speed"),
+     "dflash_train.eval.cli", "dflash_train.eval.speed", "dflash_train.export.cli"),
     ("data_gen",),
 )
 
@@ -90,6 +92,53 @@ def our_modules() -> list[Path]:
                   if p.name != "__init__.py" or p.read_text(encoding="utf-8").strip())
 
 
+def import_graph(planted: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports; ``planted`` adds source text to a module."""
+    graph = {}
+    for path in our_modules():
+        module = module_name(path)
+        source = path.read_text(encoding="utf-8") + "\n" + (planted or {}).get(module, "")
+        graph[module] = {name for _, name in imported_modules(source, module, path.name == "__init__.py")
+                         if layer_of(name) is not None and name != module}
+    return graph
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One shortest cycle (first module == last) through each module that imports itself back."""
+    cycles, covered = [], set()
+    for start in sorted(graph):
+        if start in covered or start not in _reachable(graph, start):
+            continue
+        # breadth first: the shortest path from start back to start
+        parent, frontier = {start: None}, [start]
+        while not any(start in graph.get(m, ()) for m in frontier):
+            step = []
+            for m in frontier:
+                for n in sorted(graph.get(m, ())):
+                    if n not in parent:
+                        parent[n] = m
+                        step.append(n)
+            frontier = step
+        last = next(m for m in frontier if start in graph.get(m, ()))
+        path = [start]
+        while last is not None:
+            path.append(last)
+            last = parent[last]
+        cycles.append(path[::-1])
+        covered |= set(path)
+    return cycles
+
+
 def test_every_module_has_a_layer():
     unplaced = [module_name(p) for p in our_modules() if layer_of(module_name(p)) is None]
     assert not unplaced, f"add these modules to LAYERS: {unplaced}"
@@ -100,6 +149,29 @@ def test_dependencies_run_one_way():
     for path in our_modules():
         bad += violations(path.read_text(encoding="utf-8"), module_name(path), path.name == "__init__.py")
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_no_module_imports_itself_back():
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("module, source, cycle", [
+    # two modules of one layer, through a lazy import inside a function
+    ("dflash_train.distributed.backend", "def f():\n    from dflash_train.distributed.build import build_backend\n",
+     ["dflash_train.distributed.backend", "dflash_train.distributed.build", "dflash_train.distributed.backend"]),
+    # three modules of one layer: the state files' format importing the trainer
+    ("dflash_train.training.state_files", "from dflash_train.training.trainer import Trainer\n",
+     ["dflash_train.distributed.backend", "dflash_train.training.state_files", "dflash_train.training.trainer",
+      "dflash_train.distributed.backend"]),
+])
+def test_a_planted_cycle_is_caught(module, source, cycle):
+    assert cycle in import_cycles(import_graph({module: source}))
+
+
+def test_cycles_are_found_at_any_length():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert import_cycles(graph) == [["a", "b", "c", "a"], ["e", "e"]]
 
 
 def test_the_drafter_file_imports_nothing_of_ours():
@@ -118,6 +190,8 @@ def test_the_drafter_file_imports_nothing_of_ours():
     ("dflash_train.model.target", "from ..training import loss\n", "imports dflash_train.training.loss"),
     ("dflash_train.contract", "if True:\n    from dflash_train.config import TrainConfig\n",
      "imports dflash_train.config (layer 2"),
+    ("dflash_train.training.trainer", "from dflash_train.export.cli import find_checkpoint\n",
+     "imports dflash_train.export.cli"),
 ])
 def test_an_import_against_the_direction_is_caught(module, source, found):
     (message,) = violations(source, module)
@@ -140,6 +214,6 @@ def test_backend_workers_import_no_model_code():
     from dflash_train.model import dflash
 
     assert contract.DEFAULT_BLOCK_SIZE == dflash.DEFAULT_BLOCK_SIZE
-    code = "import sys, dflash_train.distributed.backend; print(sorted(m for m in sys.modules if m == 'transformers'))"
+    code = "import sys, dflash_train.distributed.build; print(sorted(m for m in sys.modules if m == 'transformers'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
