@@ -8,20 +8,46 @@ from __future__ import annotations
 
 from dflash_train.eval.acceptance import NEAR_TIE_ULPS
 
+# The GPU figure a CPU's speedup is shown beside: README, "4. Evaluate acceptance" (batch-1
+# tokens/s of both runtimes on one H100, Qwen2.5-Coder-0.5B in bf16, commit 1e04a6f).
+GPU_FIGURE = ("on one H100 (Qwen2.5-Coder-0.5B in bf16, batch 1, static runtime; README section 4, commit "
+              "1e04a6f) a speculative step costs 1.79 plain steps, so the speedup there is about 0.56 x tau "
+              "(0.69x measured at tau 1.27)")
+
+
+def cpu_speedup_note(measured: dict[str, tuple[float, float]], batch_size: int = 1) -> str:
+    """The sentence a CPU's speedups are printed in. measured: label -> (tau, speedup)."""
+    shown = ", ".join(f"{label} {speedup:.2f}x at tau {tau:.2f} (a speculative step = {tau / speedup:.1f} "
+                      f"plain steps)" for label, (tau, speedup) in measured.items())
+    batch = "" if batch_size == 1 else f" (batch of {batch_size})"
+    return (f"speedup on this CPU{batch}: {shown}. The speedup of speculative decoding comes from a GPU, where "
+            f"verifying a whole block costs about one plain step; {GPU_FIGURE}.")
+
+
+def on_cpu(summaries: dict[str, dict]) -> bool:
+    """Every dataset was decoded on a CPU (results without a device, from before, count as not)."""
+    return all(str(s.get("device", "")).startswith("cpu") for s in summaries.values())
+
 
 def format_table(summaries: dict[str, dict]) -> str:
     """One row per dataset; agreement is '-' when sampling (no lossless check applies).
 
     Below it: tau per turn for multi-turn datasets, the per-step time split when timed,
-    and one line per dataset whose outputs diverged from plain decoding.
+    and one line per dataset whose outputs diverged from plain decoding. On a CPU the
+    speedup is not a column: it is given in a sentence beside the GPU figure.
     """
+    cpu = on_cpu(summaries)
     w = max(7, *(len(label) for label in summaries))
-    header = f"{'dataset':<{w}} {'n':>4} {'tau':>6} {'agree %':>8} {'spec tok/s':>11} {'plain tok/s':>12} {'speedup':>8}"
+    header = f"{'dataset':<{w}} {'n':>4} {'tau':>6} {'agree %':>8} {'spec tok/s':>11} {'plain tok/s':>12}"
+    header += "" if cpu else f" {'speedup':>8}"
     rows = [header, "-" * len(header)]
     for label, s in summaries.items():
         agree = "-" if s["greedy_agreement"] is None else f"{100 * s['greedy_agreement']:.1f}"
         rows.append(f"{label:<{w}} {s['num_prompts']:>4} {s['tau']:>6.2f} {agree:>8} {s['spec_tok_s']:>11.1f} "
-                    f"{s['plain_tok_s']:>12.1f} {s['speedup']:>7.2f}x")
+                    f"{s['plain_tok_s']:>12.1f}" + ("" if cpu else f" {s['speedup']:>7.2f}x"))
+    if cpu:
+        batch = max(s.get("batch_size", 1) for s in summaries.values())
+        rows.append(cpu_speedup_note({label: (s["tau"], s["speedup"]) for label, s in summaries.items()}, batch))
     rows += _footnotes(summaries)
     for label, s in summaries.items():
         diverged, ties = s.get("divergent_prompts"), s.get("near_tie_divergences")

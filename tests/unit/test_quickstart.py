@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from dflash_train.quickstart import _held_out, _stages, cpu_has_native_bf16, stage_overrides
+from dflash_train.quickstart import _held_out, _stages, _table, cpu_has_native_bf16, stage_overrides
 
 EPYC_NO_AVX512 = "processor\t: 0\nflags\t\t: fpu vme sse sse2 avx avx2 fma\n"
 EPYC_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
@@ -21,6 +21,25 @@ def test_held_out_line_reads_the_last_validation(tmp_path):
                                    "rows (teacher-forced, from the per-position accuracy)")
     (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[1]) + "\n")
     assert _held_out(tmp_path) is None
+
+
+def test_table_shows_tau_and_gives_the_speedup_only_beside_the_gpu_figure(tmp_path):
+    def write(stage, taus, speedup):
+        rows = {name: {"num_prompts": 10, "tau": tau, "greedy_agreement": 1.0, "speedup": speedup, "batch_size": 10}
+                for name, tau in taus.items()}
+        (tmp_path / stage).mkdir()
+        (tmp_path / stage / "results.json").write_text(json.dumps({"datasets": rows}))
+
+    write("eval_fresh", {"mtbench": 1.0, "humaneval": 1.0}, 0.3)
+    write("eval", {"mtbench": 1.18, "humaneval": 1.15}, 0.35)
+    lines = _table(tmp_path).splitlines()
+    assert [line.split() for line in lines[:3]] == [
+        ["dataset", "prompts", "tau", "fresh", "tau", "trained", "agreement"],
+        ["mtbench", "10", "1.00", "1.18", "100%"], ["humaneval", "10", "1.00", "1.15", "100%"]]
+    assert lines[3].startswith("speedup on this CPU (batch of 10): mtbench 0.35x at tau 1.18 (a speculative step "
+                               "= 3.4 plain steps), humaneval 0.35x at tau 1.15 (a speculative step = 3.3 plain steps). "
+                               "The speedup of speculative decoding comes from a GPU")
+    assert "on one H100" in lines[3] and len(lines) == 4
 
 
 def test_native_bf16_is_read_from_the_cpu_flags():
