@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -51,6 +52,9 @@ class DrafterConfig:
     # Start draft layer i from the target's decoder layer L - n + i (its last n layers) and the
     # final norm from the target's; fc and hidden_norm stay fresh (see model/init.py).
     init_from_target: bool = False
+    # A saved drafter to start every weight from (warm start): one of ours, or a z-lab, SpecForge,
+    # Model-Optimizer or speculators checkpoint (model/foreign.py); its geometry must match.
+    init_from: str | None = None
 
 
 @dataclass
@@ -274,6 +278,9 @@ def validate(cfg: TrainConfig) -> None:
     if d.init_from_target and d.num_hidden_layers > cfg.target.num_layers:
         raise ValueError(f"drafter.init_from_target with drafter.num_hidden_layers={d.num_hidden_layers} needs a "
                          f"target with at least as many layers; target.num_layers={cfg.target.num_layers}")
+    if d.init_from is not None and not Path(d.init_from).is_dir():
+        raise ValueError(f"drafter.init_from={d.init_from!r} is not a directory (give a saved drafter: ours, or a "
+                         "z-lab, SpecForge, Model-Optimizer or speculators checkpoint)")
     if cfg.checkpoint.resume not in RESUME_CHOICES or not isinstance(cfg.checkpoint.resume, (bool, str)):
         raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}; expected true, false or force")
     if cfg.max_steps is not None and cfg.max_steps <= 0:

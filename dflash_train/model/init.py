@@ -1,5 +1,5 @@
 """Starting a drafter: its config from a recipe, its weights from the target's own decoder
-layers (``drafter.init_from_target``).
+layers (``drafter.init_from_target``) or from a saved drafter (``drafter.init_from``).
 
 Draft layer i starts from target layer L - n + i: the target's last n layers (n draft
 layers, L target layers). Those are the layers that turn the target's mid-depth features
@@ -10,6 +10,10 @@ norms; q_norm/k_norm only if the target has them, as Qwen3 does). The drafter's 
 ``norm`` starts from the target's final norm, the one its LM head was trained behind.
 ``fc`` and ``hidden_norm`` have no counterpart and stay freshly initialised, as do q/k
 biases (Qwen2's) that the drafter does not have.
+
+``drafter.init_from=DIR`` starts every weight from a saved drafter instead: one of ours, or one
+from another trainer (z-lab, SpecForge, Model-Optimizer, speculators; see model/foreign.py).
+Its geometry must be the one the recipe builds; a difference is an error naming the setting.
 """
 
 from __future__ import annotations
@@ -64,3 +68,52 @@ def init_from_target(drafter: nn.Module, target: nn.Module) -> dict[str, str]:
         drafter.norm.weight.copy_(norm.weight.to(drafter.norm.weight.dtype))
         copied["norm.weight"] = "model.norm.weight"
     return copied
+
+
+# Settings a warm start must share with the recipe: {config field: the setting that sets it}.
+SAME_AS_RECIPE = {
+    "num_hidden_layers": "drafter.num_hidden_layers",
+    "block_size": "drafter.block_size",
+    "target_layer_ids": "drafter.target_layer_ids",
+    "mask_token_id": "target.mask_token_id",
+    "layer_types": "the target's layer types",
+    "sliding_window": "the target's sliding window",
+    "hidden_size": "the target's hidden size",
+    "intermediate_size": "the target's intermediate size",
+    "num_attention_heads": "the target's attention heads",
+    "num_key_value_heads": "the target's key/value heads",
+    "head_dim": "the target's head_dim",
+    "rms_norm_eps": "the target's rms_norm_eps",
+    "rope": "the target's RoPE",
+}
+
+
+def _geometry(config) -> dict:
+    from dflash_train.model.dflash import dflash_field, rope_parameters
+
+    layers = config.num_hidden_layers
+    out = {name: getattr(config, name, None) for name in SAME_AS_RECIPE}
+    out.update(block_size=int(dflash_field(config, "block_size")), mask_token_id=int(dflash_field(config, "mask_token_id")),
+               target_layer_ids=[int(i) for i in dflash_field(config, "target_layer_ids")],
+               layer_types=list(config.layer_types or ["full_attention"] * layers), rope=rope_parameters(config))
+    if "sliding_attention" not in out["layer_types"]:
+        out["sliding_window"] = None  # unused without sliding layers
+    return out
+
+
+def init_from_checkpoint(drafter: nn.Module, path: str, target) -> None:
+    """Replace every weight of ``drafter`` with those of the saved drafter at ``path``
+    (checked against ``target``, a TargetModel); its geometry must equal ``drafter``'s."""
+    from dflash_train.model.io import load_drafter
+
+    try:
+        loaded = load_drafter(path, target=target)
+    except ValueError as err:
+        raise ValueError(f"drafter.init_from={path}: {err}") from None
+    mine, theirs = _geometry(drafter.config), _geometry(loaded.config)
+    diff = [name for name in SAME_AS_RECIPE if mine[name] != theirs[name]]
+    if diff:
+        name = diff[0]
+        raise ValueError(f"drafter.init_from={path}: the checkpoint has {name}={theirs[name]} but this run builds "
+                         f"{mine[name]} ({SAME_AS_RECIPE[name]}); set the run to match the checkpoint")
+    drafter.load_state_dict(loaded.state_dict())  # copied into the drafter's own dtype

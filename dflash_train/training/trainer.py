@@ -33,7 +33,7 @@ from dflash_train.distributed.build import build_backend
 from dflash_train.errors import RunError, check_writable_dir
 from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY, model_card_files
 from dflash_train.model.dflash import DFlashDraftModel
-from dflash_train.model.init import drafter_config, init_from_target
+from dflash_train.model.init import drafter_config, init_from_checkpoint, init_from_target
 from dflash_train.model.io import check_export_destination, save_drafter
 from dflash_train.model.masks import build_training_masks
 from dflash_train.model.target import (
@@ -167,6 +167,10 @@ class Trainer:
             copied = init_from_target(self.drafter, target.model)
             if self.backend.is_main:
                 log.info("drafter initialised from target layers: %s", copied)
+        if d.init_from:  # every weight, so after init_from_target (which it then replaces)
+            init_from_checkpoint(self.drafter, d.init_from, target)
+            if self.backend.is_main:
+                log.info("drafter initialised from %s", d.init_from)
         # After the copy: a sharded target's weights are no longer plain tensors.
         target.model = self.backend.prepare_target(target.model)
         if cfg.target.compile:
