@@ -1,0 +1,158 @@
+"""Every turn regenerated, on the real SmolLM2 target: each assistant turn is answered on the
+target's own earlier answers, the loss mask covers exactly those answers, and a
+conversation's next turn shares a generate call with other conversations' first turns."""
+
+import json
+
+import pytest
+import torch
+
+from data_gen.config import to_datagen_config
+from data_gen.build import build_generator
+from data_gen.pipeline import run, setup
+from data_gen.turns import generate_shards
+from dflash_train.data.format import load_generated, read_manifest
+from tests.conftest import SMOLLM2
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 8
+IM_END, IM_START = 2, 1
+OLD = "AN ORIGINAL ANSWER"
+CONVERSATIONS = [
+    ["What is 2+2? Answer with one number.", "Add 3 to it. Answer with one number.", "Double it. One number."],
+    ["Name a color. One word only."],
+    ["Is the sky blue? Answer yes or no.", "Is grass green? Answer yes or no."],
+    ["What is 1+1? Answer with one number.", "Add 1. Answer with one number.", "Is it 3? Answer yes or no."],
+    ["What is 5+1? Answer with one number.", "Is it even? Answer yes or no."],
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def config(tmp_path, name, **overrides):
+    src = tmp_path / "conversations.jsonl"
+    lines = []
+    for users in CONVERSATIONS:
+        messages = []
+        for u in users:
+            messages += [{"role": "user", "content": u}, {"role": "assistant", "content": OLD}]
+        lines.append(json.dumps({"messages": messages}))
+    src.write_text("\n".join(lines))
+    cfg = {"target": {"name": SMOLLM2}, "out_dir": str(tmp_path / name), "exclude_eval": [],
+           "sources": [{"kind": "jsonl", "path": str(src)}], "shard_size": 2, "template": {"max_turns": None},
+           "sampling": {"max_new_tokens": MAX_NEW}, "backend": {"kind": "hf", "batch_size": 2, "cpu_threads": 1},
+           **overrides}
+    return to_datagen_config(cfg)
+
+
+def reference(model, shaper, prompt, max_prompt_len=10**9):
+    """Turn by turn, one unpadded prompt at a time: the answers and the last prompt."""
+    answers = []
+    for _ in prompt.user_turns:
+        ids, mask = shaper.prompt(prompt.system, prompt.user_turns, answers)
+        if len(ids) > max_prompt_len:
+            break
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=IM_END,
+                             eos_token_id=IM_END)[0, len(ids):].tolist()
+        answers.append(out[: out.index(IM_END) + 1] if IM_END in out else out)
+        last = (ids, mask)
+        if answers[-1][-1] != IM_END:
+            break
+    return answers, last
+
+
+def spans(mask):
+    """(start, end) of each run of ones."""
+    out, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+@pytest.fixture(scope="module")
+def turns_run(tmp_path_factory, smollm2, smollm2_tokenizer):
+    cfg = config(tmp_path_factory.mktemp("turns"), "all")
+    run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
+    _, _, _, shaper, prompts, _ = setup(cfg, smollm2_tokenizer)
+    refs = [reference(smollm2.model, shaper, p) for p in prompts]
+    return cfg, shaper, prompts, refs, load_generated(cfg.out_dir)
+
+
+def test_every_answer_is_regenerated_and_learned_exactly(turns_run, smollm2_tokenizer):
+    cfg, shaper, prompts, refs, data = turns_run
+    tok = smollm2_tokenizer
+    assert data["prompt_id"] == [p.prompt_id for p in prompts] and len(data) == len(CONVERSATIONS)
+    assert [len(a) for a, _ in refs] == [3, 1, 2, 3, 2], "fixture: every conversation reaches its last turn"
+    for p, (answers, (ids, mask)), row in zip(prompts, refs, data):
+        assert row["input_ids"] == ids + answers[-1] and row["loss_mask"] == mask + [1] * len(answers[-1])
+        # One learned span per answer and nothing else: not the system prompt, the user
+        # turns or the role headers. Earlier answers went through the template as text.
+        learned = spans(row["loss_mask"])
+        assert len(learned) == len(answers)
+        for (a, b), answer in zip(learned, answers):
+            assert tok.decode(row["input_ids"][a:b]) == tok.decode(answer)
+        assert row["input_ids"][learned[-1][0]:] == answers[-1]
+        # The next turn sees the target's answer, never the corpus's.
+        text = tok.decode(row["input_ids"])
+        assert OLD not in text
+        for answer, user in zip(answers, p.user_turns[1:]):
+            assert f"assistant\n{tok.decode(answer)}\n<|im_start|>user\n{user}<|im_end|>" in text
+    counts = read_manifest(cfg.out_dir)["counts"]
+    # The last answer of one conversation runs past MAX_NEW; no conversation ended early.
+    assert counts["rows"] == 5 and counts["finish_reasons"] == {"stop": 4, "length": 1}
+    assert counts["ended_early"] == {}
+
+
+class Recorder:
+    """The real hf generator, remembering which turn of which prompt each call carried."""
+
+    def __init__(self, inner, tokenizer):
+        self.inner, self.tokenizer, self.calls = inner, tokenizer, []
+
+    def generate(self, prompts, seeds):
+        # SmolLM2's template: turn t of a conversation holds 2t + 3 <|im_start|> (system, users,
+        # answers, the generation header); the first user turn names the conversation.
+        turns = [(p.count(IM_START) - 3) // 2 for p in prompts]
+        firsts = [self.tokenizer.decode(p).split("<|im_start|>user\n")[1].split("<|im_end|>")[0] for p in prompts]
+        self.calls.append([(CONVERSATIONS.index(next(c for c in CONVERSATIONS if c[0] == f)), t)
+                           for f, t in zip(firsts, turns)])
+        return self.inner.generate(prompts, seeds)
+
+
+def test_next_turn_joins_the_next_call(turns_run, smollm2, smollm2_tokenizer):
+    """Calls of two prompts over shards of two conversations: conversation 0's second turn goes
+    with conversation 2's first, and a shard is committed as soon as its conversations end
+    (shard 2, opened last, before shard 1 whose conversation 3 has three turns)."""
+    cfg, shaper, prompts, _, data = turns_run
+    generator = Recorder(build_generator(cfg.backend, cfg.sampling, SMOLLM2, shaper.stop_ids, IM_END,
+                                         smollm2_tokenizer, target=smollm2), smollm2_tokenizer)
+    shards = {k: prompts[2 * k:2 * k + 2] for k in range(3)}
+    done = list(generate_shards(cfg, shaper, generator, shards, call_size=2))
+    assert generator.calls == [[(0, 0), (1, 0)], [(0, 1), (2, 0)], [(0, 2), (2, 1)], [(3, 0), (4, 0)],
+                               [(3, 1), (4, 1)], [(3, 2)]]
+    assert [k for k, _, _ in done] == [0, 2, 1]
+    assert [r for _, rows, _ in sorted(done, key=lambda d: d[0]) for r in rows] == data.to_list()
+
+
+def test_a_turn_past_max_prompt_len_ends_the_conversation_and_keeps_the_row(tmp_path, turns_run, smollm2,
+                                                                             smollm2_tokenizer):
+    """The third prompt of conversation 0 is one token too long: its row keeps two answers."""
+    _, shaper, prompts, refs, _ = turns_run
+    third = shaper.prompt(prompts[0].system, prompts[0].user_turns, refs[0][0][:2])[0]
+    cfg = config(tmp_path, "cut", max_prompt_len=len(third) - 1, num_prompts=1)
+    run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
+    answers, (ids, _) = reference(smollm2.model, shaper, prompts[0], max_prompt_len=len(third) - 1)
+    row = load_generated(cfg.out_dir)[0]
+    assert len(answers) == 2 and row["input_ids"] == ids + answers[-1]
+    assert read_manifest(cfg.out_dir)["counts"]["ended_early"] == {"too_long": 1}
