@@ -12,6 +12,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig
 
+from dflash_train.model.dflash import check_sampling
 from dflash_train.recipe import HINT, to_config
 
 SOURCE_KINDS = ("sharegpt", "jsonl", "hf", "magpie")
@@ -109,12 +110,7 @@ class SamplingConfig:
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens}: must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature={self.temperature}: must be >= 0 (0 is greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k={self.top_k}: must be >= 0 (0 disables it)")
+        check_sampling(self.temperature, self.top_p, self.top_k, prefix="sampling.")
 
 
 @dataclass

@@ -15,9 +15,11 @@ import torch
 IGNORE_INDEX = -100
 # Slot 0 of a block holds the anchor token itself and is never supervised.
 ANCHOR_SLOT = 0
-# The paper's block: an anchor and 15 masked slots. The same value as the standalone
-# model file's DEFAULT_BLOCK_SIZE (tests hold the two equal): the config reads it from here,
-# so that processes which never build a model (backend workers) never import transformers.
+# The paper's block: an anchor and 15 masked slots; the framework's one home for the
+# default. The standalone model file (model/dflash.py, copied beside every export and
+# importing nothing of ours) keeps an equal copy for configs that name no block size,
+# held equal by tests/unit/test_layout.py. Here, processes that never build a model
+# (backend workers) read it without importing transformers.
 DEFAULT_BLOCK_SIZE = 16
 # The paper's loss decay per block size: w_k = exp(-(k-1)/gamma).
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}

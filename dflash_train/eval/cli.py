@@ -35,6 +35,7 @@ from dflash_train.eval.acceptance import PromptResult, compare_prompt, summarize
 from dflash_train.eval.batched import compare_batch
 from dflash_train.eval.plot import plot_acceptance
 from dflash_train.eval.report import format_table
+from dflash_train.model.dflash import check_sampling
 from dflash_train.recipe import HINT, load_command, log_to_stdout
 
 RANDOM_DRAFTER = "random"
@@ -72,8 +73,7 @@ def validate(cfg: EvalConfig) -> None:
         raise ValueError(f"drafter_path='': set drafter_path=<drafter directory> or drafter_path={RANDOM_DRAFTER}")
     if cfg.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
-    if cfg.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {cfg.temperature}")
+    check_sampling(cfg.temperature)
     if cfg.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
     if cfg.max_turns is not None and cfg.max_turns < 1:

@@ -31,6 +31,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 # hidden_states[0] of an HF causal LM is the embedding output: id i is hidden_states[i + 1].
 EMBEDDING_OFFSET = 1
 # The paper's block: an anchor and 15 masked slots. Configs that name no block size get it.
+# dflash_train.contract.DEFAULT_BLOCK_SIZE is the framework's home for it (recipes read it
+# there); this file imports nothing of ours, being copied beside every export, so it keeps
+# this copy, held equal to the contract's by tests/unit/test_layout.py. Code outside this
+# file reads a config's block size through `block_size_of`, never this constant.
 DEFAULT_BLOCK_SIZE = 16
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -50,6 +54,11 @@ def dflash_field(config, name: str, default=None):
     if name in nested:
         return nested[name]
     return getattr(config, name, default)
+
+
+def block_size_of(config) -> int:
+    """The block size a drafter config means: its DFlash setting, else the default."""
+    return int(dflash_field(config, "block_size", DEFAULT_BLOCK_SIZE))
 
 
 def rope_parameters(config) -> dict:
@@ -306,7 +315,7 @@ class DFlashDraftModel(PreTrainedModel):
         super().__init__(config)
         self.target_layer_ids = [int(i) for i in dflash_field(config, "target_layer_ids")]
         self.mask_token_id = dflash_field(config, "mask_token_id")
-        self.block_size = int(dflash_field(config, "block_size", DEFAULT_BLOCK_SIZE))
+        self.block_size = block_size_of(config)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
@@ -409,6 +418,17 @@ class DFlashDraftModel(PreTrainedModel):
         return result if return_stats else result.output_ids
 
 
+def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = 0, prefix: str = "") -> None:
+    """The one check of sampling settings (this runtime's, dflash-eval's, data generation's):
+    ValueError naming the offending value, ``prefix`` its recipe section ("sampling.")."""
+    if temperature < 0:
+        raise ValueError(f"{prefix}temperature={temperature}: must be >= 0 (0 is greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{prefix}top_p={top_p}: must be in (0, 1]")
+    if top_k < 0:
+        raise ValueError(f"{prefix}top_k={top_k}: must be >= 0 (0 disables it)")
+
+
 @dataclass
 class Sampling:
     temperature: float = 0.0
@@ -416,11 +436,7 @@ class Sampling:
     top_k: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(
-                f"sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
-                f"temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}"
-            )
+        check_sampling(self.temperature, self.top_p, self.top_k)
 
     @property
     def greedy(self) -> bool:

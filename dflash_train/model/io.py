@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 from dflash_train.atomic import atomic_write
 from dflash_train.model import dflash
 from dflash_train.model.dflash import (
-    DEFAULT_BLOCK_SIZE,
     DFlashConfig,
     DFlashDraftModel,
+    block_size_of,
     dflash_field,
     rope_parameters,
 )
@@ -53,7 +53,7 @@ def export_config(config) -> dict:
         architectures=["DFlashDraftModel"],
         model_type="qwen3",
         auto_map={"AutoModel": "dflash.DFlashDraftModel"},
-        block_size=int(dflash_field(config, "block_size", DEFAULT_BLOCK_SIZE)),
+        block_size=block_size_of(config),
         num_target_layers=int(config.num_target_layers),
         dflash_config={
             "mask_token_id": int(dflash_field(config, "mask_token_id")),
@@ -165,7 +165,7 @@ def validate_config(config) -> None:
     mask_id = dflash_field(config, "mask_token_id")
     if mask_id is None or not 0 <= int(mask_id) < config.vocab_size:
         raise ValueError(f"mask_token_id={mask_id} is outside the vocabulary (0..{config.vocab_size - 1})")
-    if int(dflash_field(config, "block_size", DEFAULT_BLOCK_SIZE)) < 2:
+    if block_size_of(config) < 2:
         raise ValueError(f"block_size={dflash_field(config, 'block_size')} must be at least 2")
 
 

@@ -13,12 +13,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from dflash_train.model.dflash import (
-    DEFAULT_BLOCK_SIZE,
-    FULL_ATTENTION,
-    SLIDING_ATTENTION,
-    visible_mask,
-)
+from dflash_train.model.dflash import FULL_ATTENTION, SLIDING_ATTENTION, block_size_of, visible_mask
 
 TILE = 128  # flex-attention's default sparse block size, for queries and keys
 
@@ -202,7 +197,7 @@ def build_training_masks(config, anchors, anchor_valid, context_len, doc_ids=Non
     """
     if kind not in ("flex", "dense"):
         raise ValueError(f"mask kind must be 'flex' or 'dense', got {kind!r}")
-    block_size = int(getattr(config, "block_size", DEFAULT_BLOCK_SIZE))
+    block_size = block_size_of(config)  # the drafter's own rule: dflash_config wins
     anchors = anchors.masked_fill(~anchor_valid, 0)
     build = build_block_mask if kind == "flex" else visible_mask
     layer_types = getattr(config, "layer_types", None) or [FULL_ATTENTION]

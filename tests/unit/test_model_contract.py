@@ -193,3 +193,20 @@ def test_last_layer_id_matches_hidden_states_semantics():
     hs = target(ids, output_hidden_states=True).hidden_states
     feats = TargetModel(target).features(ids, [5])
     torch.testing.assert_close(feats, hs[6], atol=0, rtol=0)  # HF's last entry is after the final norm
+
+
+@pytest.mark.parametrize("kind", ["flex", "dense"])
+def test_training_masks_take_the_block_size_the_drafter_takes(kind):
+    # a config whose dflash_config names the block size: the drafter reads it there, and so
+    # must the masks, or the training masks would cut blocks of 16 where the drafter has 4
+    config = DFlashConfig(dflash_config={"block_size": 4, "target_layer_ids": [1], "mask_token_id": 0},
+                          hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                          intermediate_size=16, num_hidden_layers=1, vocab_size=10)
+    assert config.block_size == 16 and DFlashDraftModel(config).block_size == 4
+    anchors = torch.tensor([[0, 5]])
+    masks = build_training_masks(config, anchors, torch.ones_like(anchors, dtype=torch.bool), 10, kind=kind)
+    (mask,) = masks.values()
+    if kind == "dense":
+        assert torch.equal(mask, reference_mask(anchors, 10, 4))
+    else:  # (queries: 2 blocks of 4, keys: 10 context + the 8 block tokens)
+        assert mask.seq_lengths == (2 * 4, 10 + 2 * 4)
