@@ -24,6 +24,7 @@ from dflash_train.model.dflash import (
     rope_parameters,
 )
 from dflash_train.model.foreign import read_foreign, read_weights
+from dflash_train.model.serving import layer_types, serving_conflicts, serving_fields
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -49,6 +50,7 @@ def export_config(config) -> dict:
     rope = rope_parameters(config)
     for key in FORBIDDEN_KEYS:
         out.pop(key, None)
+    serving_top, serving_nested = serving_fields(config)  # what vLLM and SGLang read (model/serving.py)
     out.update(
         architectures=["DFlashDraftModel"],
         model_type="qwen3",
@@ -58,13 +60,15 @@ def export_config(config) -> dict:
         dflash_config={
             "mask_token_id": int(dflash_field(config, "mask_token_id")),
             "target_layer_ids": [int(i) for i in dflash_field(config, "target_layer_ids")],
+            **serving_nested,
         },
         rope_theta=rope["rope_theta"],
         rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
         rope_parameters=rope,
         hidden_act="silu",
         tie_word_embeddings=False,
-        layer_types=list(config.layer_types or ["full_attention"] * config.num_hidden_layers),
+        layer_types=layer_types(config),
+        **serving_top,
     )
     return out
 
@@ -115,8 +119,12 @@ def save_drafter(model: DFlashDraftModel, out_dir, extra_files: dict | None = No
     config_dict = export_config(model.config)
     # The names and shapes the exported config implies, from a weightless (meta) model:
     # a real one would allocate and initialise a full drafter just to be compared.
+    written = DFlashConfig(**_config_fields(config_dict))
+    conflicts = serving_conflicts(written)  # a drafter vLLM or SGLang would run otherwise is not exported
+    if conflicts:
+        raise ValueError(f"{out_dir}: " + "; ".join(conflicts))
     with torch.device("meta"):
-        expected = DFlashDraftModel(DFlashConfig(**_config_fields(config_dict))).state_dict()
+        expected = DFlashDraftModel(written).state_dict()
     check_weights(state, expected, out_dir)
     check_finite(state, out_dir)
 
@@ -167,6 +175,9 @@ def validate_config(config) -> None:
         raise ValueError(f"mask_token_id={mask_id} is outside the vocabulary (0..{config.vocab_size - 1})")
     if block_size_of(config) < 2:
         raise ValueError(f"block_size={dflash_field(config, 'block_size')} must be at least 2")
+    conflicts = serving_conflicts(config)
+    if conflicts:
+        raise ValueError("; ".join(conflicts))
 
 
 def validate_against_target(config, target) -> None:

@@ -46,7 +46,10 @@ def test_config_and_weight_names_follow_the_contract(export):
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
     assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 6 and cfg["num_hidden_layers"] == 2
-    assert cfg["dflash_config"] == {"mask_token_id": 96, "target_layer_ids": [1, 3]}
+    assert cfg["dflash_config"] == {"mask_token_id": 96, "target_layer_ids": [1, 3], "causal": False, "use_swa": False}
+    # the keys only serving engines read (tests/unit/test_serving_keys.py reads them as they do)
+    assert cfg["is_causal"] is False and cfg["target_hidden_size"] == 64 and cfg["draft_vocab_size"] == 97
+    assert cfg["rope_is_neox_style"] is True and cfg["is_neox_style"] is True
     assert cfg["hidden_act"] == "silu" and cfg["tie_word_embeddings"] is False
     assert cfg["rope_theta"] == 10000.0 and cfg["layer_types"] == ["full_attention"] * 2
     assert "eagle_aux_hidden_state_layer_ids" not in cfg
