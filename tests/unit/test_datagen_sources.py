@@ -66,6 +66,17 @@ def test_jsonl_bad_lines_and_multi_turn(tmp_path):
     assert any("unknown role 'robot'" in e for e in skips.examples["malformed"])
 
 
+def test_a_source_stops_at_its_num_prompts(tmp_path):
+    """num_prompts counts usable prompts per source (skips do not count), then the next source reads."""
+    lines = ['{"prompt": "A"}', '{"prompt": " "}', '{"prompt": "A"}', '{"prompt": "B"}', '{"prompt": "C"}']
+    (tmp_path / "p.jsonl").write_text("\n".join(lines))
+    (tmp_path / "q.jsonl").write_text('{"prompt": "D"}\n{"prompt": "E"}')
+    got, skips = prompts_of([SourceConfig(kind="jsonl", path=str(tmp_path / "p.jsonl"), num_prompts=2, name="p"),
+                             SourceConfig(kind="jsonl", path=str(tmp_path / "q.jsonl"), name="q")])
+    assert [(p.source, p.user_turns[0]) for p in got] == [("p", "A"), ("p", "B"), ("q", "D"), ("q", "E")]
+    assert dict(skips.counts) == {"empty": 1, "duplicate": 1}
+
+
 def test_hf_dataset_sources(tmp_path):
     datasets.Dataset.from_dict({"instruction": ["One", "Two"]}).to_parquet(str(tmp_path / "d.parquet"))
     chats = [[{"role": "user", "content": "Three"}], [{"from": "human", "value": "Four"}]]
@@ -116,6 +127,11 @@ def base_config(**overrides):
     ({"sources": [{"path": "x"}]}, r"missing value for sources\[0\].kind"),
     ({"sources": [{"kind": "jsonl", "pth": "x"}]}, r"unknown key sources\[0\].pth \(did you mean sources\[0\].path\?\)"),
     ({"sources": []}, r"sources=\[\]: expected a non-empty list"),
+    ({"sources": [{"kind": "magpie"}]}, r"sources\[0\]: a magpie source needs num_prompts"),
+    ({"sources": [{"kind": "magpie", "num_prompts": 4, "path": "x"}]}, r"sources\[0\].path='x': a magpie source"),
+    ({"sources": [{"kind": "magpie", "num_prompts": 4, "temperature": 0}]}, r"temperature=0.0 must be > 0"),
+    ({"sources": [{"kind": "magpie", "num_prompts": 4, "max_candidates": 3}]}, r"max_candidates=3: must be >= num"),
+    ({"sources": [{"kind": "jsonl", "path": "a", "num_prompts": 0}]}, r"sources\[0\].num_prompts=0"),
 ])
 def test_config_errors_name_the_value(overrides, message):
     with pytest.raises(ValueError, match=message):

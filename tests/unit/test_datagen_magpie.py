@@ -1,0 +1,81 @@
+"""Magpie sources (prompts written by the target): the template prefix they start from, and
+the filters on stored candidates, with the real SmolLM2 tokenizer and template."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from data_gen.config import to_datagen_config
+from data_gen.magpie import MagpieWriter, user_prefix
+from data_gen.pipeline import setup
+from data_gen.template import ChatShaper
+from dflash_train.data.prompts import load_benchmark
+from dflash_train.model.target import stop_token_ids, target_identity
+from tests.conftest import SMOLLM2
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
+SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+def test_prefix_keeps_the_system_prompt_and_stops_at_the_user_content(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert user_prefix(ChatShaper(tok, [2])) == SMOL_SYSTEM + "<|im_start|>user\n"
+    assert user_prefix(ChatShaper(tok, [2], system_prompt="Ask about cooking.")) == \
+        "<|im_start|>system\nAsk about cooking.<|im_end|>\n<|im_start|>user\n"
+    # Qwen3's thinking switch shapes the answers' prompts, not the user turn the target writes.
+    qwen3 = ChatShaper(tok, [2], enable_thinking=False, chat_template=str(TEMPLATES / "qwen3.jinja"))
+    assert user_prefix(qwen3) == "<|im_start|>user\n"
+    ids, mask = qwen3.prompt(None, ["Why is the sky blue?"], [])
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and sum(mask) == 0
+
+
+def config(out_dir, num_prompts, **overrides):
+    cfg = {"target": {"name": SMOLLM2}, "out_dir": str(out_dir), "max_prompt_len": 64,
+           "sources": [{"kind": "magpie", "num_prompts": num_prompts, "max_tokens": 24}], **overrides}
+    return to_datagen_config(cfg)
+
+
+def store(cfg, tokenizer, chunks: list[list[tuple[str, str]]]):
+    """Candidate files as a magpie run writes them: (text, finish_reason) per candidate."""
+    src = cfg.sources[0]
+    writer = MagpieWriter(src, ChatShaper(tokenizer, stop_token_ids(tokenizer)), Path(cfg.out_dir),
+                          cfg.sampling.seed, target_identity(SMOLLM2), None, 8)
+    writer.folder.mkdir(parents=True)
+    (writer.folder / "settings.json").write_text(json.dumps(writer.settings))
+    start = 0
+    for chunk in chunks:
+        lines = [json.dumps({"index": start + i, "text": t, "finish_reason": f, "num_tokens": 5})
+                 for i, (t, f) in enumerate(chunk)]
+        (writer.folder / f"candidates-{start:09d}.jsonl").write_text("\n".join(lines) + "\n")
+        start += len(chunk)
+
+
+def candidates():
+    mtbench = load_benchmark("mtbench", limit=1)[0].turns[0]
+    return [[("Write a poem about the sea.", "stop"), ("", "stop"), ("Write a poem  about the sea. ", "stop"),
+             ("A question cut off at", "length"), (mtbench, "stop"), ("word " * 80, "stop"),
+             ("How do magnets work?", "stop")],
+            [("Explain recursion.", "stop"), ("Name three rivers.", "stop")]]
+
+
+@pytest.mark.parametrize("num_prompts, kept", [(3, 3), (5, 4)])
+def test_filters_drop_empty_duplicate_truncated_eval_and_too_long(tmp_path, smollm2_tokenizer, num_prompts, kept):
+    """Reading stops at num_prompts usable prompts; with more asked than stored, at the last
+    stored candidate (a rank other than 0 never samples)."""
+    cfg = config(tmp_path / "out", num_prompts)
+    store(cfg, smollm2_tokenizer, candidates())
+    _, _, _, _, prompts, skips = setup(cfg, smollm2_tokenizer)
+    texts = ["Write a poem about the sea.", "How do magnets work?", "Explain recursion.", "Name three rivers."]
+    assert [p.user_turns for p in prompts] == [(t,) for t in texts[:kept]]
+    assert {(p.source, p.system) for p in prompts} == {("magpie", None)}
+    assert dict(skips.counts) == {"empty": 1, "duplicate": 1, "truncated": 1, "eval_overlap": 1, "too_long": 1}
+    assert skips.examples["truncated"] == ["magpie candidate 3: no end of turn within max_tokens=24"]
+
+
+def test_stored_prompts_of_other_settings_are_refused(tmp_path, smollm2_tokenizer):
+    cfg = config(tmp_path / "out", 3)
+    store(cfg, smollm2_tokenizer, candidates())
+    other = config(tmp_path / "out", 3, template={"system_prompt": "Ask about cooking."})
+    with pytest.raises(ValueError, match=r"prompts/magpie' holds prompts made with prefix="):
+        setup(other, smollm2_tokenizer)
