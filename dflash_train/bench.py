@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from dflash_train.config import TrainConfig, validate
 from dflash_train.data.dataset import TrainingData
 from dflash_train.distributed.build import build_backend
 from dflash_train.errors import RunError, run_command
+from dflash_train.model.dflash import device_clock
 from dflash_train.model.target import TargetModel, load_target, resolve_target, target_dtype
 from dflash_train.recipe import compose_recipe, parse_command_line, to_config
 from dflash_train.training import flops
@@ -148,36 +148,30 @@ def random_data(cfg, rows: int, vocab: int) -> TrainingData:
                         mask_token_id=cfg.target.mask_token_id)
 
 
-def _sync(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def phase_times(trainer: Trainer, step: int) -> dict[str, float]:
     """One optimizer step cut into phases, each closed by a device sync (seconds)."""
     dev = trainer.backend.device
     out = dict.fromkeys(PHASES, 0.0)
     batches = trainer.micro_batches(step)
     for m, batch in enumerate(batches):
-        t0 = _sync(dev)
+        t0 = device_clock(dev)
         feats, noise, final = trainer.target_inputs(batch)
-        t1 = _sync(dev)
+        t1 = device_clock(dev)
         masks = trainer.masks(batch)
-        t2 = _sync(dev)
+        t2 = device_clock(dev)
         hidden = trainer.draft(batch, feats, noise, masks)
-        t3 = _sync(dev)
+        t3 = device_clock(dev)
         loss = trainer.loss(batch, hidden, final)
-        t4 = _sync(dev)
+        t4 = device_clock(dev)
         trainer.backend.backward(loss.weighted_sum / loss.weight_sum.clamp(min=1.0), sync=m == len(batches) - 1)
-        t5 = _sync(dev)
+        t5 = device_clock(dev)
         out["target_forward"] += t1 - t0
         out["mask_build"] += t2 - t1
         out["drafter_fwd_bwd"] += (t3 - t2) + (t5 - t4)
         out["loss"] += t4 - t3
-    t6 = _sync(dev)
+    t6 = device_clock(dev)
     trainer.backend.step()
-    out["optimizer"] = _sync(dev) - t6
+    out["optimizer"] = device_clock(dev) - t6
     return out
 
 
@@ -205,7 +199,7 @@ def profile_table(trainer: Trainer, step: int, rows: int = 30) -> str:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         trainer.train_step(step)
-        _sync(trainer.backend.device)
+        device_clock(trainer.backend.device)
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
@@ -220,9 +214,9 @@ def run(trainer: Trainer, steps: int, warmup: int) -> dict:
     graphs_after_warmup = compiled_graphs()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    start = _sync(dev)
+    start = device_clock(dev)
     sums = [trainer.train_step(warmup + s) for s in range(steps)]
-    seconds = _sync(dev) - start
+    seconds = device_clock(dev) - start
     skipped = sum(not s["finite"] for s in sums)
     if skipped:
         # A skipped update leaves out the optimizer's pass over the weights: such a step is
@@ -232,9 +226,9 @@ def run(trainer: Trainer, steps: int, warmup: int) -> dict:
                        "dtype and learning rate)")
     val_s = None
     if val:
-        t0 = _sync(dev)
+        t0 = device_clock(dev)
         trainer.validate()
-        val_s = _sync(dev) - t0
+        val_s = device_clock(dev) - t0
     recompiled = compiled_graphs() - graphs_after_warmup
     phases = [phase_times(trainer, warmup + steps + s) for s in range(steps)]
     held = _host_stats(trainer, warmup, steps)

@@ -17,13 +17,12 @@ divergence at a gap of a few ulps is rounding, one at a clear gap is a bug.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
-from dflash_train.model.dflash import TargetSlots, static_runtime
+from dflash_train.model.dflash import TargetSlots, device_clock, static_runtime
 
 NEAR_TIE_ULPS = 4.0  # a divergence at a top-2 gap of at most this many rounding steps is numerics
 
@@ -172,7 +171,7 @@ def summarize(results: list[PromptResult], block_size: int, greedy: bool) -> dic
     }
 
 
-def _next_token(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def next_token(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """(1, V) logits -> (1, 1) token: argmax when greedy, else a sample at ``temperature``."""
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
@@ -233,7 +232,7 @@ def plain_decode(model, input_ids: torch.Tensor, max_new_tokens: int, stop_token
         logits = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     new = []
     for _ in range(max_new_tokens):
-        token = _next_token(logits[:, -1], temperature)  # (1, 1)
+        token = next_token(logits[:, -1], temperature)  # (1, 1)
         if top2 is not None:
             top2.append(logits[0, -1].topk(2).values)
         new.append(token)
@@ -263,15 +262,11 @@ def trim_output(new_ids: list[int], max_new_tokens: int, stop_token_ids) -> list
     return new_ids
 
 
-def _timed(fn, device: torch.device):
+def timed(fn, device: torch.device):
     """Run ``fn`` and return (result, seconds), waiting for queued GPU work on both ends."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
+    start = device_clock(device)
     result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return result, time.perf_counter() - start
+    return result, device_clock(device) - start
 
 
 def compare_prompt(drafter, model, prompt_id: str, input_ids: torch.Tensor, max_new_tokens: int,
@@ -288,12 +283,12 @@ def compare_prompt(drafter, model, prompt_id: str, input_ids: torch.Tensor, max_
     device = input_ids.device
     prompt_len = input_ids.shape[1]
     torch.manual_seed(seed)
-    stats, spec_s = _timed(lambda: drafter.spec_generate(
+    stats, spec_s = timed(lambda: drafter.spec_generate(
         target=model, input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
         stop_token_ids=stop_token_ids, return_stats=True, time_steps=time_steps, static=static), device)
     torch.manual_seed(seed)
     top2: list[torch.Tensor] = []
-    plain, plain_s = _timed(lambda: plain_decode(model, input_ids, max_new_tokens, stop_token_ids, temperature,
+    plain, plain_s = timed(lambda: plain_decode(model, input_ids, max_new_tokens, stop_token_ids, temperature,
                                                  top2, static), device)
     gaps = top2_gaps_ulps(top2, model.dtype)
     spec_ids = stats.output_ids[0, prompt_len:].tolist()

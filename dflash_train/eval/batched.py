@@ -30,9 +30,9 @@ from dflash_train.model.dflash import (
     ContextCache,
     Sampling,
     SpecOutput,
-    _sync,
-    _verify,
+    device_clock,
     target_features,
+    verify_drafts,
 )
 
 PAD_ID = 0  # any valid id: padded slots are masked out and never read
@@ -105,7 +105,7 @@ def _accept(block, draft_probs, logits, sampling, generator) -> tuple[torch.Tens
         target_tokens = logits.argmax(-1)  # (b, B)
         accepted = (block[:, 1:] == target_tokens[:, :-1]).long().cumprod(1).sum(1)  # (b,)
         return accepted, target_tokens.gather(1, accepted[:, None])[:, 0]
-    pairs = [_verify(block[i, 1:], draft_probs[i], logits[i], sampling, generator) for i in range(len(block))]
+    pairs = [verify_drafts(block[i, 1:], draft_probs[i], logits[i], sampling, generator) for i in range(len(block))]
     return (torch.tensor([a for a, _ in pairs], device=block.device),
             torch.stack([torch.as_tensor(t, device=block.device) for _, t in pairs]))
 
@@ -144,7 +144,7 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
 
     mask_id, width = drafter.mask_token_id, drafter.block_size
     device = target.device
-    t0 = _sync(device)
+    t0 = device_clock(device)
     ids, valid, positions = left_pad(prompts, device)
     cache = DynamicCache(config=target.config)
     out = target(ids, attention_mask=valid.long(), position_ids=positions, past_key_values=cache, use_cache=True,
@@ -161,7 +161,7 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     committed = [len(p) for p in prompts]  # valid slots per row, in the target's cache and the drafter's
     compact = _compactable(cache)
-    t1 = _sync(device)
+    t1 = device_clock(device)
     while not all(rows.done):
         clock.lap()
         block = torch.full((len(prompts), width), mask_id, dtype=torch.long, device=device)
@@ -204,7 +204,7 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
         new_feats, new_pos = target_features(out.hidden_states, drafter.target_layer_ids), block_pos
         anchor, start = bonus, start + accepted + 1
         clock.lap("bookkeeping")
-    t2 = _sync(device)
+    t2 = device_clock(device)
     return [SpecOutput(output_ids=torch.tensor([p + new], dtype=torch.long), acceptance_lengths=lengths,
                        num_new_tokens=len(new), prefill_s=t1 - t0, decode_s=t2 - t1, step_times=clock.result())
             for p, new, lengths in zip(prompts, rows.new, rows.lengths)]
@@ -217,7 +217,7 @@ def target_generate_batch(model, prompts: list[list[int]], max_new_tokens: int, 
     stop token. ``gaps_ulps`` (one list per row) receives each recorded step's top-2 gap."""
     from transformers import DynamicCache
 
-    from dflash_train.eval.acceptance import _next_token, top2_gaps_ulps
+    from dflash_train.eval.acceptance import next_token, top2_gaps_ulps
 
     ids, valid, positions = left_pad(prompts, model.device)
     cache = DynamicCache(config=model.config)
@@ -227,7 +227,7 @@ def target_generate_batch(model, prompts: list[list[int]], max_new_tokens: int, 
     mask, position = valid.long(), positions[:, -1]
     tops, recorded = [], [[] for _ in prompts]  # each step's (b, 2) top logits; the steps each row recorded
     while True:
-        token = _next_token(out.logits[:, -1], temperature)  # (b, 1)
+        token = next_token(out.logits[:, -1], temperature)  # (b, 1)
         if gaps_ulps is not None:  # kept on the device: one copy after the loop, not one per row and step
             tops.append(out.logits[:, -1].topk(2).values)
         for i, t in enumerate(token[:, 0].tolist()):
@@ -253,17 +253,17 @@ def compare_batch(drafter, model, prompt_ids: list[str], prompts: list[list[int]
     Each row's spec_s / plain_s is its share of the batch's wall time (the time split
     evenly), so tokens/s summed over a dataset is the batches' throughput.
     """
-    from dflash_train.eval.acceptance import PromptResult, _timed, trim_output
+    from dflash_train.eval.acceptance import PromptResult, timed, trim_output
     from dflash_train.model.dflash import StepClock
 
     device = model.device
     clock = StepClock(device) if time_steps else NO_CLOCK
     torch.manual_seed(seed)
-    spec, spec_s = _timed(lambda: spec_generate_batch(drafter, model, prompts, max_new_tokens, Sampling(temperature),
+    spec, spec_s = timed(lambda: spec_generate_batch(drafter, model, prompts, max_new_tokens, Sampling(temperature),
                                                       stop_token_ids, clock=clock), device)
     torch.manual_seed(seed)
     gaps = [[] for _ in prompts]
-    plain, plain_s = _timed(lambda: target_generate_batch(model, prompts, max_new_tokens, stop_token_ids,
+    plain, plain_s = timed(lambda: target_generate_batch(model, prompts, max_new_tokens, stop_token_ids,
                                                           temperature, gaps), device)
     share = 1 / len(prompts)
     step_times = None

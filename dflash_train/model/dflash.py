@@ -482,7 +482,8 @@ def target_features(hidden_states, layer_ids) -> torch.Tensor:
     return torch.cat([hidden_states[i + EMBEDDING_OFFSET] for i in layer_ids], dim=-1)
 
 
-def _sync(device) -> float:
+def device_clock(device) -> float:
+    """time.perf_counter() once the device has run everything queued on it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -505,7 +506,7 @@ class StepClock:
         self.last = 0.0
 
     def lap(self, part: str | None = None) -> None:
-        now = _sync(self.device)
+        now = device_clock(self.device)
         if part is not None:
             self.totals[part] += now - self.last
         self.last = now
@@ -527,7 +528,7 @@ class _NoClock:
 NO_CLOCK = _NoClock()
 
 
-def _verify(drafts, draft_probs, target_logits, sampling: Sampling, generator):
+def verify_drafts(drafts, draft_probs, target_logits, sampling: Sampling, generator):
     """Accepted draft count and the token that follows them.
 
     drafts: (L-1,), draft_probs: (L-1, V) or None (greedy), target_logits: (L, V) where row
@@ -595,13 +596,13 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
     stops = set(stop_token_ids or [])
     device = input_ids.device
     prompt_len = input_ids.shape[1]
-    t0 = _sync(device)
+    t0 = device_clock(device)
     target_cache = DynamicCache()
     out = target(input_ids, past_key_values=target_cache, use_cache=True, output_hidden_states=True)
     tokens = input_ids[0].tolist() + [int(_first_token(out.logits[0, -1], sampling, generator))]
     new_features = target_features(out.hidden_states, model.target_layer_ids)  # (1, prompt, n*H)
     draft_cache = ContextCache()
-    t1 = _sync(device)
+    t1 = device_clock(device)
     lengths = []
     while len(tokens) - prompt_len < max_new_tokens and tokens[-1] not in stops:
         clock.lap()
@@ -622,7 +623,7 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
         positions = torch.arange(start, start + width, device=device)[None]
         out = target(block, position_ids=positions, past_key_values=target_cache, use_cache=True,
                      output_hidden_states=True)
-        accepted, bonus = _verify(block[0, 1:], draft_probs, out.logits[0], sampling, generator)
+        accepted, bonus = verify_drafts(block[0, 1:], draft_probs, out.logits[0], sampling, generator)
         clock.lap("verify")
         committed = _cut_after_stop(block[0, 1 : accepted + 1].tolist() + [int(bonus)], stops)
         tokens += committed
@@ -630,7 +631,7 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
         _crop(target_cache, len(tokens) - 1)
         new_features = target_features(out.hidden_states, model.target_layer_ids)[:, : accepted + 1]
         clock.lap("bookkeeping")
-    return SpecOutput.of_run(tokens, lengths, prompt_len, (t0, t1, _sync(device)), clock, device)
+    return SpecOutput.of_run(tokens, lengths, prompt_len, (t0, t1, device_clock(device)), clock, device)
 
 
 # The static runtime. Every decode step has fixed shapes, so on a GPU each step is captured
@@ -887,7 +888,7 @@ def static_runtime(owner: nn.Module, needed: int, fits, build):
 
 
 def _accept(drafts, draft_probs, target_logits, sampling: Sampling, generator, usable: int):
-    """`_verify` on the device, with no host sync: accepted count and next token, 0-d tensors.
+    """`verify_drafts` on the device, with no host sync: accepted count and next token, 0-d tensors.
 
     Only the first `usable` drafts count (the rest lie past the budget). Sampling draws all
     uniforms at once and accepts the prefix where u < p/q; after a rejection at row i the
@@ -930,13 +931,13 @@ def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_to
                         lambda rt, size: rt.fits(model, target, size, graphs),
                         lambda size: StaticSpeculator(model, target, size, graphs))
     end = prompt_len + max_new_tokens - 1  # the last new token's position: no block slot there commits
-    t0 = _sync(device)
+    t0 = device_clock(device)
     logits, feats = rt.verifier.prefill(input_ids, logits_to_keep=1)
     anchor = _first_token(logits[0, -1], sampling, generator).view(1)
     tokens = input_ids[0].tolist() + [int(anchor)]
     rt.end.fill_(end)
     first_ctx = (feats, torch.arange(prompt_len, device=device)[None])
-    t1 = _sync(device)
+    t1 = device_clock(device)
     lengths = []
     while len(tokens) - prompt_len < max_new_tokens and tokens[-1] not in stops:
         clock.lap()
@@ -965,4 +966,4 @@ def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_to
         rt.ctx_pos.copy_(rt.block_pos)
         anchor = bonus.view(1)
         clock.lap("bookkeeping")
-    return SpecOutput.of_run(tokens, lengths, prompt_len, (t0, t1, _sync(device)), clock, device)
+    return SpecOutput.of_run(tokens, lengths, prompt_len, (t0, t1, device_clock(device)), clock, device)
