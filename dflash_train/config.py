@@ -130,7 +130,10 @@ class HubConfig:
 
 
 @dataclass
-class BackendConfig:
+class DistributedConfig:
+    """The recipe's ``backend`` section: how dflash_train.distributed runs the training.
+    (data_gen's BackendConfig is the response generator's section of a datagen recipe.)"""
+
     # single | ddp | fsdp2 | zero2 | zero3
     name: str = "single"
     # auto picks nccl on CUDA and gloo on CPU
@@ -163,7 +166,7 @@ class TrainConfig:
     hub: HubConfig = field(default_factory=HubConfig)
     # Owned by dflash_train.distributed (device, mixed precision, sharding): typed here, its
     # choices checked by build_backend (which knows whether deepspeed is installed).
-    backend: BackendConfig = field(default_factory=BackendConfig)
+    backend: DistributedConfig = field(default_factory=DistributedConfig)
     output_dir: str = field(default=MISSING, metadata={HINT: "<run folder>"})
     seed: int = 0
     epochs: int = 6

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from dflash_train.config import BackendConfig
+from dflash_train.config import DistributedConfig
 from dflash_train.training.state_files import SHARDED_DIR, STATE_FILES
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -62,7 +62,7 @@ def shardable_blocks(module: nn.Module) -> list[nn.Module]:
 class Backend(ABC):
     """One training strategy. Construct with `build_backend`; call `setup` once."""
 
-    def __init__(self, cfg: BackendConfig, rank: int, world_size: int, local_rank: int,
+    def __init__(self, cfg: DistributedConfig, rank: int, world_size: int, local_rank: int,
                  device: torch.device, mixed_dtype: torch.dtype | None, owns_group: bool):
         self.cfg = cfg
         self.rank = rank

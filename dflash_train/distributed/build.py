@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from dflash_train.config import BackendConfig
+from dflash_train.config import DistributedConfig
 from dflash_train.distributed.backend import Backend
 from dflash_train.distributed.launch import LaunchEnv, launch_env
 from dflash_train.recipe import to_config
@@ -24,10 +24,10 @@ BACKEND_NAMES = ("single", "ddp", "fsdp2", "zero2", "zero3")
 DEEPSPEED_BACKENDS = ("zero2", "zero3")
 
 
-def _as_config(cfg: BackendConfig | DictConfig | dict | None) -> BackendConfig:
-    if isinstance(cfg, BackendConfig):
+def _as_config(cfg: DistributedConfig | DictConfig | dict | None) -> DistributedConfig:
+    if isinstance(cfg, DistributedConfig):
         return cfg
-    return to_config(BackendConfig, cfg or {}, prefix="backend")
+    return to_config(DistributedConfig, cfg or {}, prefix="backend")
 
 
 def _check_choice(field: str, value: str, choices: Iterable[str]) -> None:
@@ -36,7 +36,7 @@ def _check_choice(field: str, value: str, choices: Iterable[str]) -> None:
         raise ValueError(f"backend.{field}={value!r} is not one of {list(choices)}")
 
 
-def validate_config(cfg: BackendConfig) -> None:
+def validate_config(cfg: DistributedConfig) -> None:
     """Cross-field checks that need no process group; raises ValueError with the values."""
     _check_choice("name", cfg.name, BACKEND_NAMES)
     _check_choice("dist_backend", cfg.dist_backend, ("auto", "nccl", "gloo"))
@@ -50,7 +50,7 @@ def validate_config(cfg: BackendConfig) -> None:
         raise ValueError(f"backend {cfg.name!r} needs deepspeed: pip install 'dflash-train[deepspeed]'")
 
 
-def resolve_device(cfg: BackendConfig, local_rank: int) -> torch.device:
+def resolve_device(cfg: DistributedConfig, local_rank: int) -> torch.device:
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ValueError("backend.device='cuda' but torch.cuda.is_available() is False")
@@ -60,7 +60,7 @@ def resolve_device(cfg: BackendConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(cfg: BackendConfig, device: torch.device, env: LaunchEnv) -> bool:
+def init_process_group(cfg: DistributedConfig, device: torch.device, env: LaunchEnv) -> bool:
     """Joins (or creates) the default process group; True when this call created it."""
     if dist.is_initialized():
         return False
@@ -79,7 +79,7 @@ def init_process_group(cfg: BackendConfig, device: torch.device, env: LaunchEnv)
     return True
 
 
-def build_backend(cfg: BackendConfig | DictConfig | dict | None = None) -> Backend:
+def build_backend(cfg: DistributedConfig | DictConfig | dict | None = None) -> Backend:
     """The backend named by `cfg.name`, with its process group joined."""
     cfg = _as_config(cfg)
     validate_config(cfg)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dflash_train.config import BackendConfig
+from dflash_train.config import DistributedConfig
 from dflash_train.distributed import build as build_mod
 from dflash_train.distributed.build import build_backend, validate_config
 from dflash_train.training.state_files import STATE_FILES
@@ -52,7 +52,7 @@ def test_single_refuses_a_multi_process_launch(monkeypatch):
 def test_backend_recipes_are_valid_configs(path):
     raw = OmegaConf.load(path)
     raw.pop("defaults", None)
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BackendConfig), raw))
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DistributedConfig), raw))
     assert cfg.name == path.stem
     if cfg.name.startswith("zero"):
         pytest.importorskip("deepspeed")
