@@ -17,6 +17,7 @@ from data_gen.config import BackendConfig
 
 # The hash of data generation's sampling seeds (dflash_train.contract.derive_seed).
 SEED_DIGEST = "sha256"
+ENGINE_BATCHES_PER_CALL = 16
 
 
 @dataclass
@@ -52,6 +53,11 @@ class Generator(Protocol):
 def prompts_per_call(cfg: BackendConfig) -> int:
     """How many prompts the pipeline hands one `generate` call: enough to keep the generator
     busy, few enough that a conversation's next turn waits one call at most."""
+    if cfg.kind == "engine":
+        # Continuous batching refills a slot as soon as its answer ends, but a call still
+        # waits for its slowest answer while the slots empty: calls of many batches make
+        # that tail a small share of the call.
+        return ENGINE_BATCHES_PER_CALL * cfg.batch_size
     return cfg.max_concurrency if cfg.kind == "openai" else cfg.batch_size
 
 

@@ -93,7 +93,8 @@ class Generators:
     def build(self, sampling: SamplingConfig, shaper: ChatShaper):
         cfg = self.cfg
         gen = build_generator(cfg.backend, sampling, cfg.target.name, shaper.stop_ids, _pad_id(self.tokenizer, shaper),
-                              self.tokenizer, self.local_rank, cfg.target.dtype, cfg.cache_dir, self.target)
+                              self.tokenizer, self.local_rank, cfg.target.dtype, cfg.cache_dir, self.target,
+                              cfg.max_prompt_len)
         self.target = getattr(gen, "target", self.target)
         return gen
 

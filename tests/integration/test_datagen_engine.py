@@ -1,0 +1,144 @@
+"""backend.kind=engine on the real SmolLM2 target (float32, CPU): the same answers as `hf`,
+greedy and sampled, from the generator and from a multi-turn pipeline run; a kill -9 in the
+middle of an engine run and a rerun hold every prompt exactly once."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from data_gen.config import BackendConfig, SamplingConfig, to_datagen_config
+from data_gen.engine import EngineGenerator
+from data_gen.hf_generator import HFGenerator
+from data_gen.pipeline import run
+from data_gen.template import ChatShaper
+from dflash_train.data.format import load_generated, read_shard_meta, shard_path
+from tests.conftest import SMOLLM2
+from tests.datagen_helpers import cli, compose_config, overrides, write_prompts
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 10
+IM_END = 2
+WORDS = "red green blue cat dog sun moon tree river stone bird fish rain snow wind fire".split()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer):
+    """32 chat prompts of 32 different lengths: half ask for one number (short answers that
+    stop), half for a story (answers cut at MAX_NEW)."""
+    shaper = ChatShaper(smollm2_tokenizer, [IM_END])
+    texts = [" ".join((WORDS * 6)[:3 * i]) + (f" What is {i}+1? Answer with one number." if i % 2 else
+                                          f" Write a long story about the number {i}.") for i in range(32)]
+    return [shaper.prompt(None, [t], [])[0] for t in texts]
+
+
+def generate(kind, target, prompts, batch_size, seeds=None, **sampling):
+    cfg = BackendConfig(kind=kind, batch_size=batch_size)
+    s = SamplingConfig(max_new_tokens=MAX_NEW, **sampling)
+    gen = (EngineGenerator(target, cfg, s, [IM_END], max_prompt_len=256) if kind == "engine"
+           else HFGenerator(target, cfg, s, [IM_END], IM_END))
+    return gen.generate(prompts, seeds or list(range(len(prompts))))
+
+
+def test_greedy_answers_equal_hf(smollm2, prompts):
+    """8 slots for 32 prompts: rows refill as answers end, beside rows of other lengths."""
+    assert len({len(p) for p in prompts}) == 32
+    attention = smollm2.model.config._attn_implementation
+    engine = generate("engine", smollm2, prompts, batch_size=8)
+    hf = generate("hf", smollm2, prompts, batch_size=8)
+    assert [c.ids for c in engine] == [c.ids for c in hf]
+    assert [c.finish_reason for c in engine] == [c.finish_reason for c in hf]
+    reasons = [c.finish_reason for c in engine]
+    assert 4 <= reasons.count("stop") <= 28, reasons
+    assert all(len(c.ids) == MAX_NEW for c in engine if c.finish_reason == "length")
+    assert all(c.ids[-1] == IM_END and IM_END not in c.ids[:-1] for c in engine if c.finish_reason == "stop")
+    assert smollm2.model.config._attn_implementation == attention, "the caller's model keeps its attention"
+
+
+def test_sampled_answers_equal_hf_whatever_the_batch(smollm2, prompts):
+    """Both generators draw each token from the prompt's own seed (data_gen/sampling.py)."""
+    few, seeds = prompts[::4], [7 * i + 1 for i in range(8)]
+    sampling = dict(temperature=0.9, top_p=0.9, top_k=40)
+    engine3 = generate("engine", smollm2, few, 3, seeds, **sampling)
+    engine8 = generate("engine", smollm2, few, 8, seeds, **sampling)
+    hf = generate("hf", smollm2, few, 4, seeds, **sampling)
+    assert [c.ids for c in engine3] == [c.ids for c in engine8] == [c.ids for c in hf]
+    greedy = generate("engine", smollm2, few, 8)
+    assert [c.ids for c in engine3] != [c.ids for c in greedy]
+
+
+def test_prompt_longer_than_the_cache_is_refused(smollm2):
+    gen = EngineGenerator(smollm2, BackendConfig(kind="engine", batch_size=2), SamplingConfig(max_new_tokens=4),
+                          [IM_END], max_prompt_len=8)
+    with pytest.raises(ValueError, match=r"prompt 0 of 9 tokens: the engine holds 1 to 8 prompt tokens"):
+        gen.generate([[5] * 9], [0])
+
+
+def test_multi_turn_run_equals_hf(tmp_path, smollm2, smollm2_tokenizer):
+    """Through the pipeline: every turn answered on the engine's own earlier answers."""
+    conversations = [["What is 2+2? Answer with one number.", "Add 3 to it. Answer with one number."],
+                     ["Name a color. One word only."],
+                     ["Is the sky blue? Answer yes or no.", "Is grass green? Answer yes or no.", "Why?"]]
+    src = tmp_path / "conversations.jsonl"
+    src.write_text("\n".join(json.dumps({"messages": [m for u in users for m in (
+        {"role": "user", "content": u}, {"role": "assistant", "content": "old"})]}) for users in conversations))
+    data = {}
+    for kind in ("engine", "hf"):
+        cfg = to_datagen_config({"target": {"name": SMOLLM2}, "out_dir": str(tmp_path / kind), "exclude_eval": [],
+                                 "sources": [{"kind": "jsonl", "path": str(src)}], "shard_size": 2,
+                                 "template": {"max_turns": None}, "sampling": {"max_new_tokens": MAX_NEW},
+                                 "backend": {"kind": kind, "batch_size": 2}})
+        assert run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False).complete
+        data[kind] = load_generated(cfg.out_dir)
+    assert data["engine"][:] == data["hf"][:]
+    assert max(data["engine"]["input_ids"][i].count(1) for i in range(3)) >= 5, "a later turn was answered"
+
+
+def test_kill_9_then_rerun_holds_every_prompt_once(tmp_path, smollm2, smollm2_tokenizer):
+    """Calls of 16 batches of 2 (generators.ENGINE_BATCHES_PER_CALL): the kill lands with
+    some shards committed and the others not; the rerun finishes those only."""
+    num_prompts = 40
+    src = tmp_path / "prompts.jsonl"
+    write_prompts(src, num_prompts)
+    args = overrides(tmp_path / "killed", src, shard_size=4, batch_size=2) + ["backend.kind=engine"]
+    proc = subprocess.Popen(cli(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while not shard_path(tmp_path / "killed", 0).exists():
+            assert proc.poll() is None and time.time() < deadline, "the run ended before its first shard"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    committed = sorted((tmp_path / "killed" / "shards").glob("shard-*.parquet"))
+    assert 1 <= len(committed) < num_prompts // 4 and not (tmp_path / "killed" / "manifest.json").exists()
+
+    rerun = subprocess.run(cli(args), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert re.search(rf"rows written +{num_prompts}\n", rerun.stdout), rerun.stdout
+    # The rerun generated only the prompts of the uncommitted shards.
+    generated = int(re.search(r"generated this run +(\d+)", rerun.stdout).group(1))
+    got = load_generated(tmp_path / "killed")
+    done_before = {p for f in committed for p in read_shard_meta(tmp_path / "killed", int(f.stem[6:]))["prompt_ids"]}
+    rest = [r for r in got if r["prompt_id"] not in done_before]
+    assert generated == sum(r["response_len"] for r in rest) and rest
+
+    reference = compose_config(overrides(tmp_path / "hf", src, shard_size=4, batch_size=2) + ["backend.kind=hf"])
+    run(reference, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
+    want = load_generated(tmp_path / "hf")
+    assert sorted(got["prompt_id"]) == sorted(set(got["prompt_id"])) and len(got) == num_prompts
+    assert got[:] == want[:]
