@@ -5,8 +5,11 @@ import json
 import pytest
 
 from dflash_train import bench
+from dflash_train.data.dataset import TrainingData
+from dflash_train.data.format import load_generated
 from dflash_train.errors import RunError
 from dflash_train.model.target import load_tokenizer
+from dflash_train.training.trainer import split_validation
 from tests.conftest import SMOLLM2
 from tests.train_data import save_tiny_target, write_datagen_dir
 
@@ -25,19 +28,23 @@ def test_real_rows_packed_in_fixed_shapes_with_validation(tiny, tmp_path):
     # Flags before and after the Hydra overrides, in any order.
     result = bench.main(["--steps", "2", f"target.name={target}", "target.mask_token_id=16", "target.num_layers=6",
                          "--json", str(out), "drafter=cpu_small", "drafter.target_layer_ids=[1,3]",
-                         f"data.path={data}", "data.packing=true", "data.max_length=128", "data.num_anchors=8",
+                         f"data.path={data}", "data.packing=true", "data.max_length=176", "data.num_anchors=8",
                          "data.blocks_per_row=24", "data.val_rows=4", "optim.micro_batch_size=2", "--warmup", "1"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    assert result["fixed_shape"] == [128, 24] and result["queries_per_row"] == 24 * 8
+    assert result["fixed_shape"] == [176, 24] and result["queries_per_row"] == 24 * 8
     # Several conversations per row: conversations/s exceeds rows/s by the packing factor.
     assert result["conversations_per_row"] >= 2
     assert result["samples_per_s"] == pytest.approx(result["rows_per_s"] * result["conversations_per_row"])
-    # The 20 training conversations (4 held out) over a whole number of packed rows, whichever
-    # rows the timed steps drew.
-    rows = 20 / result["data_conversations_per_row"]
-    assert rows == pytest.approx(round(rows)) and 2 <= round(rows) <= 10
-    assert result["samples_per_s_at_data_mean"] == pytest.approx(
-        result["rows_per_s"] * result["data_conversations_per_row"])
+    # At the data set's mean: the 20 training conversations (4 held out) over all the packed
+    # rows of the training split, built here as the trainer builds them: 7 rows of 3 or 2
+    # conversations, a mean no 4 timed rows can have; at the measured row rate an epoch of
+    # them takes rows / rows_per_s.
+    train_rows, _ = split_validation(24, 4, seed=0)
+    packed = TrainingData(load_generated(data), indices=train_rows, max_length=176, packing=True, seed=0, shuffle=True,
+                          num_anchors=8, block_size=8, mask_token_id=16, blocks_per_row=24)
+    assert len(packed) == 7 and result["data_conversations_per_row"] == pytest.approx(20 / 7)
+    epoch_s = len(packed) / result["rows_per_s"]
+    assert result["samples_per_s_at_data_mean"] == pytest.approx(20 / epoch_s)
     assert 0 < result["token_fill"] <= 1 and 0 < result["block_fill"] <= 1
     assert 0 < result["supervised_tokens_per_s"] < result["tokens_per_s"]
     assert result["validation_rows"] >= 1 and result["validation_s"] > 0

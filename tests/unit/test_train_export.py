@@ -74,11 +74,23 @@ def test_push_uses_recipe_repo_and_never_the_token(run, tmp_path, monkeypatch):
             assert TOKEN.encode() not in f.read_bytes(), f
 
 
-def test_push_without_repo_id_is_an_error(run, tmp_path):
-    with pytest.raises(SystemExit):
-        cli.main([str(run), "--out", str(tmp_path / "x"), "--push"])
+def _user_error(argv, capsys) -> str:
+    """The one stderr line of a dflash-export that refuses ``argv`` (exit status 2)."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dflash-export: error: ")
+    return lines[0]
 
 
-def test_not_a_checkpoint(tmp_path):
-    with pytest.raises(SystemExit):
-        cli.main([str(tmp_path)])
+def test_push_without_repo_id_names_the_missing_setting(run, tmp_path, capsys, monkeypatch):
+    # the run's recipe names no hub.repo_id and the command gives none: the Hub is never called
+    monkeypatch.setattr("huggingface_hub.HfApi", lambda: pytest.fail("HfApi built without a repository"))
+    assert "repo_id=<user>/<name>" in _user_error([str(run), "--out", str(tmp_path / "x"), "--push"], capsys)
+
+
+def test_a_folder_without_checkpoints_is_refused_by_name(tmp_path, capsys):
+    line = _user_error([str(tmp_path), f"out={tmp_path / 'x'}"], capsys)
+    assert f"{tmp_path} is neither a checkpoint (no trainer_state.json) nor a run directory" in line
+    assert list(tmp_path.iterdir()) == []  # nothing exported
