@@ -17,6 +17,16 @@ def write_prompts(path, n: int) -> None:
     path.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
 
 
+def write_conversations(path, n: int) -> None:
+    """n conversations of one, two and three user turns in turn (their old answers are regenerated)."""
+    lines = []
+    for i in range(n):
+        users = [QUESTIONS[(i + t) % 2].format(a=i + t + 2, b=3 * i + 1) for t in range(i % 3 + 1)]
+        messages = [m for u in users for m in ({"role": "user", "content": u}, {"role": "assistant", "content": "old"})]
+        lines.append(json.dumps({"messages": messages}))
+    path.write_text("\n".join(lines))
+
+
 def overrides(out_dir, prompts_file, shard_size: int, batch_size: int, max_new_tokens: int = 6) -> list[str]:
     return [f"out_dir={out_dir}", "exclude_eval=[]", f"sources=[{{kind: jsonl, path: {prompts_file}}}]",
             f"shard_size={shard_size}", f"backend.batch_size={batch_size}", "backend.cpu_threads=1",
