@@ -66,6 +66,10 @@ LAYER_TENSORS = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_init_from_target_copies_the_last_layers(arch):
     model = make_tiny_target(arch, layers=6)
+    with torch.no_grad():  # norms start at ones in the target and in a fresh drafter alike
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
     cfg = DFlashConfig.from_target(model.config, mask_token_id=5, num_hidden_layers=2, block_size=4)
     torch.manual_seed(0)
     drafter = DFlashDraftModel(cfg)
@@ -78,8 +82,9 @@ def test_init_from_target_copies_the_last_layers(arch):
     assert copied == expected
     target_state = model.state_dict()
     for name, value in drafter.state_dict().items():
-        if name in copied:
+        if name in copied:  # a copy, and one that a fresh drafter would not hold by chance
             assert torch.equal(value, target_state[copied[name]]), name
+            assert not torch.equal(fresh[name], target_state[copied[name]]), name
         else:  # fc, hidden_norm, and q_norm/k_norm of targets without them
             assert torch.equal(value, fresh[name]), name
 

@@ -46,12 +46,13 @@ def _two_checkpoints(tiny, out):
 
 def test_changed_settings_lists_only_what_changes_the_computation():
     old = {"optim": {"lr": 3e-3, "micro_batch_size": 2}, "data": {"path": "a", "val_every": 0},
-           "logging": {"every": 1}, "max_steps": 2, "seed": 0, "drafter": {"compile": False, "block_size": 8}}
+           "logging": {"every": 1}, "max_steps": 2, "seed": 0, "drafter": {"compile": False, "block_size": 8},
+           "loss": {"gamma": 7.0, "chunk_size": 1024}}
     new = {"optim": {"lr": 1e-5, "micro_batch_size": 1}, "data": {"path": "b", "val_every": 5},
            "logging": {"every": 9}, "max_steps": 9, "seed": 0, "drafter": {"compile": True, "block_size": 16},
-           "loss": {"gamma": 3.0}}
+           "loss": {"gamma": 3.0, "chunk_size": 512}}  # the loss changes on the resuming side
     assert changed_settings(old, new) == ["data.path: 'a' -> 'b'", "drafter.block_size: 8 -> 16",
-                                          "optim.lr: 0.003 -> 1e-05"]
+                                          "loss.gamma: 7.0 -> 3.0", "optim.lr: 0.003 -> 1e-05"]
 
 
 def test_resume_with_changed_settings_is_refused_in_one_line(tiny, tmp_path):
