@@ -23,6 +23,7 @@ Nothing is shared between slots: a prompt's answer does not depend on the prompt
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections import deque
@@ -190,7 +191,8 @@ class GenerationEngine:
         column = torch.where(live, self.count, self.max_new)
         self.out.scatter_(1, column[:, None], nxt[:, None])
         self.count += live
-        ended = torch.isin(nxt, self.stop_ids) | (self.count >= self.max_new)
+        # Not torch.isin: its sorting path syncs with the host (unique), which a graph cannot hold.
+        ended = (nxt[:, None] == self.stop_ids).any(-1) | (self.count >= self.max_new)
         self.done |= live & ended
         self.pos += live & ~ended  # a finished row never writes past its last token
         self.tokens.copy_(nxt)
@@ -210,11 +212,9 @@ class GenerationEngine:
         self._pool = graph.pool()
         return graph
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
-        with torch.cuda.device(self.device):
-            for width in range(WIDTH_STEP, self.max_len + WIDTH_STEP, WIDTH_STEP):
-                self.graphs[min(width, self.max_len)] = self._capture(min(width, self.max_len))
+        for width in range(WIDTH_STEP, self.max_len + WIDTH_STEP, WIDTH_STEP):
+            self.graphs[min(width, self.max_len)] = self._capture(min(width, self.max_len))
 
     def _run_steps(self, width: int, steps: int) -> None:
         if self.graphs is None:
@@ -279,8 +279,14 @@ class GenerationEngine:
     @torch.inference_mode()
     def drain(self) -> Iterator[tuple[Hashable, Completion]]:
         """Generate until the queue and the slots are empty, yielding answers as they end."""
-        if self.graphs == {}:
-            self._capture_all()
+        # The engine's GPU is current while it runs (graphs replay on the current device's
+        # stream; under torchrun nothing else makes the rank's GPU current).
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            if self.graphs == {}:
+                self._capture_all()
+            yield from self._loop()
+
+    def _loop(self) -> Iterator[tuple[Hashable, Completion]]:
         stop_ids = set(self.stop_ids.tolist())
         while True:
             self._admit()
