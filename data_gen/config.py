@@ -61,13 +61,18 @@ class SourceConfig:
                                  f"prompt_column={self.prompt_column!r}, messages_column={self.messages_column!r})")
         elif self.prompt_column is not None or self.messages_column is not None:
             raise ValueError(f"{where}: prompt_column/messages_column apply only to kind 'hf', not {self.kind!r}")
+        magpie_only = {k: getattr(self, k) for k in ("temperature", "top_p", "max_tokens", "max_candidates")
+                       if getattr(self, k) != getattr(SourceConfig, k)}
+        if magpie_only:
+            raise ValueError(f"{where}: {magpie_only} apply only to kind 'magpie', not {self.kind!r}")
         self.name = self.name or self.kind
 
     def _validate_magpie(self, where: str) -> None:
         if self.num_prompts is None:
             raise ValueError(f"{where}: a magpie source needs num_prompts (how many prompts the target writes)")
         if self.path is not None:
-            raise ValueError(f"{where}.path={self.path!r}: a magpie source reads no file (the target writes the prompts)")
+            raise ValueError(f"{where}.path={self.path!r}: a magpie source reads no file "
+                             "(the target writes the prompts)")
         if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
             raise ValueError(f"{where}: temperature={self.temperature} must be > 0 (greedy writes one prompt), "
                              f"top_p={self.top_p} in (0, 1], max_tokens={self.max_tokens} >= 1")

@@ -78,13 +78,15 @@ class MagpieWriter:
             s = self.src
             self._sampler = self.generator(SamplingConfig(max_new_tokens=s.max_tokens, temperature=s.temperature,
                                                           top_p=s.top_p, seed=self.seed))
-        seeds = [derive_seed(self.seed, "magpie", self.src.name, i, digest=SEED_DIGEST) for i in range(start, start + size)]
+        seeds = [derive_seed(self.seed, "magpie", self.src.name, i, digest=SEED_DIGEST)
+                 for i in range(start, start + size)]
         results = self._sampler.generate([self.prefix_ids] * size, seeds)
         failed = [r.detail for r in results if isinstance(r, Failure)]
         if failed:
-            raise GeneratorUnavailable(f"magpie source {self.src.name!r}: {len(failed)} prompts failed, e.g. {failed[0]}")
-        return [{"index": start + i, "text": self.shaper.answer_text(r.ids).strip(), "finish_reason": r.finish_reason,
-                 "num_tokens": len(r.ids)} for i, r in enumerate(results)]
+            raise GeneratorUnavailable(f"magpie source {self.src.name!r}: {len(failed)} prompts failed, "
+                                       f"e.g. {failed[0]}")
+        return [{"index": start + i, "text": self.shaper.answer_text(r.ids).strip(),
+                 "finish_reason": r.finish_reason, "num_tokens": len(r.ids)} for i, r in enumerate(results)]
 
     def _chunk(self, start: int, remaining: int) -> list[dict] | None:
         path = self._chunk_path(start)

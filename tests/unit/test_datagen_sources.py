@@ -132,6 +132,7 @@ def base_config(**overrides):
     ({"sources": [{"kind": "magpie", "num_prompts": 4, "temperature": 0}]}, r"temperature=0.0 must be > 0"),
     ({"sources": [{"kind": "magpie", "num_prompts": 4, "max_candidates": 3}]}, r"max_candidates=3: must be >= num"),
     ({"sources": [{"kind": "jsonl", "path": "a", "num_prompts": 0}]}, r"sources\[0\].num_prompts=0"),
+    ({"sources": [{"kind": "jsonl", "path": "a", "max_tokens": 9}]}, r"\{'max_tokens': 9\} apply only to kind 'magpie'"),
 ])
 def test_config_errors_name_the_value(overrides, message):
     with pytest.raises(ValueError, match=message):
