@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,16 +193,23 @@ def _host_stats(trainer: Trainer, first: int, steps: int) -> dict:
     return totals
 
 
-def profile_table(trainer: Trainer, step: int, rows: int = 30) -> str:
-    """The kernels of one training step, most device time first (torch.profiler)."""
+def profile_steps(trainer: Trainer, step: int, steps: int = 1, **options):
+    """torch.profiler over ``steps`` training steps from ``step``, CUDA kernels included on a
+    GPU; ``options`` go to ``torch.profiler.profile`` (record_shapes, with_stack, ...)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        trainer.train_step(step)
+    with profile(activities=activities, **options) as prof:
+        for s in range(steps):
+            trainer.train_step(step + s)
         device_clock(trainer.backend.device)
+    return prof
+
+
+def profile_table(trainer: Trainer, step: int, rows: int = 30) -> str:
+    """The kernels of one training step, most device time first (torch.profiler)."""
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+    return profile_steps(trainer, step).key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
 def run(trainer: Trainer, steps: int, warmup: int) -> dict:
@@ -298,7 +306,9 @@ def format_result(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, profile: Callable[[Trainer, int], str] = profile_table) -> dict:
+    """``profile(trainer, step)``: the report ``bench.profile`` writes (benchmarks/profile_step.py
+    passes its own)."""
     line = parse_command_line(sys.argv[1:] if argv is None else argv, "train", __doc__, flags=FLAGS)
     # The training recipes have no bench section: its keys are added, then checked by the schema.
     overrides = [f"+{o}" if o.startswith(f"{OPTIONS}.") else o for o in line.overrides]
@@ -328,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             result = run(trainer, opts.steps, opts.warmup)
             if opts.profile:
-                Path(opts.profile).write_text(profile_table(trainer, opts.warmup + 2 * opts.steps))
+                Path(opts.profile).write_text(profile(trainer, opts.warmup + 2 * opts.steps))
         finally:
             trainer.backend.shutdown()
     if trainer.backend.is_main:

@@ -52,11 +52,14 @@ def test_real_rows_packed_in_fixed_shapes_with_validation(tiny, tmp_path):
     assert result["graphs_compiled_after_warmup"] == 0
 
 
-def test_random_rows_stay_full_length(tiny):
+def test_random_rows_stay_full_length(tiny, tmp_path):
     target, _ = tiny
     result = bench.main([f"target.name={target}", "target.mask_token_id=16", "target.num_layers=6",
                          "drafter=cpu_small", "drafter.target_layer_ids=[1,3]", "data.max_length=64",
-                         "data.num_anchors=4", "--steps", "1", "--warmup", "1"])
+                         "data.num_anchors=4", "--steps", "1", "--warmup", "1", "--profile", str(tmp_path / "p.txt")])
+    # bench.profile: torch's operator table of one more step (CPU time here), the optimizer's included
+    table = (tmp_path / "p.txt").read_text()
+    assert "Self CPU" in table and "aten::mm" in table and "Optimizer.step" in table
     assert result["fixed_shape"] is None and result["conversations_per_row"] == 1
     assert result["data_conversations_per_row"] == 1
     assert result["tokens_per_s"] == pytest.approx(64 * result["rows_per_s"], rel=1e-6)
