@@ -228,6 +228,9 @@ def _speculators_config(path: Path, raw: dict, num_target_layers: int | None) ->
     vocab, draft_vocab = base.vocab_size, raw.get("draft_vocab_size", base.vocab_size)
     if draft_vocab != vocab:
         _refuse(fmt, file, "draft_vocab_size", draft_vocab, f"a draft vocabulary smaller than the target's {vocab}")
+    if raw.get("target_hidden_size") not in (None, base.hidden_size):
+        _refuse(fmt, file, "target_hidden_size", raw["target_hidden_size"],
+                f"target features of another width than the drafter's {base.hidden_size}")
     if raw.get("sample_from_anchor"):
         _refuse(fmt, file, "sample_from_anchor", True, "the anchor slot drafting, every slot one token later")
     types = list(getattr(base, "layer_types", None) or ["full_attention"] * base.num_hidden_layers)

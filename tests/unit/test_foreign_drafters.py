@@ -132,6 +132,7 @@ def _edit(key, value=None, nested=False):
     ("speculators", _edit("draft_vocab_size", 32), "draft_vocab_size=32 (a draft vocabulary smaller than the "
                                                    "target's 97)"),
     ("speculators", _edit("sample_from_anchor", True), "speculators checkpoint sets sample_from_anchor=True"),
+    ("speculators", _edit("target_hidden_size", 128), "sets target_hidden_size=128 (target features of another width"),
     ("speculators", _edit("aux_hidden_state_layer_ids", [0, 2]), "aux_hidden_state_layer_ids=[0, 2]"),
 ])
 def test_what_cannot_be_mapped_is_named(fmt, edit, message, tmp_path, target, ours):
