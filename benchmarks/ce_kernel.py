@@ -1,8 +1,8 @@
 """The GPU loss's chunk kernel: the Triton kernel (``dflash_train/training/ce_kernel.py``, the
-CUDA default) against ``loss._fused_ce`` through torch.compile (its reference and the
+CUDA default) against ``loss.fused_ce_reference`` through torch.compile (its reference and the
 fallback), on one chunk of head-dtype logits, with the gradient and without.
 
-    python benchmarks/ce_kernel.py [--rows 1024] [--vocab 151936] [--dtype bfloat16]
+    python -m benchmarks.ce_kernel [--rows 1024] [--vocab 151936] [--dtype bfloat16]
 
 Prints the median time of each and the memory rate it implies, counting each kernel's
 minimum traffic (logits read twice and the gradient written once, or logits read once).
@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from cuda_timing import median_ms  # a sibling script: run this one as benchmarks/ce_kernel.py
 
+from benchmarks.cuda_timing import median_ms
 from dflash_train.training import ce_kernel
-from dflash_train.training.loss import _compiled, _fused_ce
+from dflash_train.training.loss import compiled_kernel, fused_ce_reference
 
 
 def main() -> None:
@@ -33,7 +33,8 @@ def main() -> None:
     labels = torch.randint(0, args.vocab, (args.rows,), device="cuda")
     weights = torch.rand(args.rows, device="cuda")
     size = logits.numel() * logits.element_size()
-    kernels = {"triton (ce_kernel.fused_ce)": ce_kernel.fused_ce, "torch.compile(_fused_ce)": _compiled(_fused_ce)}
+    kernels = {"triton (ce_kernel.fused_ce)": ce_kernel.fused_ce,
+               "torch.compile(fused_ce_reference)": compiled_kernel(fused_ce_reference)}
     print(f"one chunk of {args.rows} x {args.vocab} {args.dtype} logits ({size / 1e6:.0f} MB)")
     print("| kernel | with gradient ms | GB/s at 3 passes | loss only ms | GB/s at 1 pass |")
     print("|---|---|---|---|---|")

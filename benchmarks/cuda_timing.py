@@ -1,4 +1,6 @@
-"""GPU timing shared by the benchmark scripts: the median of CUDA-event times."""
+"""GPU timing shared by the benchmark scripts: the median of CUDA-event times. The scripts
+import it as ``benchmarks.cuda_timing``: run them from the repository root with
+``python -m benchmarks.NAME``."""
 
 from __future__ import annotations
 

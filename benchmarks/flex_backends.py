@@ -4,7 +4,7 @@ kernels (``drafter.flex_backend=flash``, ``pip install flash-attn-4``). For each
 prints forward and backward time, their TFLOP/s (attended pairs only) and the largest
 difference from the Triton backend's output and gradients.
 
-    python benchmarks/flex_backends.py [--ctx 8192 --anchors 1024 --heads 32 --kv-heads 8 --head-dim 128]
+    python -m benchmarks.flex_backends [--ctx 8192 --anchors 1024 --heads 32 --kv-heads 8 --head-dim 128]
         [--json results.json]
 
 The defaults are one layer of the Qwen3-8B drafter at 8192 tokens and 1024 anchors. The
@@ -19,10 +19,10 @@ import time
 import traceback
 
 import torch
-from cuda_timing import median_ms  # a sibling script: run this one as benchmarks/flex_backends.py
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash_train.model.masks import _document_starts, build_block_mask
+from benchmarks.cuda_timing import median_ms
+from dflash_train.model.masks import build_block_mask, document_starts
 
 BLOCK = 16
 BACKENDS = {"triton": None, "flash": {"BACKEND": "FLASH"}}
@@ -37,7 +37,7 @@ def case(args, packed: bool) -> dict:
         doc_ids[0, torch.randperm(ctx - 1, device="cuda")[:20] + 1] = 1
         doc_ids = doc_ids.cumsum(1)
     mask = build_block_mask(anchors, ctx, BLOCK, doc_ids)
-    first = torch.zeros_like(anchors) if doc_ids is None else _document_starts(doc_ids).gather(1, anchors)
+    first = torch.zeros_like(anchors) if doc_ids is None else document_starts(doc_ids).gather(1, anchors)
     pairs = int((anchors - first).sum()) * BLOCK + n * BLOCK * BLOCK  # visible (query, key) pairs per head
     fwd_flop = 4 * pairs * args.head_dim * args.heads
     q = torch.randn(1, args.heads, n * BLOCK, args.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)

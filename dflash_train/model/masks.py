@@ -143,7 +143,7 @@ def _to_indices(tile_map):
     return counts[:, None], order[:, None]
 
 
-def _document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     """(b, C) index of the first token of each token's document (documents are contiguous runs)."""
     idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
@@ -164,7 +164,7 @@ def build_block_mask(anchors, context_len, block_size, doc_ids=None, sliding_win
     hi = anchors  # (b, N) context keys strictly before the anchor
     lo = None  # (b, N) first context key of the anchor's document
     if doc_ids is not None:
-        lo = _document_starts(doc_ids).gather(1, anchors.clamp(max=context_len - 1))
+        lo = document_starts(doc_ids).gather(1, anchors.clamp(max=context_len - 1))
 
     def mask_mod(bi, _h, q, kv):
         blk, s = q // block_size, q % block_size

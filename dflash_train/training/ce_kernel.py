@@ -1,8 +1,8 @@
 """The GPU loss's chunk kernel in Triton: cross-entropy, argmax hits and d loss / d logits of
 one chunk of head-dtype logits in two passes over each row.
 
-Same contract as ``loss._fused_ce`` (the ``ChunkKernel`` signature; that function stays the
-reference and the fallback). What inductor makes of ``_fused_ce`` reads each row three times
+Same contract as ``loss.fused_ce_reference`` (the ``ChunkKernel`` signature; that function
+stays the reference and the fallback). What inductor makes of it reads each row three times
 (max, then the exponentials' sum, then the gradient); here the first pass keeps a running max
 and a rescaled running sum (online softmax), so a row is read twice and its gradient written
 once: about 2/3 of the memory traffic, which is all this kernel costs (1024 x 152K bf16 logits
@@ -76,7 +76,8 @@ def available(device: torch.device) -> bool:
 
 def fused_ce(logits: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor, slot_w: torch.Tensor,
              with_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``loss._fused_ce`` for CUDA logits (c, V): (w * CE (c,), CE (c,), hits (c,), w * dCE/dlogits or None).
+    """``loss.fused_ce_reference`` for CUDA logits (c, V): (w * CE (c,), CE (c,), hits (c,),
+    w * dCE/dlogits or None).
 
     ``teacher`` is unused (the signature every chunk kernel has).
     """

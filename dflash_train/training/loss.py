@@ -11,8 +11,8 @@ own op; on a GPU each of those ops is a full memory pass over a (chunk, vocab) f
 tensor while the matmuls are cheap. The fused one (CUDA by default) keeps the logits in the
 head's dtype and computes loss, argmax hits and d loss / d logits in one kernel over
 fixed-size chunks: on CUDA a Triton kernel that reads each row twice (``ce_kernel.py``),
-elsewhere ``_fused_ce`` through torch.compile, which compiles once whatever the number of
-supervised slots. ``_fused_ce`` is the reference both are held to.
+elsewhere ``fused_ce_reference`` through torch.compile, which compiles once whatever the
+number of supervised slots. ``fused_ce_reference`` is the reference both are held to.
 
 Two options beside the contract's loss (both off by default, which leaves the hard-label
 path exactly as it was):
@@ -55,8 +55,9 @@ ChunkKernel = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.T
                        tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
-def _fused_ce(logits: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor, slot_w: torch.Tensor,
-              with_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def fused_ce_reference(
+    logits: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor, slot_w: torch.Tensor, with_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk of weighted CE from logits (c, V), labels (c,), slot weights (c,) float32.
 
     Written as plain torch so that inductor fuses it: float32 exists only in registers, the
@@ -87,7 +88,7 @@ def _soft_ce(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, 
     """One chunk of (1 - a) * CE + a * t^2 * KL(target || drafter), a = ``distill_weight``.
 
     The kernel of both walks when distilling: run eagerly on the plain walk's float32
-    logits, compiled on the fused walk's (head-dtype) ones. Shapes as ``_fused_ce``;
+    logits, compiled on the fused walk's (head-dtype) ones. Shapes as ``fused_ce_reference``;
     ``teacher`` (c, V) are the target's logits at the positions the slots' labels follow.
     d/dz = (1 - a) * (softmax(z) - onehot) + a * t * (softmax(z / t) - softmax(s / t)).
     """
@@ -122,7 +123,7 @@ def _soft_ce(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, 
 
 
 @functools.cache
-def _compiled(kernel: Callable) -> Callable:
+def compiled_kernel(kernel: Callable) -> Callable:
     # Built on first use, not at import: importing dynamo costs seconds. Chunks have one fixed
     # shape, so each (chunk, vocab, dtype, with_grad) compiles once; dynamic=False keeps dynamo
     # from generalising to symbolic shapes after a second shape. The distillation weight and
@@ -331,12 +332,12 @@ def dflash_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, 
     if distill is not None and distill.weight > 0:
         t_index = soft_target_index(index, distill.anchors.to(labels.device), block_size, distill.hidden.shape[1])
         teacher = distill.hidden.flatten(0, 1).index_select(0, t_index).to(lm_head.weight.dtype)  # (M, H)
-        soft = _compiled(_soft_ce) if fused and compiled else _soft_ce
+        soft = compiled_kernel(_soft_ce) if fused and compiled else _soft_ce
         kernel = functools.partial(soft, distill_weight=distill.weight, temperature=distill.temperature)
     elif fused and not compiled:
-        kernel = _fused_ce
+        kernel = fused_ce_reference
     elif fused:
-        kernel = ce_kernel.fused_ce if ce_kernel.available(hidden.device) else _compiled(_fused_ce)
+        kernel = ce_kernel.fused_ce if ce_kernel.available(hidden.device) else compiled_kernel(fused_ce_reference)
     reweight = None
     if dpace_alpha is not None:
         w = torch.ones_like(w)

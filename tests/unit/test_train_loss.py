@@ -191,7 +191,7 @@ def test_the_triton_chunk_kernel_equals_the_reference_on_a_qwen_sized_vocabulary
     logit planted there, a label in the last column, a padding row of weight 0, with and
     without the gradient."""
     from dflash_train.training import ce_kernel
-    from dflash_train.training.loss import _fused_ce
+    from dflash_train.training.loss import fused_ce_reference
 
     torch.manual_seed(0)
     rows, vocab = 64, 151936
@@ -202,7 +202,7 @@ def test_the_triton_chunk_kernel_equals_the_reference_on_a_qwen_sized_vocabulary
     weights = torch.rand(rows, device="cuda")
     weights[-1] = 0.0
     loss, ce, hit, grad = ce_kernel.fused_ce(logits, None, labels, weights, True)
-    ref_loss, ref_ce, ref_hit, ref_grad = _fused_ce(logits, None, labels, weights, True)
+    ref_loss, ref_ce, ref_hit, ref_grad = fused_ce_reference(logits, None, labels, weights, True)
     torch.testing.assert_close(ce, ref_ce, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-4)
     assert loss[-1] == 0 and torch.count_nonzero(grad[-1]) == 0
