@@ -10,12 +10,19 @@ long (stop tokens are ignored, so each prompt costs the same work in every run).
 runtime first decodes one prompt untimed, which sizes its caches and captures its CUDA
 graphs. A random drafter (tau near 1) measures the runtime's overhead: its speedup is the
 floor a trained drafter's acceptance multiplies.
+
+``step_timing=true`` then prints where a speculative step of the static runtime spends its
+time over the same prompts: draft, verify, acceptance, the host's wait for the device and
+bookkeeping, in host and (CUDA events) device milliseconds, with the ops, kernels and
+launch calls of each part (torch.profiler), against the plain static step
+(eval/breakdown.py says what each column measures).
 """
 
 from __future__ import annotations
 
 from dflash_train.errors import run_command
 from dflash_train.eval.acceptance import compare_prompt, summarize
+from dflash_train.eval.breakdown import format_breakdown, step_breakdown
 from dflash_train.eval.cli import EvalConfig, setup, validate
 from dflash_train.model.dflash import static_unsupported
 from dflash_train.recipe import load_command
@@ -51,13 +58,32 @@ def format_speed_table(summaries: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+def validate_speed(cfg: EvalConfig) -> None:
+    validate(cfg)
+    if cfg.step_timing and cfg.max_new_tokens < 2:
+        raise ValueError(f"step_timing=true needs max_new_tokens >= 2, got {cfg.max_new_tokens}: the breakdown "
+                         "times the decode steps after the first token")
+
+
 def run(argv: list[str] | None = None) -> dict[str, dict]:
-    cfg = load_command(EvalConfig, argv, "eval", __doc__, validate)
-    summaries = measure(cfg, *setup(cfg))
+    cfg = load_command(EvalConfig, argv, "eval", __doc__, validate_speed)
+    loaded = setup(cfg)
+    summaries = measure(cfg, *loaded)
     print(f"{cfg.target.name} on {cfg.device} ({cfg.dtype}), batch 1, {cfg.max_new_tokens} new tokens, "
           f"drafter {cfg.drafter_path}")
     print(format_speed_table(summaries))
+    if cfg.step_timing:
+        print(breakdown_report(cfg, *loaded))
     return summaries
+
+
+def breakdown_report(cfg: EvalConfig, datasets, target, drafter, stops, tokenizer) -> str:
+    """The static runtime's per-step cost table over the first dataset's prompts."""
+    reason = static_unsupported(target.model)
+    if reason is not None:
+        return f"no step breakdown: the static runtime cannot serve this target ({reason})"
+    _, items = next(iter(datasets.values()))
+    return format_breakdown(step_breakdown(drafter, target.model, [ids for _, ids in items], cfg.max_new_tokens))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -490,6 +490,8 @@ def device_clock(device) -> float:
 
 
 STEP_PARTS = ("draft", "verify", "bookkeeping")
+# The static runtime's finer laps (eval/breakdown.py reads them) and the part each counts in here.
+FINE_PARTS = {"accept": "verify", "host": "bookkeeping"}
 
 
 class StepClock:
@@ -508,7 +510,7 @@ class StepClock:
     def lap(self, part: str | None = None) -> None:
         now = device_clock(self.device)
         if part is not None:
-            self.totals[part] += now - self.last
+            self.totals[FINE_PARTS.get(part, part)] += now - self.last
         self.last = now
 
     def result(self) -> dict:
@@ -955,9 +957,11 @@ def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_to
         first_ctx = None
         clock.lap("draft")
         logits, step_feats = rt.verifier.step()
-        accepted, bonus = _accept(rt.block[0, 1:], draft_probs, logits[0], sampling, generator, usable)
         clock.lap("verify")
+        accepted, bonus = _accept(rt.block[0, 1:], draft_probs, logits[0], sampling, generator, usable)
+        clock.lap("accept")
         host = torch.cat([accepted.view(1), bonus.view(1), rt.block[0, 1:]]).tolist()  # the step's one sync
+        clock.lap("host")
         committed = _cut_after_stop(host[2 : 2 + host[0]] + [host[1]], stops)
         tokens += committed
         lengths.append(len(committed))
