@@ -121,9 +121,10 @@ def generate_shards(cfg: DatagenConfig, shaper: ChatShaper, generator, shards: d
         if convs:
             results = generator.generate([c.pending[0] for _, c in convs],
                                          [turn_seed(cfg.sampling.seed, c.prompt, len(c.answers)) for _, c in convs])
-            retry = [r.detail for r in results if isinstance(r, Failure) and r.retryable]
+            retry = [(k, r.detail) for (k, _), r in zip(calls, results) if isinstance(r, Failure) and r.retryable]
             if retry:
-                raise GeneratorUnavailable(f"{len(retry)} prompts failed, e.g. {retry[0]}")
+                where = ", ".join(str(k) for k in sorted({k for k, _ in retry}))
+                raise GeneratorUnavailable(f"shard {where}: {len(retry)} prompts failed, e.g. {retry[0][1]}")
             for (shard, c), (k, pos), r in zip(convs, calls, results):
                 _record(shard, c, r)
                 # A cut-off answer is not a history the target would continue from.
