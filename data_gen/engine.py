@@ -15,7 +15,7 @@ slot rows and attends over them:
     covering every busy row, so attention reads what the rows hold, not the whole cache.
 The decode step (forward, token choice, stop detection, bookkeeping) runs on the device
 without a host sync; on CUDA each width is captured once as a CUDA graph and replayed. The
-host looks at the slots every STEPS_PER_SYNC steps.
+host reads the slots every STEPS_PER_SYNC steps, one chunk behind the device.
 
 Nothing is shared between slots: a prompt's answer does not depend on the prompts beside it
 (up to floating-point rounding of the attention over a wider padded range).
@@ -43,8 +43,9 @@ ATTENTION_NAME = "dflash_engine"
 STEP_KWARG = "dflash_engine_step"
 # Attention widths are multiples of this: one CUDA graph each.
 WIDTH_STEP = 256
-# Decode steps between two looks of the host at the slots. A finished row idles for at most
-# this many steps; each look costs one device sync.
+# Decode steps per chunk between two snapshots of the slots (see GenerationEngine._loop):
+# a chunk must outlast the host's work on a snapshot (mostly launching a prefill), and a
+# finished row idles up to two chunks.
 STEPS_PER_SYNC = 8
 # Prompt tokens (padding included) per prefill forward: bounds its activations.
 PREFILL_TOKENS = 16384
@@ -140,7 +141,7 @@ class GenerationEngine:
     (key, Completion) as answers end, and a consumer may submit more while draining."""
 
     def __init__(self, target: TargetModel, batch_size: int, max_len: int, sampling: SamplingConfig,
-                 stop_ids: list[int], cuda_graphs: bool = True):
+                 stop_ids: list[int], cuda_graphs: bool = True, sync_steps: int = STEPS_PER_SYNC):
         _register_attention()
         self.model = _private_model(target.model)
         self.device = target.device
@@ -150,9 +151,14 @@ class GenerationEngine:
         self.layers = len(decoder_layers(self.model))
         self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if cuda_graphs and self.device.type == "cuda" else None
         self._pool = None
+        self.sync_steps = sync_steps
         self.queue: deque = deque()
+        # The host's view of the slots: the request in each, its position as of the last
+        # snapshot read, and the first snapshot that shows it.
         self.slot_key: list[Hashable | None] = [None] * batch_size
-        self.slot_pos = [0] * batch_size  # the host's view of `pos`, as of the last sync
+        self.slot_pos = [0] * batch_size
+        self.slot_since = [0] * batch_size
+        self.snapshots = 0
         self._alloc(stop_ids, target.model.dtype)
 
     @torch.inference_mode()
@@ -173,6 +179,9 @@ class GenerationEngine:
         # Answers; the extra last column takes the writes of finished slots.
         self.out = torch.zeros(b, self.max_new + 1, dtype=torch.long, device=dev)
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=dev)
+        pin = dev.type == "cuda"
+        self._host = [(torch.zeros(3, b, dtype=torch.long, pin_memory=pin),
+                       torch.zeros(b, self.max_new + 1, dtype=torch.long, pin_memory=pin)) for _ in range(2)]
 
     # -- the device step --------------------------------------------------------------
 
@@ -235,6 +244,12 @@ class GenerationEngine:
                              f"max_new_tokens={self.max_new})")
         self.queue.append((key, list(prompt), seed))
 
+    def _to_device(self, values) -> torch.Tensor:
+        """A host list on the device without waiting for the queued steps: a pageable copy
+        would block the host until the device drains, a pinned one is queued behind them."""
+        t = torch.tensor(values)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
     def _prefill(self, admitted: list[tuple[int, list[int]]]) -> None:
         """Keys/values of every prompt token but the last into the admitted slots."""
         todo = sorted(((slot, p[:-1]) for slot, p in admitted if len(p) > 1), key=lambda r: len(r[1]))
@@ -242,39 +257,68 @@ class GenerationEngine:
             width = len(todo[-1][1])
             n = max(1, min(len(todo), PREFILL_TOKENS // width))
             group, todo = todo[-n:], todo[:-n]  # longest first: similar lengths, little padding
-            ids = torch.zeros(len(group), width, dtype=torch.long)
-            for row, (_, p) in enumerate(group):
-                ids[row, :len(p)] = torch.tensor(p)  # right padding: causal rows never see it
-            rows = torch.tensor([slot for slot, _ in group], device=self.device)
-            step = _Step(self.cache_k, self.cache_v, rows=rows)
+            # Right padding: a causal row never sees the padding after it.
+            ids = self._to_device([p + [0] * (width - len(p)) for _, p in group])
+            step = _Step(self.cache_k, self.cache_v, rows=self._to_device([slot for slot, _ in group]))
             positions = torch.arange(width, device=self.device).expand(len(group), width)
-            self.model(input_ids=ids.to(self.device), position_ids=positions, use_cache=False, logits_to_keep=1,
-                       **{STEP_KWARG: step})
+            self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **{STEP_KWARG: step})
 
     def _admit(self) -> None:
+        """Queued prompts into the free slots (prefill and slot state, queued on the device)."""
         free = [slot for slot, key in enumerate(self.slot_key) if key is None]
         admitted = []
         for slot in free[:len(self.queue)]:
             key, prompt, seed = self.queue.popleft()
             self.slot_key[slot] = key
+            # The first snapshot that shows this prompt in the slot is the next one taken.
+            self.slot_pos[slot], self.slot_since[slot] = len(prompt) - 1, self.snapshots
             admitted.append((slot, prompt, seed))
         if not admitted:
             return
         self._prefill([(slot, p) for slot, p, _ in admitted])
-        slots = torch.tensor([a[0] for a in admitted], device=self.device)
-        self.tokens[slots] = torch.tensor([p[-1] for _, p, _ in admitted], device=self.device)
-        self.pos[slots] = torch.tensor([len(p) - 1 for _, p, _ in admitted], device=self.device)
+        slots = self._to_device([a[0] for a in admitted])
+        self.tokens[slots] = self._to_device([p[-1] for _, p, _ in admitted])
+        self.pos[slots] = self._to_device([len(p) - 1 for _, p, _ in admitted])
         if not self.sampling.greedy:
-            self.u[slots] = uniform_stream([s for _, _, s in admitted], self.max_new).to(self.device)
+            u = uniform_stream([s for _, _, s in admitted], self.max_new)
+            self.u[slots] = u.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else u
         self.count[slots] = 0
         self.done[slots] = False
-        for slot, prompt, _ in admitted:
-            self.slot_pos[slot] = len(prompt) - 1
 
     def _width(self) -> int:
-        """The attention width for the next STEPS_PER_SYNC steps of the busy slots."""
-        needed = max(p for p, key in zip(self.slot_pos, self.slot_key) if key is not None) + STEPS_PER_SYNC + 1
+        """The attention width for the next chunk of steps: the host's positions are one
+        chunk old, and the chunk adds its own steps."""
+        busy = [p for p, key in zip(self.slot_pos, self.slot_key) if key is not None]
+        needed = max(busy) + 2 * self.sync_steps + 1
         return min(self.max_len, WIDTH_STEP * math.ceil(needed / WIDTH_STEP))
+
+    def _snapshot(self) -> tuple:
+        """Queue a copy of the slots' state and answers to the host (two alternating pinned
+        buffers: one is written while the host reads the other)."""
+        index = self.snapshots
+        self.snapshots += 1
+        flags, out = self._host[index % 2]
+        flags.copy_(torch.stack([self.done.long(), self.count, self.pos]), non_blocking=True)
+        out.copy_(self.out, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return index, event, flags, out
+
+    def _harvest(self, snapshot: tuple, stop_ids: set[int]) -> Iterator[tuple[Hashable, Completion]]:
+        index, event, flags, out = snapshot
+        if event is not None:
+            event.synchronize()
+        done, count, pos = flags.tolist()
+        for slot, key in enumerate(self.slot_key):
+            if key is None or self.slot_since[slot] > index:  # admitted after this snapshot
+                continue
+            self.slot_pos[slot] = pos[slot]
+            if done[slot]:
+                ids = out[slot, :count[slot]].tolist()
+                self.slot_key[slot] = None
+                yield key, Completion(ids, "stop" if ids[-1] in stop_ids else "length")
 
     @torch.inference_mode()
     def drain(self) -> Iterator[tuple[Hashable, Completion]]:
@@ -287,21 +331,23 @@ class GenerationEngine:
             yield from self._loop()
 
     def _loop(self) -> Iterator[tuple[Hashable, Completion]]:
+        """Each round queues a chunk of steps and a snapshot after it, then reads the previous
+        round's snapshot while the device runs the new chunk, and refills the slots it shows
+        free (their prefill queued behind the chunk). The host's work hides behind the
+        device's; a finished row idles one to two chunks before its slot takes a new prompt."""
         stop_ids = set(self.stop_ids.tolist())
+        pending = None
         while True:
+            snapshot = None
+            if any(key is not None for key in self.slot_key):
+                self._run_steps(self._width(), self.sync_steps)
+                snapshot = self._snapshot()
+            if pending is not None:
+                yield from self._harvest(pending, stop_ids)
             self._admit()
-            if all(key is None for key in self.slot_key):
+            if snapshot is None and all(key is None for key in self.slot_key):
                 return
-            self._run_steps(self._width(), STEPS_PER_SYNC)
-            done, count, self.slot_pos = torch.stack([self.done.long(), self.count, self.pos]).tolist()
-            ended = [slot for slot, key in enumerate(self.slot_key) if key is not None and done[slot]]
-            if not ended:
-                continue
-            answers = self.out[torch.tensor(ended, device=self.device)].tolist()
-            for slot, ids in zip(ended, answers):
-                ids = ids[:count[slot]]
-                key, self.slot_key[slot] = self.slot_key[slot], None
-                yield key, Completion(ids, "stop" if ids[-1] in stop_ids else "length")
+            pending = snapshot
 
 
 class EngineGenerator:
