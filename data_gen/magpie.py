@@ -69,6 +69,9 @@ class MagpieWriter:
         elif self.generator is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, json.dumps(self.settings, indent=2, sort_keys=True))
+        if self.generator is not None:  # half-written chunks of a killed run
+            for tmp in self.folder.glob(".candidates-*.tmp-*"):
+                tmp.unlink(missing_ok=True)
 
     def _chunk_path(self, start: int) -> Path:
         return self.folder / f"candidates-{start:09d}.jsonl"
