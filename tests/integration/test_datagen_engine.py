@@ -142,3 +142,21 @@ def test_kill_9_then_rerun_holds_every_prompt_once(tmp_path, smollm2, smollm2_to
     want = load_generated(tmp_path / "hf")
     assert sorted(got["prompt_id"]) == sorted(set(got["prompt_id"])) and len(got) == num_prompts
     assert got[:] == want[:]
+
+
+def test_benchmark_table_on_cpu(tmp_path, capsys):
+    """benchmarks/datagen_engine.py end to end on CPU: one row per kind, the same answers."""
+    import runpy
+    from pathlib import Path
+
+    src = tmp_path / "prompts.jsonl"
+    write_prompts(src, 4)
+    bench = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks" / "datagen_engine.py"), run_name="bench")
+    bench["main"](["--target", SMOLLM2, "--jsonl", str(src), "--prompts", "4", "--batch-size", "2",
+                   "--max-new-tokens", "4", "--threads", "1", "--kinds", "hf,engine,engine-eager"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("4 prompts (") and "batch 2, max_new_tokens 4" in lines[0]
+    rows = [line.split() for line in lines[2:]]
+    assert [r[0] for r in rows] == ["hf", "engine", "engine-eager"]
+    assert len({r[1] for r in rows}) == 1 and 4 <= int(rows[0][1]) <= 16, "the same tokens, at most 4 each"
+    assert all(float(r[4]) > 0 and r[6] == "n/a" and r[7] == "4/4" for r in rows), rows
