@@ -287,7 +287,8 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
     for label, (name, _) in datasets.items():
         results = decoded[label]
         summaries[label] = {**summarize(results, block_size, greedy=cfg.temperature == 0),
-                            "temperature": cfg.temperature, "batch_size": cfg.batch_size, "runtime": runtime}
+                            "temperature": cfg.temperature, "batch_size": cfg.batch_size, "runtime": runtime,
+                            "device": str(cfg.device)}  # on a CPU the table gives the speedup beside the GPU's
         report["datasets"][label] = {"source": name, **summaries[label], "prompts": [r.to_dict() for r in results]}
 
     out = Path(cfg.output_dir)

@@ -49,6 +49,10 @@ def test_random_drafter_is_lossless_with_tau_one(tmp_path):
     table = [line.split() for line in run.stdout.splitlines()]
     rows = {r[0]: r for r in table if r and r[0] in ("mtbench", "humaneval")}
     assert rows["mtbench"][1:4] == ["2", f"{report['datasets']['mtbench']['tau']:.2f}", "100.0"]
+    # on a CPU the speedup is no column: it is given beside the GPU figure, where it comes from
+    assert all(d["device"] == "cpu" for d in report["datasets"].values()) and len(rows["mtbench"]) == 6
+    assert any(line.startswith("speedup on this CPU: mtbench ") and "on one H100" in line
+               for line in run.stdout.splitlines())
     assert "100%" in run.stderr  # the tqdm progress bar
 
 
