@@ -18,8 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from data_gen.config import BackendConfig, SamplingConfig
 from data_gen.generators import Completion, Failure, GeneratorUnavailable
+from dflash_train.errors import RunError
 
 RETRYABLE_HTTP = (408, 429, 500, 502, 503, 504)
+AUTH_HTTP = (401, 403)  # the key is refused: no prompt will get an answer, so none is recorded as failed
 
 
 class _Retryable(Exception):
@@ -54,6 +56,10 @@ class OpenAIGenerator:
                 raise _BadResponse(f"not JSON: {raw[:80]!r}") from None
         except urllib.error.HTTPError as e:
             detail = f"HTTP {e.code} from {self.base_url + path}: {e.read()[:200]!r}"
+            if e.code in AUTH_HTTP:
+                key = "is not set" if not self.cfg.api_key else "was refused"
+                raise RunError(f"{detail}: backend.api_key {key}; set the server's key and rerun the same command "
+                               "(nothing was recorded for the prompts of this shard)") from None
             if e.code in RETRYABLE_HTTP:
                 raise _Retryable(detail) from None
             raise ValueError(detail) from None
@@ -116,6 +122,9 @@ class OpenAIGenerator:
             raise _BadResponse(f"finish_reason={reason!r}, expected 'stop' or 'length'")
         ids = choice.get("token_ids")
         exact = ids is not None
+        if reason == "length" and (ids == [] or (not exact and choice.get("text") == "")):
+            # a generation cut at max_tokens without a single token: the server is broken
+            raise _BadResponse("an empty answer with finish_reason='length'")
         if exact:
             vocab = len(self.tokenizer)
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

@@ -11,6 +11,7 @@ temporary path themselves (the processes of a distributed checkpoint).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -93,3 +94,12 @@ def atomic_write(path: str | Path, write: Callable[[Path], None], folder: bool =
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically and durably."""
     return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's content, read in chunks (checkpoints and datasets record them)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()

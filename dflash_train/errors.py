@@ -17,15 +17,20 @@ that opens a file catches them there and raises a ValueError that does.
 from __future__ import annotations
 
 import errno
+import fnmatch
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
 EXIT_USER_ERROR = 2
+# The names dflash_train.atomic gives a file or folder while it is written or replaced.
+ATOMIC_TEMPS = (".*.tmp-*", ".*.old", ".*.old/*")
+# Foreign files named in a refusal: enough to recognise the folder, and the walk stops there.
+SHOWN_FOREIGN = 3
 # Free space a writer wants before it starts, when it cannot tell its output's size.
 MIN_FREE_BYTES = 16 << 20
 MAX_MESSAGE_CHARS = 600
@@ -94,3 +99,45 @@ def _free_bytes(path: Path) -> int | None:
             return None
         raise
     return stat.f_bavail * stat.f_frsize
+
+
+def check_own_folder(path: str | os.PathLike, what: str, prog: str, own: Sequence[str],
+                     proof: Callable[[Path], bool] | None = None) -> None:
+    """The one rule of every command that writes into a folder: it refuses a folder that
+    holds files it did not write, and says so in one line before any work.
+
+    ``path`` may be absent or empty. Otherwise every file under it, and every empty folder
+    (as ``name/``), must match one of the ``own`` patterns: relative paths, where ``*``
+    spans folders (``checkpoints/*``) and the names of ``ATOMIC_TEMPS`` are always ours.
+    ``proof(path)`` tells whether the files named like ours are ours (a marker file, a
+    content only we write); without it the folder is the user's: their own metrics.jsonl
+    is not ours for having the name.
+    """
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir():
+        raise ValueError(f"{what} {str(path)!r} exists and is not a folder; choose an empty or new folder")
+    foreign = foreign_files(path, (*own, *ATOMIC_TEMPS))
+    if not foreign and proof is not None and any(path.iterdir()) and not proof(path):
+        foreign = sorted(p.name for p in path.iterdir())[:SHOWN_FOREIGN]
+    if foreign:
+        raise ValueError(f"{what} {str(path)!r} holds files {prog} did not write ({', '.join(foreign)}); they are "
+                         "left untouched: choose an empty or new folder")
+
+
+def foreign_files(folder: Path, own: Sequence[str], limit: int = SHOWN_FOREIGN) -> list[str]:
+    """Up to ``limit`` relative paths under ``folder`` that no pattern of ``own`` matches,
+    in sorted walk order. Links are not followed: a link is an entry like a file."""
+    found: list[str] = []
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        rel = Path(root).relative_to(folder)
+        links = [d for d in dirs if os.path.islink(os.path.join(root, d))]
+        names = [(rel / n).as_posix() for n in sorted(files + links)]
+        if not dirs and not files and root != str(folder):
+            names = [rel.as_posix() + "/"]  # an empty folder
+        found += [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in own)]
+        if len(found) >= limit:
+            break
+    return found[:limit]

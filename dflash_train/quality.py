@@ -16,11 +16,16 @@ dflash-train overrides; `--set KEY=VALUE` goes to both dflash-train and dflash-e
 local target folder: `--set target.name=/models/qwen25-coder-05b`). A finished stage is
 reused, so an interrupted run continues with the same plan; the train stage checkpoints
 about ten times and resumes from the latest checkpoint, its minutes summed over attempts.
+The run's settings are kept in <run-dir>/run.json: a rerun with another budget, target, data
+or override is refused with the setting that changed (a new --run-dir starts a new plan).
+Without a CUDA GPU the stages run on the CPU: dense attention masks for training and
+device=cpu for the evaluation; logging.wandb=disabled where wandb is not installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import shutil
@@ -29,12 +34,16 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_train.errors import check_writable_dir, run_command
+from dflash_train.errors import check_own_folder, check_writable_dir, run_command
 from dflash_train.training.logging import METRICS_FILE
 
 # The budget ends the run, not the epochs: this only has to exceed any budget's steps.
 UNBOUNDED_EPOCHS = 1000
 DATASETS = ("mtbench", "humaneval")
+RUN_FILE, PLAN_FILE = "run.json", "plan.json"
+# What dflash-quality writes into --run-dir; its stages check their own folders.
+OWN_FILES = (RUN_FILE, PLAN_FILE, "train_seconds.json", "eval_seconds.json", "quality.json", "probe/*", "train/*",
+             "eval/*")
 
 
 def _metrics(out_dir: Path) -> list[dict]:
@@ -107,15 +116,22 @@ def _run_stage(name: str, command: list[str]) -> float:
     return time.perf_counter() - start
 
 
+def machine_defaults(cuda: bool, wandb_installed: bool) -> list[str]:
+    """dflash-train settings this machine needs, put before the user's overrides: dense masks
+    on the CPU (flex attention has no CPU backward), no wandb where it is not installed."""
+    return ([] if cuda else ["drafter.attention=dense"]) + ([] if wandb_installed else ["logging.wandb=disabled"])
+
+
 def _train_command(args, out_dir: Path, *extra: str, defaults: tuple[str, ...] = ()) -> list[str]:
     """``defaults`` come before the user's overrides, ``extra`` after them (the plan's own)."""
     return [sys.executable, "-m", "dflash_train.train", f"target={args.target}", f"data.path={args.data}",
-            *defaults, *args.set, *args.train, f"output_dir={out_dir}", f"epochs={UNBOUNDED_EPOCHS}", *extra]
+            *args.machine, *defaults, *args.set, *args.train, f"output_dir={out_dir}", f"epochs={UNBOUNDED_EPOCHS}",
+            *extra]
 
 
 def _plan(args, run_dir: Path) -> dict:
     """Seconds per step (probed, or given) and the steps the budget allows; kept in plan.json."""
-    path = run_dir / "plan.json"
+    path = run_dir / PLAN_FILE
     if path.exists():
         return json.loads(path.read_text())
     if args.seconds_per_step:
@@ -137,10 +153,75 @@ def _plan(args, run_dir: Path) -> dict:
     return plan
 
 
+def check_args(args) -> None:
+    """Values no plan can come from, each named with the flag that holds it."""
+    positive = {"--budget-min": args.budget_min, "--seconds-per-step": args.seconds_per_step,
+                "--probe-steps": args.probe_steps, "--warmup-steps": args.warmup_steps, "--limit": args.limit,
+                "--max-new-tokens": args.max_new_tokens}
+    for flag, value in positive.items():
+        if value is not None and not 0 < value < math.inf:  # NaN fails the comparison too
+            raise ValueError(f"{flag} {value:g} must be a positive number")
+    for flag, value in {"--startup-s": args.startup_s, "--val-rows": args.val_rows}.items():
+        if not 0 <= value < math.inf:
+            raise ValueError(f"{flag} {value:g} must be a number >= 0")
+    if args.seconds_per_step is None and args.probe_steps <= args.warmup_steps:
+        raise ValueError(f"--probe-steps {args.probe_steps} must exceed --warmup-steps {args.warmup_steps}")
+
+
+def settings(args) -> dict:
+    """What the plan and the stages depend on: every flag but --run-dir."""
+    return {k: v for k, v in vars(args).items() if k not in ("run_dir", "machine")}
+
+
+def _ours(run_dir: Path) -> bool:
+    for name, key in ((RUN_FILE, "written_by"), (PLAN_FILE, "seconds_per_step")):
+        if (run_dir / name).exists():
+            try:
+                return key in json.loads((run_dir / name).read_text())
+            except (OSError, ValueError, TypeError):
+                return False
+    return False
+
+
+def check_run(args, run_dir: Path) -> None:
+    """Refuse a run dir holding a run with other settings (or not a run of ours at all);
+    record this run's settings in a new one."""
+    check_own_folder(run_dir, "--run-dir", "dflash-quality", OWN_FILES, _ours)
+    now = settings(args)
+    path, plan = run_dir / RUN_FILE, run_dir / PLAN_FILE
+    if path.exists():
+        before = json.loads(path.read_text())["settings"]
+    elif plan.exists():  # a run of an older version: only its budget was recorded
+        before = {**now, "budget_min": json.loads(plan.read_text())["budget_min"]}
+    else:
+        before = now
+    changed = [f"{_flag(k)} {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
+               if before.get(k) != now.get(k)]
+    if changed:
+        raise ValueError(f"--run-dir {str(run_dir)!r} holds a quality run with other settings ({'; '.join(changed)}): "
+                         "rerun with its settings to finish it, or use a new --run-dir for a new plan")
+    check_writable_dir(run_dir, "--run-dir")
+    if not path.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"written_by": "dflash-quality", "settings": now}, indent=2))
+
+
+def _flag(key: str) -> str:
+    return "overrides after --" if key == "train" else "--" + key.replace("_", "-")
+
+
 def _run(argv: list[str] | None) -> None:
     args = _parser().parse_args(argv)
+    check_args(args)
     run_dir = args.run_dir
-    check_writable_dir(run_dir, "--run-dir")
+    check_run(args, run_dir)
+    cuda = _cuda()
+    if args.device is None:
+        args.device = "cuda" if cuda else "cpu"
+    args.machine = machine_defaults(cuda, importlib.util.find_spec("wandb") is not None)
+    if args.machine:
+        print(f"[machine] dflash-train gets {' '.join(args.machine)} before your overrides "
+              f"({'no CUDA GPU' if not cuda else 'wandb is not installed'})", flush=True)
     plan = _plan(args, run_dir)
     print(f"[plan] {plan['seconds_per_step']:.3f} s per step, {plan['startup_s']:.0f} s start-up: "
           f"{plan['steps']} steps in {args.budget_min:g} min", flush=True)
@@ -190,12 +271,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--datasets", type=lambda s: s.split(","), default=list(DATASETS))
     p.add_argument("--limit", type=int, default=40, help="first N prompts per eval dataset")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--device", default="cuda", help="dflash-eval device")
+    p.add_argument("--device", default=None, help="dflash-eval device (default: cuda when a GPU is there, else cpu)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override for both dflash-train and dflash-eval (repeatable)")
     p.add_argument("--eval", nargs="*", default=[], metavar="KEY=VALUE", help="dflash-eval overrides")
     p.add_argument("train", nargs="*", metavar="KEY=VALUE", help="after --: dflash-train overrides")
+    p.set_defaults(machine=[])  # machine_defaults, once the machine is known
     return p
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> None:

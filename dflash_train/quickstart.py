@@ -19,7 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_train.data.format import check_out_dir
 from dflash_train.errors import check_writable_dir, run_command
+from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY
+from dflash_train.training.run_dir import check_output_dir
 
 DATA_DIR = "data/quickstart-smollm2"
 RUN_DIR = "runs/quickstart-smollm2"
@@ -130,6 +133,10 @@ def _run(argv: list[str] | None) -> None:
         print("this CPU has no bf16 instructions (AVX512-BF16, AMX or Arm BF16): the target runs in float32 "
               "and training without bf16 autocast", flush=True)
     extra = stage_overrides({"datagen": args.datagen, "train": args.train, "eval": args.eval}, native_bf16)
+    # Before the first stage: a folder of the user's is refused now, not after minutes of
+    # data generation (each stage applies the same rule again to its own folder).
+    check_out_dir(DATA_DIR)
+    check_output_dir(args.run_dir, (f"{EXPORT_DIR}/*", MANIFEST_COPY, "eval/*", "eval_fresh/*"))
     check_writable_dir(args.run_dir, "--run-dir")
     check_writable_dir(DATA_DIR, "the quickstart data folder")
     start = time.perf_counter()

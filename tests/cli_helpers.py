@@ -13,7 +13,8 @@ import pytest
 
 MODULES = {"dflash-train": "dflash_train.train", "dflash-datagen": "data_gen.cli",
            "dflash-export": "dflash_train.export.cli", "dflash-eval": "dflash_train.eval.cli",
-           "dflash-quickstart": "dflash_train.quickstart", "dflash-bench": "dflash_train.bench"}
+           "dflash-quickstart": "dflash_train.quickstart", "dflash-bench": "dflash_train.bench",
+           "dflash-quality": "dflash_train.quality"}
 
 
 def run_cli(prog: str, *args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:

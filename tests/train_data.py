@@ -49,6 +49,7 @@ def write_datagen_dir(out_dir: Path, target_spec: str, tokenizer, repeat: int = 
                 "tokenizer": tokenizer_identity(tokenizer), "tokenizer_hash": tokenizer_hash(tokenizer),
                 "counts": {"rows": len(rows)}}
     out_dir = Path(out_dir)
+    data_format.check_run(out_dir, {})  # as dflash-datagen does first: the folder is a run of its own
     if rows:
         data_format.write_shard(out_dir, 0, rows, {})
         data_format.consolidate(out_dir, 1, manifest)

@@ -8,7 +8,8 @@ Every file is written so that a crash never leaves a half-truth:
     <out>/run.json        settings fingerprint; a restart must match it
     <out>/shards/         shard-NNNNN.parquet, each renamed into place once complete
     <out>/data/           datasets.save_to_disk folder, consolidated from the shards at the end
-    <out>/manifest.json   written last: its presence means the output is complete
+    <out>/manifest.json   written last: its presence means the output is complete; it holds
+                          the sha256 of each file of data/ (``data_sha256``), checked on load
 
 A shard is the unit of work: it holds its rows and the prompts it skipped (in the Parquet
 metadata), so a restart skips committed shards and reports the same counts.
@@ -17,13 +18,13 @@ metadata), so a restart skips committed shards and reports the same counts.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_train.atomic import atomic_write, atomic_write_text
+from dflash_train.atomic import atomic_write, atomic_write_text, file_sha256
+from dflash_train.errors import check_own_folder
 
 FORMAT_VERSION = 1
 COLUMNS = ("input_ids", "loss_mask", "prompt_id", "source", "finish_reason", "prompt_len", "response_len",
@@ -34,6 +35,7 @@ SCHEMA = pa.schema([
     ("response_len", pa.int32()), ("num_tokens", pa.int32()),
 ])
 SHARD_META_KEY = b"dflash_datagen"
+CHECKSUMS_KEY = "data_sha256"  # manifest key: {data/ file name: sha256}; absent in older manifests
 
 
 def shard_path(out_dir: Path, index: int) -> Path:
@@ -65,24 +67,22 @@ def read_shard_meta(out_dir: Path, index: int) -> dict | None:
                          "command to generate it again") from None
 
 
-def _foreign(folder: Path, own) -> list[str]:
-    """Names in ``folder`` that none of our writers produce (``own(name)`` says which do)."""
-    return sorted(p.name for p in folder.iterdir() if not own(p.name))
+# What dflash-datagen writes into out_dir (errors.check_own_folder's patterns): the run's
+# fingerprint, shards and their temporary names, what datasets.save_to_disk writes, the manifest.
+OWN_FILES = ("run.json", "manifest.json", "shards/", "shards/shard-[0-9][0-9][0-9][0-9][0-9].parquet",
+             "shards/.shard-[0-9][0-9][0-9][0-9][0-9].parquet.tmp-*", "data/", "data/state.json",
+             "data/dataset_info.json", "data/data-[0-9]*-of-[0-9]*.arrow",
+             # prompts written by the target (data_gen/magpie.py), kept for a restart
+             "prompts/", "prompts/*/", "prompts/*/settings.json", "prompts/*/candidates-[0-9]*.jsonl",
+             "prompts/*/.*.tmp-*")
 
 
-def _own_top(name: str) -> bool:
-    # Besides the outputs: the temporary names of dflash_train.atomic (and the replaced
-    # data folder it steps aside while renaming).
-    return name in ("run.json", "manifest.json", "shards", "data") or re.fullmatch(r"\.[\w.]+\.(tmp-\w+|old)", name)
-
-
-def _own_shard(name: str) -> bool:
-    return re.fullmatch(r"\.?shard-\d{5}\.parquet(\.tmp-\d+)?", name) is not None
-
-
-def _own_data(name: str) -> bool:
-    # What datasets.save_to_disk writes.
-    return name in ("state.json", "dataset_info.json") or re.fullmatch(r"data-\d+-of-\d+\.arrow", name) is not None
+def _recorded(out: Path) -> bool:
+    # run.json is written before anything else: without it (or the manifest) the files,
+    # a data/ folder above all, are not from a run of ours.
+    # A run killed while the target wrote its prompts has only them, beside their settings.
+    return (out / "run.json").is_file() or (out / "manifest.json").is_file() or \
+        any((out / "prompts").glob("*/settings.json"))
 
 
 def check_out_dir(out_dir) -> None:
@@ -91,24 +91,7 @@ def check_out_dir(out_dir) -> None:
     A run replaces ``data/`` when it consolidates: that folder, and the rest of out_dir,
     must be our own output, never a user's files that happen to sit there.
     """
-    out = Path(out_dir)
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise ValueError(f"out_dir {str(out)!r} exists and is not a folder")
-    foreign = _foreign(out, _own_top)
-    for sub, own in (("shards", _own_shard), ("data", _own_data)):
-        if (out / sub).exists():
-            if not (out / sub).is_dir():
-                foreign.append(sub)
-            else:
-                foreign += [f"{sub}/{name}" for name in _foreign(out / sub, own)]
-    recorded = (out / "run.json").is_file() or (out / "manifest.json").is_file()
-    if (out / "data").is_dir() and not recorded:  # a dataset folder of the user's, not from a run of ours
-        foreign.append("data (no run.json or manifest.json beside it)")
-    if foreign:
-        raise ValueError(f"out_dir {str(out)!r} holds files that are not dflash-datagen output ({foreign[:3]}); "
-                         "they are left untouched: choose an empty or new out_dir")
+    check_own_folder(out_dir, "out_dir", "dflash-datagen", OWN_FILES, _recorded)
 
 
 def check_run(out_dir: Path, fingerprint: dict) -> None:
@@ -138,7 +121,13 @@ def consolidate(out_dir: Path, num_shards: int, manifest: dict) -> None:
         check_out_dir(out_dir)  # again right before data/ is replaced: it must be ours
 
     atomic_write(out_dir / "data", write, folder=True)
+    manifest = {**manifest, CHECKSUMS_KEY: data_checksums(out_dir / "data")}
     atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def data_checksums(data_dir: Path) -> dict[str, str]:
+    """{file name: sha256} of every file of a data/ folder."""
+    return {p.name: file_sha256(p) for p in sorted(Path(data_dir).iterdir()) if p.is_file()}
 
 
 def _read_shard(path: Path) -> pa.Table:
@@ -170,6 +159,14 @@ def load_generated(out_dir):
     data_dir = Path(out_dir) / "data"
     if not data_dir.is_dir():
         raise ValueError(f"{str(out_dir)!r} has a manifest but no data/ folder: the output is damaged")
+    if not manifest.get("counts", {}).get("rows"):
+        raise ValueError(f"{str(out_dir)!r} is an empty dataset (its manifest counts 0 rows): nothing to train on")
+    for name, digest in manifest.get(CHECKSUMS_KEY, {}).items():
+        file = data_dir / name
+        if not file.is_file() or file_sha256(file) != digest:
+            raise ValueError(f"{str(file)!r} is {'missing' if not file.is_file() else 'damaged'} (its sha256 does "
+                             "not match manifest.json); regenerate it (remove manifest.json and data/ and rerun "
+                             "dflash-datagen)")
     try:
         data = datasets.load_from_disk(str(data_dir))
     except (pa.ArrowException, OSError, IndexError, KeyError, ValueError) as e:
@@ -181,6 +178,52 @@ def load_generated(out_dir):
         raise ValueError(f"{str(data_dir)!r}: columns {data.column_names} / {len(data)} rows do not match the "
                          f"manifest ({manifest['counts']['rows']} rows, missing columns {missing})")
     return data
+
+
+def check_rows(ds, vocab_size: int, where) -> None:
+    """Refuse rows a trainer cannot use, before the first step: token ids outside the
+    target's vocabulary, loss masks of another length than their ids or with values other
+    than 0 and 1, length columns that disagree with the ids. Raises ValueError naming the
+    first bad row. Read from the Arrow columns a chunk at a time (min/max in Arrow's own
+    kernels), without decoding rows."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    ids, mask = table.column("input_ids"), table.column("loss_mask")
+    _check_values(ids, 0, vocab_size - 1, lambda row, v: (
+        f"{where}: row {row} holds token id {v}, outside the target's vocabulary of {vocab_size} "
+        f"(0..{vocab_size - 1}): the data is damaged or made for another target"))
+    _check_values(mask, 0, 1, lambda row, v: (
+        f"{where}: row {row} has loss_mask value {v} (only 0 and 1 are valid): the data is damaged"))
+    lengths = pc.list_value_length(ids).to_numpy()
+    columns = {"loss_mask length": pc.list_value_length(mask).to_numpy(),
+               "num_tokens": table.column("num_tokens").to_numpy(),
+               "prompt_len + response_len": (table.column("prompt_len").to_numpy()
+                                             + table.column("response_len").to_numpy())}
+    for name, column in columns.items():
+        wrong = np.flatnonzero(column != lengths)
+        if wrong.size:
+            row = int(wrong[0])
+            raise ValueError(f"{where}: row {row} has {name} {int(column[row])} but {int(lengths[row])} token ids: "
+                             "the data is damaged")
+
+
+def _check_values(column, low: int, high: int, message) -> None:
+    """Raise ValueError(message(row, value)) for the first value of a list column outside [low, high]."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    first_row = 0
+    for chunk in column.chunks:
+        values = chunk.flatten()
+        bounds = pc.min_max(values).as_py()
+        if len(values) and (bounds["min"] < low or bounds["max"] > high):
+            array = values.to_numpy()
+            at = int(np.flatnonzero((array < low) | (array > high))[0])
+            row = first_row + int(pc.list_parent_indices(chunk)[at].as_py())
+            raise ValueError(message(row, int(array[at])))
+        first_row += len(chunk)
 
 
 def check_target(manifest: dict, identity: dict, tokenizer: dict, tokenizer_hash: str | None = None) -> None:

@@ -12,6 +12,8 @@ dataset's prompts; speedup is the ratio of the two rates. ``batch_size=N`` decod
 prompts at once in both runs (throughput; 1, the default, gives latency numbers).
 ``runtime=static|dynamic|auto`` picks the decode loops of both runs (auto: static on a GPU).
 ``step_timing=true`` adds the speculative steps' draft / verify / bookkeeping time per step.
+A drafter exported for other target weights than ``target.name``'s is refused (it would
+reject nearly every draft); ``allow_other_target=true`` evaluates it anyway.
 Settings are Hydra overrides of ``recipes/eval.yaml``: key=value, group=option (target=qwen3_8b).
 """
 
@@ -30,7 +32,7 @@ from tqdm import tqdm
 from dflash_train.atomic import atomic_write_text
 from dflash_train.data.prompts import BUILTIN, HF_SCHEME, BenchmarkPrompt, load_benchmark
 from dflash_train.config import DrafterConfig, TargetConfig
-from dflash_train.errors import check_writable_dir, run_command
+from dflash_train.errors import check_own_folder, check_writable_dir, run_command
 from dflash_train.eval.acceptance import PromptResult, compare_prompt, summarize
 from dflash_train.eval.batched import compare_batch
 from dflash_train.eval.plot import plot_acceptance
@@ -42,6 +44,7 @@ RANDOM_DRAFTER = "random"
 RUNTIMES = ("auto", "static", "dynamic")
 WARMUP_TOKENS = 8
 DATASET_KEYS = {"name", "label", "limit", "column", "subset"}
+RESULTS_FILE, PLOT_FILE = "results.json", "acceptance.png"
 
 
 @dataclass
@@ -65,6 +68,7 @@ class EvalConfig:
     seed: int = 0
     device: str = "cpu"
     dtype: str = "auto"
+    allow_other_target: bool = False  # evaluate a drafter exported for other target weights
 
 
 def validate(cfg: EvalConfig) -> None:
@@ -121,9 +125,13 @@ def _setup_drafter(cfg: EvalConfig, target):
 
     dtype = target.model.dtype
     if cfg.drafter_path != RANDOM_DRAFTER:
-        from dflash_train.model.io import load_drafter
+        from dflash_train.model.io import check_target_weights, load_drafter
+        from dflash_train.model.target import weights_digest
 
-        return load_drafter(cfg.drafter_path, target=target, dtype=dtype, device=cfg.device)
+        drafter = load_drafter(cfg.drafter_path, target=target, dtype=dtype, device=cfg.device)
+        if not cfg.allow_other_target:
+            check_target_weights(drafter.config, weights_digest(cfg.target.name), "allow_other_target=true")
+        return drafter
     torch.manual_seed(cfg.seed)  # the fresh drafter's weights are part of the run's identity
     d = cfg.drafter
     config = DFlashConfig.from_target(
@@ -162,8 +170,21 @@ def _check_machine(cfg: EvalConfig) -> None:
     if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={cfg.device!r} but no CUDA GPU is available here (torch.cuda.is_available() "
                          "is False); use device=cpu")
-    # The results are written after the whole evaluation: an unwritable place fails now.
+    # The results are written after the whole evaluation: a user's folder or an unwritable
+    # place fails now.
+    check_own_folder(cfg.output_dir, "output_dir", "dflash-eval", (RESULTS_FILE, PLOT_FILE), _previous_results)
     check_writable_dir(cfg.output_dir, "output_dir")
+
+
+def _previous_results(out: Path) -> bool:
+    """Whether a results.json in ``out`` (if any) is one dflash-eval wrote: it is replaced."""
+    if not (out / RESULTS_FILE).exists():
+        return True
+    try:
+        report = json.loads((out / RESULTS_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and {"drafter", "target", "config", "datasets"} <= set(report)
 
 
 def resolve_runtime(cfg: EvalConfig, target) -> bool:
@@ -293,11 +314,11 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    plot_acceptance(summaries, out / "acceptance.png", title=f"{Path(cfg.drafter_path).name} on {cfg.target.name}")
+    plot_acceptance(summaries, out / PLOT_FILE, title=f"{Path(cfg.drafter_path).name} on {cfg.target.name}")
     # written last and renamed into place: a results.json on disk is always complete
-    atomic_write_text(out / "results.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(out / RESULTS_FILE, json.dumps(report, indent=2) + "\n")
     print(format_table(summaries))
-    print(f"wrote {out / 'results.json'} and {out / 'acceptance.png'}")
+    print(f"wrote {out / RESULTS_FILE} and {out / PLOT_FILE}")
     return report
 
 

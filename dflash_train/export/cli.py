@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,18 +23,21 @@ import torch
 from omegaconf import MISSING, OmegaConf
 
 from dflash_train.config import as_dict, to_train_config
-from dflash_train.errors import run_command
+from dflash_train.errors import RunError, one_line, run_command
 from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY, model_card_files, push_to_hub
 from dflash_train.model.dflash import DFlashDraftModel
 from dflash_train.model.init import drafter_config
 from dflash_train.model.io import check_export_destination, save_drafter
-from dflash_train.model.target import resolve_target
+from dflash_train.model.target import resolve_target, weights_digest
 from dflash_train.recipe import HINT, load_command
 from dflash_train.training.checkpoint import (
     CONFIG_FILE,
     STATE_FILE,
+    CHECKSUMS_FILE,
     checkpoint_problem,
     latest_good_checkpoint,
+    read_state,
+    unverified,
 )
 from dflash_train.training.state_files import SHARDED_DIR, STATE_FILES, is_sharded, read_model_state
 
@@ -68,7 +72,9 @@ def export_checkpoint(ckpt: Path, out: Path, eval_results: str | None = None) ->
     manifest_file = run_dir / MANIFEST_COPY
     manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else None
     extra = model_card_files(as_dict(cfg), manifest, eval_results or cfg.hub.eval_results)
-    return save_drafter(shell, out, extra_files=extra, state_dict=state), as_dict(cfg)
+    # The digest the run recorded; checkpoints of older versions: the recipe's target now.
+    digest = read_state(ckpt).get("target_weights") or weights_digest(cfg.target.name)
+    return save_drafter(shell, out, extra_files=extra, state_dict=state, target_weights=digest), as_dict(cfg)
 
 
 @dataclass
@@ -95,14 +101,30 @@ def main(argv: list[str] | None = None) -> None:
 
 def export_and_push(args: ExportConfig) -> None:
     ckpt = find_checkpoint(Path(args.path))
+    if unverified(ckpt):
+        print(f"dflash-export: warning: {ckpt} has no {CHECKSUMS_FILE} (a checkpoint of an older version): "
+              "its files cannot be verified", file=sys.stderr)
     out = Path(args.out) if args.out else ckpt.parent.parent / EXPORT_DIR
     check_export_destination(out)  # before any checkpoint is read: a user's folder is refused at once
+    hub = OmegaConf.load(ckpt / CONFIG_FILE).get("hub") or {}
+    repo_id = args.repo_id or hub.get("repo_id")
+    if args.push and not repo_id:  # before the export: the command as given cannot finish
+        raise ValueError("push=true needs a Hub repository: add repo_id=<user>/<name> (the run's recipe has no "
+                         "hub.repo_id)")
     export, cfg = export_checkpoint(ckpt, out, args.eval_results)
     print(f"exported {ckpt} to {export}")
     if args.push:
-        repo_id = args.repo_id or cfg["hub"]["repo_id"]
         private = cfg["hub"]["private"] if args.private is None else args.private
-        print(f"pushed to {repo_id}: {push_to_hub(export, repo_id, private)}")
+        print(f"pushed to {repo_id}: {_push(ckpt, export, repo_id, private)}")
+
+
+def _push(ckpt: Path, export: Path, repo_id: str, private: bool) -> str:
+    try:
+        return push_to_hub(export, repo_id, private)
+    except Exception as err:  # the hub client's errors, its HTTP library's included: not bugs of ours
+        raise RunError(f"push to {repo_id} failed ({type(err).__name__}: {one_line(err)}); the export is on disk "
+                       f"at {export}: push it later with dflash-export {ckpt} out={export} push=true "
+                       f"repo_id={repo_id}") from None
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ def model_card(recipe: dict, manifest: dict | None, table: str | None) -> str:
         "",
         "## Acceptance (dflash-eval)",
         "```",
-        table or "not evaluated yet: run dflash-eval drafter_path=DIR and re-export with hub.eval_results=<results.json>",
+        table or ("not evaluated yet: run dflash-eval drafter_path=DIR and re-export with "
+                  "dflash-export eval_results=<results.json>"),
         "```",
         "",
         "## Training data",
@@ -82,7 +83,7 @@ def push_to_hub(export_dir: str | Path, repo_id: str, private: bool) -> str:
     from huggingface_hub import HfApi
 
     if not repo_id:
-        raise ValueError("hub.repo_id is empty: set hub.repo_id=<user>/<name> to push")
+        raise ValueError("repo_id is empty: add repo_id=<user>/<name> to push")
     api = HfApi()  # the token is huggingface_hub's business: environment or cached login
     api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)
     info = api.upload_folder(repo_id=repo_id, folder_path=str(export_dir), repo_type="model",

@@ -41,6 +41,8 @@ REQUIRED_KEYS = (
 )
 # Keys that make a runtime read the checkpoint differently than our semantics.
 FORBIDDEN_KEYS = ("eagle_aux_hidden_state_layer_ids",)
+# config.json key of the target's weights digest (model/target.py's weights_digest) at export.
+TARGET_WEIGHTS_KEY = "dflash_target_weights"
 _NOT_CONFIG_FIELDS = ("model_type", "transformers_version", "architectures", "auto_map")
 
 
@@ -92,31 +94,39 @@ def is_export_dir(path: Path) -> bool:
     return isinstance(config, dict) and config.get("architectures") == ["DFlashDraftModel"]
 
 
-def check_export_destination(out_dir: str | Path) -> None:
+def check_export_destination(out_dir: str | Path, prog: str = "dflash-export") -> None:
     """Raise ValueError unless ``out_dir`` may receive an export: absent, an empty folder or
     a previous export (which is then replaced). Anything else belongs to the user."""
-    from dflash_train.errors import check_writable_dir
+    from dflash_train.errors import check_own_folder, check_writable_dir
 
-    out = Path(out_dir)
-    if out.exists() or out.is_symlink():
-        if not out.is_dir():
-            raise ValueError(f"export directory {str(out)!r} exists and is not a folder; choose another --out")
-        names = sorted(p.name for p in out.iterdir())
-        if names and not is_export_dir(out):
-            shown = [n for n in names if n not in EXPORT_FILES] or names  # the user's files first
-            raise ValueError(f"export directory {str(out)!r} is not empty and is not a previous export "
-                             f"(it holds {shown[:3]}); it is left untouched: choose an empty or new directory")
-    check_writable_dir(out, "export directory")
+    check_own_folder(out_dir, "export directory", prog, EXPORT_FILES, is_export_dir)
+    check_writable_dir(out_dir, "export directory")
 
 
-def save_drafter(model: DFlashDraftModel, out_dir, extra_files: dict | None = None, state_dict=None) -> Path:
+def check_target_weights(config, digest: str, override: str) -> None:
+    """Refuse a drafter exported for other target weights than ``digest`` (a target's
+    ``weights_digest``): a model of the same architecture passes every shape check and then
+    rejects nearly every draft. ``override`` names the setting that allows it on purpose.
+    A hub id that was never downloaded has no content digest to compare."""
+    recorded = getattr(config, TARGET_WEIGHTS_KEY, None)
+    if recorded and recorded != digest and not (recorded.startswith("hub-") or digest.startswith("hub-")):
+        raise ValueError(f"the drafter was trained for the target weights {recorded}, this target's are {digest}: "
+                         f"it would draft for another model; use the drafter's own target, or set {override} "
+                         "if this is intended")
+
+
+def save_drafter(model: DFlashDraftModel, out_dir, extra_files: dict | None = None, state_dict=None,
+                 target_weights: str | None = None, prog: str = "dflash-export") -> Path:
     """Export a drafter (or a gathered `state_dict` for its config) in the contract format.
 
     extra_files: {name: text} written beside (a README model card, a recipe, a manifest).
+    target_weights: the trained-for target's weights digest, recorded for check_target_weights.
     """
     state = state_dict if state_dict is not None else model.state_dict()
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     config_dict = export_config(model.config)
+    if target_weights:
+        config_dict[TARGET_WEIGHTS_KEY] = target_weights
     # The names and shapes the exported config implies, from a weightless (meta) model:
     # a real one would allocate and initialise a full drafter just to be compared.
     written = DFlashConfig(**_config_fields(config_dict))
@@ -134,7 +144,7 @@ def save_drafter(model: DFlashDraftModel, out_dir, extra_files: dict | None = No
             (tmp / name).write_text(text)
 
     # A crash leaves the previous export or the new one, never a half-written one.
-    check_export_destination(out_dir)
+    check_export_destination(out_dir, prog)
     return atomic_write(out_dir, write, folder=True)
 
 

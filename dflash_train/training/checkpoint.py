@@ -7,7 +7,8 @@ Layout under ``<output_dir>/checkpoints/``::
         sharded/ scheduler.pt                FSDP2's: model and optimizer shards written by
                                              every rank (torch.distributed.checkpoint),
                                              read back at any world size and by any backend
-        trainer_state.json                   step, samples seen, counters, global batch
+        trainer_state.json                   step, samples seen, counters, global batch, the
+                                             target's weights digest, the format version
         config.yaml                          the resolved recipe of the run
         rng_rank{r}.pt                       each process's torch RNG states
         checksums.json                       sha256 of every file above, written last
@@ -15,7 +16,10 @@ Layout under ``<output_dir>/checkpoints/``::
 Every process writes into ``.tmp-step_...`` and the main process renames it only after all
 of them are done, so a directory named ``step_*`` is always complete: a run killed while
 saving resumes from the previous one. A checkpoint damaged later (a bad disk, a truncated
-copy) fails its checksums: it is reported and the previous good one is used.
+copy) fails its checksums: it is reported and the previous good one is used. A checksums
+file missing where the run writes one (a checkpoint of format 2, or one whose siblings have
+theirs) is damage too: nothing could tell its files are the ones written. Checkpoints of
+older versions have none and are used as they are, reported as unverified.
 
 A resumed run must compute what the checkpointed one did: ``changed_settings`` lists the
 recipe keys that differ in a way that changes the computation (data, optimisation, drafter
@@ -25,19 +29,18 @@ output_dir, hub, backend, how the global batch is split) may change freely.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import pickle
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from dflash_train.atomic import publish
+from dflash_train.atomic import file_sha256, publish
 from dflash_train.config import TrainConfig, as_dict
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -45,6 +48,8 @@ TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
 CHECKSUMS_FILE = "checksums.json"
+# trainer_state.json's "format": 2 since checkpoints always carry checksums.json.
+STATE_FORMAT = 2
 # Sections and keys of the recipe that change what a resumed run computes ...
 RESUME_CHECKED = ("target", "drafter", "data", "optim", "loss", "seed", "epochs")
 # ... except these inside them: how attention is implemented or memory is saved, checks,
@@ -61,6 +66,7 @@ class TrainerState:
     step: int = 0  # optimizer steps done; the data position is step * global_batch samples
     global_batch: int = 0
     nan_skipped: int = 0
+    target_weights: str | None = None  # model/target.py's weights_digest of the target trained with
 
     @property
     def samples_seen(self) -> int:
@@ -89,30 +95,44 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_checksums(directory: Path) -> None:
     """sha256 of every file under ``directory`` (the sharded format's in a subfolder), keyed
     by its relative path."""
     files = [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != CHECKSUMS_FILE]
-    sums = {p.relative_to(directory).as_posix(): _sha256(p) for p in files}
+    sums = {p.relative_to(directory).as_posix(): file_sha256(p) for p in files}
     (directory / CHECKSUMS_FILE).write_text(json.dumps(sums, indent=2) + "\n")
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why checkpoint ``path`` cannot be trusted, or None when every checksum matches.
+def read_state(path: Path) -> dict:
+    """A checkpoint's trainer_state.json as written (unknown keys kept; {} when unreadable)."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
 
-    Checkpoints of older versions have no checksums file and are trusted as they are."""
+
+def unverified(path: Path) -> bool:
+    """Whether checkpoint ``path`` has no checksums (one of an older version: used as it is)."""
+    return not (path / CHECKSUMS_FILE).is_file()
+
+
+def _writes_checksums(path: Path) -> bool:
+    siblings = [p for p in path.parent.iterdir() if p != path and STEP_DIR.match(p.name) and p.is_dir()]
+    return read_state(path).get("format", 1) >= STATE_FORMAT or any(not unverified(p) for p in siblings)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why checkpoint ``path`` cannot be trusted, or None when every checksum matches
+    (or when it is one of an older version without checksums: see ``unverified``)."""
     sums_file = path / CHECKSUMS_FILE
     if not sums_file.is_file():
         missing = [name for name in (STATE_FILE, CONFIG_FILE) if not (path / name).is_file()]
-        return f"missing {missing}" if missing else None
+        if missing:
+            return f"missing {missing}"
+        if _writes_checksums(path):
+            return f"{CHECKSUMS_FILE} is missing where this run writes one: its files cannot be verified"
+        return None
     try:
         sums = json.loads(sums_file.read_text())
     except ValueError:
@@ -121,7 +141,7 @@ def checkpoint_problem(path: Path) -> str | None:
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
-        if _sha256(file) != digest:
+        if file_sha256(file) != digest:
             return f"{name} does not match its checksum (damaged or truncated)"
     return None
 
@@ -135,6 +155,9 @@ def latest_good_checkpoint(output_dir: str | Path) -> Path | None:
     for path in reversed(found):
         problem = checkpoint_problem(path)
         if problem is None:
+            if unverified(path):
+                log.warning("checkpoint %s has no %s (written by an older version): its files cannot be verified",
+                            path, CHECKSUMS_FILE)
             return path
         log.warning("checkpoint %s is damaged (%s); trying the previous one", path, problem)
         bad.append(f"{path.name}: {problem}")
@@ -168,6 +191,58 @@ def changed_settings(old: dict, new: dict) -> list[str]:
     return changes
 
 
+def _same_weights(old_spec: str, new_spec: str) -> bool:
+    """Whether two target specs name the same weights (another path to the same file)."""
+    from dflash_train.model.target import weights_digest
+
+    try:
+        return weights_digest(old_spec) == weights_digest(new_spec)
+    except (ValueError, OSError):  # the old path is gone: it cannot be shown to be the same
+        return False
+
+
+def _content_digest(digest: str | None) -> bool:
+    return bool(digest) and not digest.startswith("hub-")  # a hub id never downloaded has none
+
+
+def resume_changes(path: Path, new: dict, target_weights: str | None) -> list[str]:
+    """``changed_settings`` from checkpoint ``path``'s recipe to ``new``, the target compared
+    by its weights: against the digest the checkpoint recorded (another file at the same path
+    is a change), or for older checkpoints the digests of both names (the same file under
+    another path is not)."""
+    old = checkpoint_config(path)
+    changes = changed_settings(old, new)
+    named = [c for c in changes if c.startswith("target.name:")]
+    recorded = read_state(path).get("target_weights")
+    if _content_digest(recorded) and _content_digest(target_weights):
+        same = recorded == target_weights
+        if not same:
+            changes.append(f"target weights: {recorded!r} -> {target_weights!r}")
+    else:
+        same = bool(named) and _same_weights(old["target"]["name"], new["target"]["name"])
+    return [c for c in changes if not (same and c in named)]
+
+
+def drafter_shape_change(old: dict, config, target_hf_config) -> str | None:
+    """The first weight whose shape differs between the drafter of recipe ``old`` and one of
+    ``config`` (a DFlashConfig) for the same target, or None: ``name old -> new``."""
+    from dflash_train.config import to_train_config
+    from dflash_train.model.dflash import DFlashDraftModel
+    from dflash_train.model.init import drafter_config
+
+    try:
+        before_config = drafter_config(to_train_config(OmegaConf.create(old)), target_hf_config)
+    except ValueError:  # a recipe this version no longer reads: loading the state will tell
+        return None
+    with torch.device("meta"):  # names and shapes only
+        before = {k: tuple(v.shape) for k, v in DFlashDraftModel(before_config).state_dict().items()}
+        after = {k: tuple(v.shape) for k, v in DFlashDraftModel(config).state_dict().items()}
+    for name in sorted(set(before) | set(after)):
+        if before.get(name) != after.get(name):
+            return f"{name} {before.get(name, 'absent')} -> {after.get(name, 'absent')}"
+    return None
+
+
 def checkpoint_config(path: Path) -> dict:
     """The recipe a checkpoint was trained with, as a plain dict."""
     return OmegaConf.to_container(OmegaConf.load(path / CONFIG_FILE))
@@ -198,7 +273,7 @@ def save_checkpoint(backend, output_dir: str | Path, state: TrainerState, config
     backend.save_state(tmp)
     torch.save(_rng_state(), tmp / f"rng_rank{backend.rank}.pt")
     if backend.is_main:
-        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
+        (tmp / STATE_FILE).write_text(json.dumps({**asdict(state), "format": STATE_FORMAT}, indent=2) + "\n")
         (tmp / CONFIG_FILE).write_text(OmegaConf.to_yaml(as_dict(config)))
     backend.barrier()
     if backend.is_main:
@@ -216,7 +291,8 @@ def load_checkpoint(backend, path: Path, global_batch: int) -> TrainerState:
     The data position is a global step of ``global_batch`` samples, which stays meaningful
     on another number of processes only if the global batch is the same.
     """
-    state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
+    known = {f.name for f in fields(TrainerState)}
+    state = TrainerState(**{k: v for k, v in json.loads((path / STATE_FILE).read_text()).items() if k in known})
     if state.global_batch != global_batch:
         raise ValueError(
             f"checkpoint {path} was trained with global batch {state.global_batch} but this run has "

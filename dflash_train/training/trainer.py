@@ -26,7 +26,7 @@ from dflash_train import contract
 from dflash_train.config import TrainConfig, as_dict
 from dflash_train.data.collate import Batch, collate
 from dflash_train.data.dataset import StepSlice, TrainingData
-from dflash_train.data.format import check_target, load_generated, read_manifest
+from dflash_train.data.format import check_rows, check_target, load_generated, read_manifest
 from dflash_train.data.packing import document_causal_mask
 from dflash_train.distributed.backend import Backend
 from dflash_train.distributed.build import build_backend
@@ -49,18 +49,20 @@ from dflash_train.model.target import (
 from dflash_train.training import flops
 from dflash_train.training.checkpoint import (
     TrainerState,
-    changed_settings,
     checkpoint_config,
     checkpoint_problem,
+    drafter_shape_change,
     latest_checkpoint,
     latest_good_checkpoint,
     load_checkpoint,
+    resume_changes,
     save_checkpoint,
     step_dir_name,
 )
 from dflash_train.training.logging import MetricsLogger, MetricWindow, check_sinks, position_accuracy
 from dflash_train.training.loss import Distillation, LossOutput, dflash_loss, supervised_blocks
 from dflash_train.training.optim import optimizer_factory, scheduler_factory
+from dflash_train.training.run_dir import check_output_dir, mark_output_dir
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +77,12 @@ def split_validation(num_rows: int, val_rows: int, seed: int) -> tuple[list[int]
     return sorted(perm[val_rows:]), sorted(perm[:val_rows])
 
 
-def _same_weights(old_spec: str, new_spec: str) -> bool:
-    """Whether two target specs name the same weights (another path to the same file)."""
+def _target_weights(spec: str) -> str | None:
+    """The target's weights digest, recorded in checkpoints and exports (None: cannot tell)."""
     try:
-        return weights_digest(old_spec) == weights_digest(new_spec)
-    except (ValueError, OSError):  # the old path is gone: it cannot be shown to be the same
-        return False
+        return weights_digest(spec)
+    except (ValueError, OSError):
+        return None
 
 
 class NonFiniteLossError(RunError):
@@ -103,13 +105,20 @@ class Trainer:
         if self.backend.is_main:
             check_sinks(cfg.logging)
             # Before minutes of loading and hours of training: where the results go.
+            check_output_dir(self.output_dir, (f"{EXPORT_DIR}/*", MANIFEST_COPY))
             check_writable_dir(self.output_dir, "output_dir")
             if cfg.export:
-                check_export_destination(self.output_dir / EXPORT_DIR)
+                check_export_destination(self.output_dir / EXPORT_DIR, "dflash-train")
+        if cfg.drafter.attention == "flex" and self.backend.device.type == "cpu":
+            raise ValueError("drafter.attention=flex cannot train on the CPU (flex attention has no CPU backward): "
+                             "add drafter.attention=dense")
         self._setup_data(data)  # before any model: bad data fails in seconds, not minutes
         self._setup_model(target)
+        if self.manifest is not None:  # rows read from disk: every id must index this target's embedding
+            check_rows(self.data.ds, self.target.vocab_rows, cfg.data.path)
         self._setup_optimizer()
-        self.state = TrainerState(global_batch=self.slice.global_batch)
+        self.target_weights = _target_weights(cfg.target.name)
+        self.state = TrainerState(global_batch=self.slice.global_batch, target_weights=self.target_weights)
         self._orders: dict[int, torch.Tensor] = {}  # epoch -> row order
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-batches")
         self._prefetched: dict[int, Future] = {}
@@ -388,15 +397,20 @@ class Trainer:
         path = latest_good_checkpoint(self.output_dir)
         if path is None:
             return
-        old = checkpoint_config(path)
-        changes = [c for c in changed_settings(old, as_dict(self.cfg))
-                   if not (c.startswith("target.name:") and _same_weights(old["target"]["name"], self.cfg.target.name))]
+        changes = resume_changes(path, as_dict(self.cfg), self.target_weights)
         if changes and mode != "force":
             raise ValueError(f"{self.output_dir} holds a run with other settings ({'; '.join(changes)}): "
                              "resume with the checkpoint's settings, pick a new output_dir, or set "
                              "checkpoint.resume=force to continue under the new ones")
+        shape = changes and drafter_shape_change(checkpoint_config(path), self.drafter_config, self.target.config)
+        if shape:
+            detail = "; ".join([shape, *(c for c in changes if c.startswith("drafter."))])
+            raise ValueError(f"checkpoint.resume=force cannot continue {path}: the drafter changed shape ({detail}); "
+                             "resume with the checkpoint's drafter settings, or pick a new output_dir to train a "
+                             "new drafter")
         fresh = self.backend.optimizer_settings()
         self.state = load_checkpoint(self.backend, path, self.slice.global_batch)
+        self.state.target_weights = self.target_weights  # the next checkpoint records what it trained with
         if changes:
             # The checkpoint restored its own hyperparameters; the recipe's apply from here on,
             # and the next checkpoint's config.yaml records them.
@@ -411,6 +425,8 @@ class Trainer:
         """Train to the end (resuming if possible), export; returns the export directory on rank 0."""
         self.resume()
         cfg = self.cfg
+        if self.backend.is_main:
+            mark_output_dir(self.output_dir)  # before anything else is written there
         if self.backend.is_main and self.manifest is not None:
             # Kept beside the checkpoints: dflash-export writes it into the model card.
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -466,6 +482,7 @@ class Trainer:
         path = None
         if self.backend.is_main:
             extra = model_card_files(as_dict(self.cfg), self.manifest, eval_results=self.cfg.hub.eval_results)
-            path = save_drafter(self.drafter, out_dir, extra_files=extra, state_dict=state)
+            path = save_drafter(self.drafter, out_dir, extra_files=extra, state_dict=state,
+                                target_weights=self.target_weights, prog="dflash-train")
         self.backend.barrier()
         return path

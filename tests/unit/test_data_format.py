@@ -20,6 +20,7 @@ def manifest(rows):
 
 
 def test_shards_consolidate_in_order(tmp_path):
+    data_format.check_run(tmp_path, {"seed": 0})  # a run records its settings before any shard
     data_format.write_shard(tmp_path, 1, [row("c", 2, 1)], {"shard": 1})
     data_format.write_shard(tmp_path, 0, [row("a", 3, 2), row("b", 1, 1)], {"shard": 0})
     assert data_format.read_shard_meta(tmp_path, 1) == {"shard": 1}

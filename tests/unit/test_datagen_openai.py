@@ -32,6 +32,13 @@ class Server:
             def do_POST(self):
                 self.rfile.read(int(self.headers["Content-Length"]))
                 server.requests += 1
+                if server.mode == "unauthorized":  # vLLM's answer to a wrong --api-key
+                    body = b'{"error": "Unauthorized"}'
+                    self.send_response(401)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 self.reply(server.answer())
 
         self.mode, self.requests = "healthy", 0
@@ -47,6 +54,12 @@ class Server:
             return json.dumps({"object": "text_completion"}).encode()
         if self.mode == "out_of_range":
             choice["token_ids"] = [999999, -5, 3]
+        if self.mode == "vocab_size":  # one past the last id: the first id outside the vocabulary
+            choice["token_ids"] = [28, 49152, 30]
+        if self.mode == "booleans":  # JSON true is not a token id, though Python's bool is an int
+            choice["token_ids"] = [28, True, 30]
+        if self.mode == "empty_length":  # nothing generated, yet "cut at the length limit"
+            choice["token_ids"] = []
         return json.dumps({"choices": [choice]}).encode()
 
 
@@ -70,7 +83,10 @@ def _datagen(server, target, out, prompts):
 
 
 @pytest.mark.parametrize("mode, named", [("garbage", "not JSON"), ("no_choices", "no choices"),
-                                         ("out_of_range", "token ids [999999, -5] outside the vocabulary [0, 49152)")])
+                                         ("out_of_range", "token ids [999999, -5] outside the vocabulary [0, 49152)"),
+                                         ("vocab_size", "token ids [49152] outside the vocabulary [0, 49152)"),
+                                         ("booleans", "token_ids is not a list of integers: [28, True, 30]"),
+                                         ("empty_length", "an empty answer with finish_reason='length'")])
 def test_a_broken_server_commits_nothing_and_a_rerun_finishes(server, target, tmp_path, mode, named):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(3)))
@@ -105,3 +121,22 @@ def test_a_truncated_shard_is_named(server, target, tmp_path):
     done = _datagen(server, target, out, prompts)
     assert_one_line_error(done, "dflash-datagen", f"shard '{shard}' is damaged", "delete it and rerun")
     assert snapshot(out) == before
+
+
+def test_a_refused_api_key_stops_at_once_and_records_nothing(server, target, tmp_path):
+    """401 is no prompt's fault: one line naming the key setting, no shard, no prompt marked
+    as failed, so the rerun with the right key generates every answer."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(3)))
+    out = tmp_path / "out"
+    server.mode, server.requests = "unauthorized", 0
+    done = _datagen(server, target, out, prompts)
+    assert_one_line_error(done, "dflash-datagen", f"HTTP 401 from {server.url}/completions",
+                          "backend.api_key is not set", "rerun the same command")
+    assert server.requests <= 3  # one generate call (both shards' prompts) at most: no further call was tried
+    assert not list((out / "shards").glob("*.parquet")) and not (out / "manifest.json").exists()
+
+    server.mode = "healthy"
+    assert _datagen(server, target, out, prompts).returncode == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["rows"] == 3 and manifest["counts"]["skipped"] == {}

@@ -7,8 +7,9 @@ import pytest
 
 from dflash_train import quality
 from dflash_train.model.target import load_tokenizer
+from tests.cli_helpers import assert_one_line_error, run_cli
 from tests.conftest import SMOLLM2
-from tests.train_data import save_tiny_target, write_datagen_dir
+from tests.train_data import save_tiny_target, tiny_train_args, write_datagen_dir
 
 
 def test_step_timing_leaves_out_the_warmup_steps():
@@ -37,8 +38,8 @@ def test_summary_table():
         "| 10.0 | 20 | 80 | 1.23 | 1.50 | 2.25 | 2.5 |")
 
 
-TINY_TRAIN = ["drafter.num_hidden_layers=1", "drafter.block_size=8", "drafter.attention=dense",
-              "drafter.compile=false", "data.num_anchors=6", "data.max_length=64", "optim.lr=3e-3",
+# No drafter.attention: on this CPU dflash-quality picks the dense masks itself.
+TINY_TRAIN = ["drafter.num_hidden_layers=1", "drafter.block_size=8", "drafter.compile=false", "data.num_anchors=6", "data.max_length=64", "optim.lr=3e-3",
               "optim.micro_batch_size=2", "optim.grad_accum_steps=1", "logging.wandb=disabled",
               "logging.progress_bar=false", "backend.device=cpu", "checkpoint.every=0"]
 
@@ -68,6 +69,15 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys):
     # Run again: every stage is reused and the same table printed.
     quality.main(argv)
     assert quality.table(out) in capsys.readouterr().out
+    # Run again with another budget: a refusal naming the change, not the stale plan.
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit) as exit_info:
+        quality.main([("0.8" if a == "0.4" else a) for a in argv])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"dflash-quality: error: --run-dir '{run}' holds a quality run with other settings (--budget-min 0.4 -> "
+        "0.8): rerun with its settings to finish it, or use a new --run-dir for a new plan")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
 def test_training_seconds_sum_the_attempts():
@@ -83,3 +93,41 @@ def test_train_stage_checkpoints_unless_told_otherwise():
     args = quality._parser().parse_args(["--target", "t", "--data", "d", "--budget-min", "1", "--", "seed=1"])
     cmd = quality._train_command(args, Path("out"), "max_steps=50", defaults=("checkpoint.every=5",))
     assert cmd.index("checkpoint.every=5") < cmd.index("seed=1") < cmd.index("max_steps=50")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget-min", "-5"], "--budget-min -5 must be a positive number"),
+    (["--budget-min", "0"], "--budget-min 0 must be a positive number"),
+    (["--budget-min", "nan"], "--budget-min nan must be a positive number"),
+    (["--budget-min", "10", "--seconds-per-step", "0"], "--seconds-per-step 0 must be a positive number"),
+    (["--budget-min", "10", "--seconds-per-step", "-1.5"], "--seconds-per-step -1.5 must be a positive number"),
+    (["--budget-min", "10", "--seconds-per-step", "2", "--startup-s", "-3"], "--startup-s -3 must be a number >= 0"),
+    (["--budget-min", "10", "--probe-steps", "3", "--warmup-steps", "3"], "--probe-steps 3 must exceed --warmup-steps 3"),
+])
+def test_budgets_and_step_times_must_be_positive(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        quality.main(["--target", "smollm2_135m", "--data", str(tmp_path), "--run-dir", str(tmp_path / "run"), *flags])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"dflash-quality: error: {message}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_stages_get_the_machines_settings_before_the_users():
+    assert quality.machine_defaults(cuda=False, wandb_installed=True) == ["drafter.attention=dense"]
+    assert quality.machine_defaults(cuda=True, wandb_installed=False) == ["logging.wandb=disabled"]
+    assert quality.machine_defaults(cuda=True, wandb_installed=True) == []
+    args = quality._parser().parse_args(["--target", "t", "--data", "d", "--budget-min", "1", "--",
+                                         "drafter.attention=flex"])
+    args.machine = quality.machine_defaults(cuda=False, wandb_installed=False)
+    cmd = quality._train_command(args, Path("out"))
+    assert cmd.index("drafter.attention=dense") < cmd.index("drafter.attention=flex")  # the user's word wins
+    assert "logging.wandb=disabled" in cmd
+
+
+def test_training_flex_attention_on_the_cpu_names_the_override(tmp_path):
+    tok = load_tokenizer(SMOLLM2)
+    target = save_tiny_target(tmp_path / "target", tok)
+    data = write_datagen_dir(tmp_path / "data", target, tok)
+    done = run_cli("dflash-train", *tiny_train_args(target, data, tmp_path / "run", "drafter.attention=flex"))
+    assert_one_line_error(done, "dflash-train", "drafter.attention=flex cannot train on the CPU",
+                          "add drafter.attention=dense")

@@ -1,0 +1,51 @@
+"""A training run's output_dir: what dflash-train writes there, and the rule that keeps the rest.
+
+    <output_dir>/run.json        {"written_by": "dflash-train"}, written before anything
+                                 else: it tells a rerun that the files beside it are ours
+    checkpoints/ metrics.jsonl   (checkpoint.py, logging.py)
+    wandb/                       wandb's own folder when logging.wandb is not disabled
+    and what the trainer adds    (export/, data_manifest.json: export/hub.py names them)
+
+A folder holding anything else, or these names without run.json (or a checkpoint, which
+runs of older versions left without run.json), is the user's: errors.check_own_folder
+refuses it in one line before anything loads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from dflash_train.atomic import atomic_write_text
+from dflash_train.errors import check_own_folder
+from dflash_train.training.checkpoint import checkpoint_root, list_checkpoints
+from dflash_train.training.logging import METRICS_FILE
+
+RUN_FILE = "run.json"
+WRITTEN_BY = "dflash-train"
+OWN_FILES = (RUN_FILE, METRICS_FILE, f"{checkpoint_root('').name}/*", "wandb/*")
+
+
+def _ours(output_dir: Path) -> bool:
+    marker = output_dir / RUN_FILE
+    if not marker.exists():
+        return bool(list_checkpoints(output_dir))
+    try:
+        content = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(content, dict) and content.get("written_by") == WRITTEN_BY
+
+
+def check_output_dir(output_dir: str | Path, extra: Sequence[str] = ()) -> None:
+    """Raise ValueError unless ``output_dir`` is absent, empty or a run of ours; ``extra``:
+    more patterns the caller writes there (its export folder, the data manifest)."""
+    check_own_folder(output_dir, "output_dir", WRITTEN_BY, (*OWN_FILES, *extra), _ours)
+
+
+def mark_output_dir(output_dir: str | Path) -> None:
+    """Claim ``output_dir`` for this run, after ``check_output_dir`` let it through."""
+    path = Path(output_dir) / RUN_FILE
+    if not path.exists():
+        atomic_write_text(path, json.dumps({"written_by": WRITTEN_BY}) + "\n")
