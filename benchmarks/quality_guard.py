@@ -127,12 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics", help="judge this finished run's metrics.jsonl instead of training")
     p.add_argument("--pinned", default=str(PINNED))
     p.add_argument("--write-pinned", help="also write the measured figures here, in pinned.json's shape")
+    p.add_argument("--commit", help="the commit measured (default: git's HEAD here, +dirty if changed)")
     p.add_argument("overrides", nargs="*", help="extra dflash-train overrides (an A/B arm)")
     args = p.parse_args(argv)
     if args.metrics is None and not (args.target and args.data and args.out):
         p.error("give --target, --data and --out to train, or --metrics to judge a finished run")
     metrics = Path(args.metrics) if args.metrics else train(args)
-    measured = measure(read_metrics(metrics), _device(), _git_commit())
+    measured = measure(read_metrics(metrics), _device(), args.commit or _git_commit())
     pinned = json.loads(Path(args.pinned).read_text())
     rows, ok = judge(measured, pinned)
     print(f"\nquality guard: measured at {measured['commit']} on {measured['device']}; "
