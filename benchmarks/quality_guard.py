@@ -1,8 +1,8 @@
 """The quality guard: a short deterministic training run held against pinned figures.
 
-    python benchmarks/quality_guard.py --target /tmp/qwen25coder05b.gguf \\
+    python -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf \\
         --data /tmp/data/sharegpt-qwen25-coder-05b --out /tmp/guard
-    python benchmarks/quality_guard.py --metrics RUN/metrics.jsonl   # judge a finished run
+    python -m benchmarks.quality_guard --metrics RUN/metrics.jsonl   # judge a finished run
 
 Runs the 600-step arm of the recipe `qwen25_coder_05b_1xh100` on the shared regenerated set
 (64 conversations held out, held-out expected tau every 150 steps, the schedule spanning

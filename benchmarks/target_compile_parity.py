@@ -1,6 +1,6 @@
 """Compiled versus eager target features on real packed rows, layer by layer.
 
-    python benchmarks/target_compile_parity.py +experiment=qwen25_coder_05b_1xh100 \\
+    python -m benchmarks.target_compile_parity +experiment=qwen25_coder_05b_1xh100 \\
         target.name=/tmp/qwen25coder05b.gguf data.path=/tmp/data/sharegpt-qwen25-coder-05b output_dir=/tmp/parity
 
 Builds the trainer's own micro-batches of step 0 (the recipe's fixed shapes, packed rows,
