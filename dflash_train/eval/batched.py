@@ -253,7 +253,7 @@ def compare_batch(drafter, model, prompt_ids: list[str], prompts: list[list[int]
     Each row's spec_s / plain_s is its share of the batch's wall time (the time split
     evenly), so tokens/s summed over a dataset is the batches' throughput.
     """
-    from dflash_train.eval.acceptance import PromptResult, timed, trim_output
+    from dflash_train.eval.acceptance import timed
     from dflash_train.model.dflash import StepClock
 
     device = model.device
@@ -265,13 +265,25 @@ def compare_batch(drafter, model, prompt_ids: list[str], prompts: list[list[int]
     gaps = [[] for _ in prompts]
     plain, plain_s = timed(lambda: target_generate_batch(model, prompts, max_new_tokens, stop_token_ids,
                                                           temperature, gaps), device)
+    return batch_results(prompt_ids, prompts, (spec, spec_s), (plain, plain_s), max_new_tokens, stop_token_ids, turn,
+                         gaps)
+
+
+def batch_results(prompt_ids: list[str], prompts: list[list[int]], spec: tuple, plain: tuple, max_new_tokens: int,
+                  stop_token_ids, turn: int, gaps: list[list[float]] | None = None) -> list:
+    """One `PromptResult` per row of a batch decoded both ways: ``spec`` (SpecOutputs, seconds),
+    ``plain`` (new tokens per row, seconds). Each row's time is its share of the batch's."""
+    from dflash_train.eval.acceptance import PromptResult, trim_output
+
+    (outs, spec_s), (news, plain_s) = spec, plain
     share = 1 / len(prompts)
     step_times = None
-    if spec[0].step_times is not None:  # the batch's decode steps: as many as its longest-running row took
-        steps = max(len(out.acceptance_lengths) for out in spec)
-        step_times = {**{k: v * share for k, v in spec[0].step_times.items()}, "steps": steps * share}
+    if outs[0].step_times is not None:  # the batch's decode steps: as many as its longest-running row took
+        steps = max(len(out.acceptance_lengths) for out in outs)
+        step_times = {**{k: v * share for k, v in outs[0].step_times.items()}, "steps": steps * share}
+    gaps = gaps or [[] for _ in prompts]
     return [PromptResult(id=pid, prompt_tokens=len(p), acceptance_lengths=out.acceptance_lengths,
                          spec_ids=trim_output(out.output_ids[0, len(p):].tolist(), max_new_tokens, stop_token_ids),
                          plain_ids=trim_output(new, max_new_tokens, stop_token_ids), spec_s=spec_s * share,
                          plain_s=plain_s * share, plain_gaps_ulps=g, turn=turn, step_times=step_times)
-            for pid, p, out, new, g in zip(prompt_ids, prompts, spec, plain, gaps)]
+            for pid, p, out, new, g in zip(prompt_ids, prompts, outs, news, gaps)]

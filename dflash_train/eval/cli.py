@@ -71,8 +71,9 @@ class EvalConfig:
     allow_other_target: bool = False  # evaluate a drafter exported for other target weights
 
 
-def validate(cfg: EvalConfig) -> None:
-    """Checks of the values alone; each error names the offending value."""
+def validate(cfg: EvalConfig, static_batches: bool = False) -> None:
+    """Checks of the values alone; each error names the offending value. ``static_batches``:
+    the caller decodes batches on the static runtime (eval.speed does; dflash-eval does not)."""
     if not cfg.drafter_path:
         raise ValueError(f"drafter_path='': set drafter_path=<drafter directory> or drafter_path={RANDOM_DRAFTER}")
     if cfg.max_new_tokens < 1:
@@ -84,7 +85,7 @@ def validate(cfg: EvalConfig) -> None:
         raise ValueError(f"max_turns must be >= 1 or null (every turn), got {cfg.max_turns}")
     if cfg.runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {cfg.runtime!r}")
-    if cfg.runtime == "static" and cfg.batch_size != 1:
+    if cfg.runtime == "static" and cfg.batch_size != 1 and not static_batches:
         raise ValueError(f"runtime=static decodes one prompt at a time but batch_size={cfg.batch_size}; use "
                          "batch_size=1 or runtime=dynamic")
 

@@ -1,13 +1,19 @@
-"""Plain and speculative tokens/s at batch 1, per runtime: the latency numbers of a target.
+"""Plain and speculative tokens/s per runtime, at batch 1 (latency) or ``batch_size=N``.
 
     python -m dflash_train.eval.speed target=qwen25_coder_05b device=cuda drafter_path=random \
         max_new_tokens=256 limit=10
+
+``batch_size=N`` decodes N prompts per step in both runs of a runtime (speculative and plain
+batched decoding on the same runtime; ``runtime=static``: eval/static_batched.py, each step
+of the batch a CUDA graph on a GPU), so the speedup is over plain batched decoding at that
+batch size. The first ``limit`` prompts are cut into batches of N, the last batch filled
+by repeating prompts from the first, so every batch has N rows.
 
 The config is ``dflash-eval``'s (``recipes/eval.yaml``): the first ``limit`` prompts of the
 first dataset are decoded speculatively and plainly with each runtime (``runtime=auto``
 measures both, ``static`` or ``dynamic`` one), every generation exactly ``max_new_tokens``
 long (stop tokens are ignored, so each prompt costs the same work in every run). Each
-runtime first decodes one prompt untimed, which sizes its caches and captures its CUDA
+runtime first decodes one batch untimed, which sizes its caches and captures its CUDA
 graphs. A random drafter (tau near 1) measures the runtime's overhead: its speedup is the
 floor a trained drafter's acceptance multiplies.
 
@@ -15,17 +21,45 @@ floor a trained drafter's acceptance multiplies.
 time over the same prompts: draft, verify, acceptance, the host's wait for the device and
 bookkeeping, in host and (CUDA events) device milliseconds, with the ops, kernels and
 launch calls of each part (torch.profiler), against the plain static step
-(eval/breakdown.py says what each column measures).
+(eval/breakdown.py says what each column measures), at batch 1 whatever ``batch_size``.
 """
 
 from __future__ import annotations
 
+import torch
+
 from dflash_train.errors import run_command
 from dflash_train.eval.acceptance import compare_prompt, summarize
+from dflash_train.eval.batched import compare_batch
 from dflash_train.eval.breakdown import format_breakdown, step_breakdown
 from dflash_train.eval.cli import EvalConfig, setup, validate
+from dflash_train.eval.static_batched import compare_static_batch
 from dflash_train.model.dflash import static_unsupported
 from dflash_train.recipe import load_command
+
+
+def batches(items: list, batch_size: int) -> list[list[tuple[str, list[int]]]]:
+    """(id, token ids) rows in batches of ``batch_size``: the last filled by cycling from the
+    first prompt (every batch the same shape: the static runtime captures its graphs once);
+    a repeated prompt's id gets ``#k``."""
+    count = -(-len(items) // batch_size) * batch_size
+    rows = []
+    for i in range(count):
+        prompt, ids = items[i % len(items)]
+        rows.append((prompt.id + (f"#{i // len(items)}" if i >= len(items) else ""), ids[0].tolist()))
+    return [rows[i : i + batch_size] for i in range(0, count, batch_size)]
+
+
+def _decoder(cfg: EvalConfig, drafter, model, runtime: str):
+    """A batch of (id, token ids) rows -> their PromptResults, both runs on ``runtime``."""
+    static = runtime == "static"
+    if cfg.batch_size == 1:
+        return lambda batch: [compare_prompt(drafter, model, pid, torch.tensor([ids], device=model.device),
+                                             cfg.max_new_tokens, [], cfg.temperature, cfg.seed, static=static)
+                              for pid, ids in batch]
+    compare = compare_static_batch if static else compare_batch
+    return lambda batch: compare(drafter, model, [pid for pid, _ in batch], [ids for _, ids in batch],
+                                 cfg.max_new_tokens, [], cfg.temperature, cfg.seed)
 
 
 def measure(cfg: EvalConfig, datasets, target, drafter, stops, tokenizer) -> dict[str, dict]:
@@ -34,16 +68,12 @@ def measure(cfg: EvalConfig, datasets, target, drafter, stops, tokenizer) -> dic
     if cfg.runtime == "auto" and static_unsupported(target.model):
         runtimes = ["dynamic"]
     _, items = next(iter(datasets.values()))
+    groups = batches(items, cfg.batch_size)
     summaries = {}
     for runtime in runtimes:
-        static = runtime == "static"
-
-        def decode(prompt_id, ids, static=static):
-            return compare_prompt(drafter, target.model, prompt_id, ids, cfg.max_new_tokens, [], cfg.temperature,
-                                  cfg.seed, static=static)
-
-        decode("warmup", items[0][1])
-        results = [decode(p.id, ids) for p, ids in items]
+        decode = _decoder(cfg, drafter, target.model, runtime)
+        decode(groups[0])  # untimed: sizes the caches, captures the graphs
+        results = [r for group in groups for r in decode(group)]
         summaries[runtime] = summarize(results, drafter.config.block_size, greedy=cfg.temperature == 0)
     return summaries
 
@@ -59,7 +89,7 @@ def format_speed_table(summaries: dict[str, dict]) -> str:
 
 
 def validate_speed(cfg: EvalConfig) -> None:
-    validate(cfg)
+    validate(cfg, static_batches=True)
     if cfg.step_timing and cfg.max_new_tokens < 2:
         raise ValueError(f"step_timing=true needs max_new_tokens >= 2, got {cfg.max_new_tokens}: the breakdown "
                          "times the decode steps after the first token")
@@ -69,8 +99,8 @@ def run(argv: list[str] | None = None) -> dict[str, dict]:
     cfg = load_command(EvalConfig, argv, "eval", __doc__, validate_speed)
     loaded = setup(cfg)
     summaries = measure(cfg, *loaded)
-    print(f"{cfg.target.name} on {cfg.device} ({cfg.dtype}), batch 1, {cfg.max_new_tokens} new tokens, "
-          f"drafter {cfg.drafter_path}")
+    print(f"{cfg.target.name} on {cfg.device} ({cfg.dtype}), batch {cfg.batch_size}, {cfg.max_new_tokens} new "
+          f"tokens, drafter {cfg.drafter_path}")
     print(format_speed_table(summaries))
     if cfg.step_timing:
         print(breakdown_report(cfg, *loaded))

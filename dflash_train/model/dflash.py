@@ -644,10 +644,26 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
 # past the committed tokens (rejected drafts, an earlier request) are hidden until a later
 # step overwrites them. Every step input is a fixed tensor filled in place. (It lives in
 # this file, past the usual file length, because an exported drafter carries its runtime.)
+# The buffers hold `rows` requests side by side, each at its own positions: one row is
+# `speculate_static`; several are the evaluation's batched loop (eval/static_batched.py).
 
 MIN_SLOTS = 1024  # cache slots: a power of two, at least this, so few requests rebuild
 GRAPH_WARMUP_RUNS = 2  # eager runs on a side stream before capture, as CUDA graphs require
 STATIC_ATTENTION = ("sdpa", "eager")  # the implementations that read our 4D additive masks
+
+
+def _write_slots(buffer: torch.Tensor, write_at: torch.Tensor, states: torch.Tensor) -> None:
+    """Write states (b, g, L, d) into buffer (b, g, S, d) at slots write_at: (L,) the same
+    slots for every row (one row), or (b, L) each row's own."""
+    if write_at.dim() == 1:
+        buffer.index_copy_(2, write_at, states)
+    else:
+        buffer.scatter_(2, write_at[:, None, :, None].expand_as(states), states)
+
+
+def _slot_index(positions: torch.Tensor) -> torch.Tensor:
+    """positions (b, L) as `_write_slots` takes them: one row's (L,), or (b, L)."""
+    return positions[0] if positions.shape[0] == 1 else positions
 
 
 def static_unsupported(target) -> str | None:
@@ -694,8 +710,8 @@ class _SlotLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys.index_copy_(2, self.owner.write_at, key_states)
-        self.values.index_copy_(2, self.owner.write_at, value_states)
+        _write_slots(self.keys, self.owner.write_at, key_states)
+        _write_slots(self.values, self.owner.write_at, value_states)
         return self.keys, self.values  # every slot: the mask decides which are seen
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
@@ -716,7 +732,7 @@ class SlotCache(Cache):
 
     def __init__(self, num_layers: int, size: int):
         self.size = size
-        self.write_at = None  # (L,) the slots the next forward writes: its tokens' positions
+        self.write_at = None  # (L,) or (b, L) the slots the next forward writes: its tokens' positions
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
 
 
@@ -726,7 +742,7 @@ class SlotContextCache:
 
     def __init__(self, size: int):
         self.size = size
-        self.write_at = None  # (C,) positions of the forward's new context features
+        self.write_at = None  # (C,) or (b, C) positions of the forward's new context features
         self.keys: list = []
         self.values: list = []
 
@@ -734,8 +750,8 @@ class SlotContextCache:
         if layer == len(self.keys):
             self.keys.append(k_ctx.new_zeros(*k_ctx.shape[:2], self.size, k_ctx.shape[-1]))
             self.values.append(v_ctx.new_zeros(*v_ctx.shape[:2], self.size, v_ctx.shape[-1]))
-        self.keys[layer].index_copy_(2, self.write_at, k_ctx)
-        self.values[layer].index_copy_(2, self.write_at, v_ctx)
+        _write_slots(self.keys[layer], self.write_at, k_ctx)
+        _write_slots(self.values[layer], self.write_at, v_ctx)
         return self.keys[layer], self.values[layer]  # (b, g, S, d)
 
 
@@ -770,7 +786,7 @@ class Replayable:
 
 
 def _causal_slot_mask(positions: torch.Tensor, slots: torch.Tensor, dtype) -> torch.Tensor:
-    """(1, 1, L, S) additive: the query at position p sees slots 0..p, the tokens up to itself."""
+    """(b, 1, L, S) additive: the query at position p sees slots 0..p, the tokens up to itself."""
     visible = slots[None, None, None, :] <= positions[:, None, :, None]
     return torch.zeros(visible.shape, dtype=dtype, device=slots.device).masked_fill(~visible, torch.finfo(dtype).min)
 
@@ -783,20 +799,21 @@ def _where(module: nn.Module) -> tuple:
 
 class TargetSlots:
     """The target over a `SlotCache`: a prefill of any length, and a step over `width`
-    tokens at fixed `ids`/`positions` buffers (replayable). Features: of `layer_ids`."""
+    tokens a row at fixed `ids`/`positions` (rows, width) buffers (replayable). Features:
+    of `layer_ids`."""
 
-    def __init__(self, target, size: int, width: int, layer_ids=(), graphs: bool = True):
+    def __init__(self, target, size: int, width: int, layer_ids=(), graphs: bool = True, rows: int = 1):
         device = target.get_input_embeddings().weight.device
         self.target, self.layer_ids, self.graphs, self.weights = target, list(layer_ids), graphs, _where(target)
         self.cache = SlotCache(target.config.num_hidden_layers, size)
         self.slots = torch.arange(size, device=device)
-        self.ids = torch.zeros(1, width, dtype=torch.long, device=device)
-        self.positions = torch.zeros(1, width, dtype=torch.long, device=device)
+        self.ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, width, dtype=torch.long, device=device)
         self.step = Replayable(lambda: self.forward(self.ids, self.positions), device, graphs)
 
     def forward(self, ids, positions, logits_to_keep: int = 0):
-        """Logits (1, L, V) and features (1, L, n*H) or None; writes K/V at `positions` (1, L)."""
-        self.cache.write_at = positions[0]
+        """Logits (b, L, V) and features (b, L, n*H) or None; writes K/V at `positions` (b, L)."""
+        self.cache.write_at = _slot_index(positions)
         mask = _causal_slot_mask(positions, self.slots, self.target.dtype)
         out = self.target(ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
                           use_cache=True, output_hidden_states=bool(self.layer_ids), logits_to_keep=logits_to_keep)
@@ -806,15 +823,15 @@ class TargetSlots:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         return self.forward(input_ids, positions, logits_to_keep)
 
-    def fits(self, target, size: int, graphs: bool) -> bool:
+    def fits(self, target, size: int, graphs: bool, rows: int = 1) -> bool:
         """Still valid for `target`: the same module, dtype and device (the graphs read its
-        weights where they were at capture), enough slots, the same capture choice."""
+        weights where they were at capture), enough slots, the same capture choice and rows."""
         return (target is self.target and self.weights == _where(target) and size <= self.cache.size
-                and graphs == self.graphs)
+                and graphs == self.graphs and rows == self.ids.shape[0])
 
 
 def _slot_draft_masks(drafter, slots, block_pos, end) -> dict:
-    """Per layer type (1, 1, B, S + B) bool: what each block slot sees.
+    """Per layer type (b, 1, B, S + B) bool: what each block slot sees (`end`: (b, 1)).
 
     Context slots before the anchor's position hold committed tokens' features. Block slots
     at or past `end` (positions the budget can never commit) are hidden from the others,
@@ -822,13 +839,13 @@ def _slot_draft_masks(drafter, slots, block_pos, end) -> dict:
     a slot always sees itself, so no softmax row is empty.
     """
     width = block_pos.shape[1]
-    see_ctx = (slots[None, None, :] < block_pos[:, :1, None]).expand(-1, width, -1)  # (1, B, S)
+    see_ctx = (slots[None, None, :] < block_pos[:, :1, None]).expand(-1, width, -1)  # (b, B, S)
     own = torch.eye(width, dtype=torch.bool, device=slots.device)[None]
-    see_block = (block_pos < end)[:, None, :] | own  # (1, B, B)
+    see_block = (block_pos < end)[:, None, :] | own  # (b, B, B)
     masks = {FULL_ATTENTION: torch.cat([see_ctx, see_block.expand(see_ctx.shape[0], -1, -1)], -1)[:, None]}
     if SLIDING_ATTENTION in drafter.layer_types:
         window = drafter.config.sliding_window
-        near = block_pos[:, :, None] - slots[None, None, :] < window  # (1, B, S)
+        near = block_pos[:, :, None] - slots[None, None, :] < window  # (b, B, S)
         back = own.new_ones(width, width).tril() & ~own.new_ones(width, width).tril(-window)  # (B, B)
         masks[SLIDING_ATTENTION] = torch.cat([see_ctx & near, see_block & back], -1)[:, None]
     return masks
@@ -837,20 +854,21 @@ def _slot_draft_masks(drafter, slots, block_pos, end) -> dict:
 class StaticSpeculator:
     """The static runtime's buffers and replayable steps for one drafter and target.
 
-    The verify step reads the block (1, B) at its positions; the draft step reads the same
+    The verify step reads the block (b, B) at its positions; the draft step reads the same
     block plus the previous verify's B features (`ctx_feats`, at `ctx_pos`), writes their
     context K/V and drafts. Only what the host decides between steps is filled in place.
+    `rows` requests share every step, each at its own positions.
     """
 
-    def __init__(self, drafter, target, size: int, graphs: bool = True):
-        self.verifier = TargetSlots(target, size, drafter.block_size, drafter.target_layer_ids, graphs)
+    def __init__(self, drafter, target, size: int, graphs: bool = True, rows: int = 1):
+        self.verifier = TargetSlots(target, size, drafter.block_size, drafter.target_layer_ids, graphs, rows)
         device, dtype = self.verifier.slots.device, target.dtype
         self.target, self.drafter, self.weights = target, drafter, _where(drafter)
         self.context = SlotContextCache(size)
         self.offsets = torch.arange(drafter.block_size, device=device)[None]
-        self.end = torch.zeros((), dtype=torch.long, device=device)  # first position never committed
-        self.ctx_feats = torch.zeros(1, drafter.block_size, drafter.fc.in_features, dtype=dtype, device=device)
-        self.ctx_pos = torch.zeros(1, drafter.block_size, dtype=torch.long, device=device)
+        self.end = torch.zeros(rows, 1, dtype=torch.long, device=device)  # per row: first position never committed
+        self.ctx_feats = torch.zeros(rows, drafter.block_size, drafter.fc.in_features, dtype=dtype, device=device)
+        self.ctx_pos = torch.zeros(rows, drafter.block_size, dtype=torch.long, device=device)
         self.draft_step = Replayable(lambda: self.draft(self.ctx_feats, self.ctx_pos), device, graphs)
 
     @property
@@ -861,21 +879,23 @@ class StaticSpeculator:
     def block_pos(self) -> torch.Tensor:
         return self.verifier.positions
 
-    def fits(self, drafter, target, size: int, graphs: bool) -> bool:
-        return drafter is self.drafter and self.weights == _where(drafter) and self.verifier.fits(target, size, graphs)
+    def fits(self, drafter, target, size: int, graphs: bool, rows: int = 1) -> bool:
+        return (drafter is self.drafter and self.weights == _where(drafter)
+                and self.verifier.fits(target, size, graphs, rows))
 
     def draft(self, feats, ctx_pos) -> torch.Tensor:
-        """Logits for block slots 1..B-1: (1, B-1, V). feats: (1, C, n*H) at ctx_pos (1, C)."""
-        self.context.write_at = ctx_pos[0]
+        """Logits for block slots 1..B-1: (b, B-1, V). feats: (b, C, n*H) at ctx_pos (b, C)."""
+        self.context.write_at = _slot_index(ctx_pos)
         masks = _slot_draft_masks(self.drafter, self.verifier.slots, self.block_pos, self.end)
         noise = self.target.get_input_embeddings()(self.block)
         hidden = self.drafter(noise, feats, torch.cat([ctx_pos, self.block_pos], 1), masks, self.context, True)
         return self.target.get_output_embeddings()(hidden[:, 1:])
 
-    def set_block(self, anchor: torch.Tensor, start: int, mask_id: int) -> None:
-        """[anchor, MASK, ...] at positions start..start+B-1; anchor: (1,) on the device."""
+    def set_block(self, anchor: torch.Tensor, start, mask_id: int) -> None:
+        """[anchor, MASK, ...] at positions start..start+B-1; anchor: (b,) on the device,
+        start: an int (one row) or (b, 1) on the device."""
         self.block.fill_(mask_id)
-        self.block[:, :1].copy_(anchor[None])
+        self.block[:, :1].copy_(anchor.view(-1, 1))
         torch.add(self.offsets, start, out=self.block_pos)
 
 
