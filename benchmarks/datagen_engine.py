@@ -1,11 +1,11 @@
 """Generation speed of dflash-datagen's in-process generators, side by side on the same
 prompts, batch size and answer length: `hf` (model.generate, left-padded batches), `engine`
-(data_gen/engine.py; `engine-eager` without CUDA graphs) and optionally `hf-static` (generate
-with transformers' static cache, which transformers compiles on a GPU). Prints generated tokens/s, the GPU's idle share (a
-second, profiled pass: the share of its wall time with no kernel or copy running) and how
-many answers equal hf's.
+(data_gen/engine.py; `engine-eager` without CUDA graphs) and optionally `hf-static`
+(generate with transformers' static cache, which transformers compiles on a GPU). Prints
+generated tokens/s, the GPU's idle share (a second, profiled pass over --idle-prompts: the
+share of its wall time with no kernel or copy running) and how many answers equal hf's (when hf ran first).
 
-    python benchmarks/datagen_engine.py --target PATH --prompts 2048 --batch-size 256 \\
+    python benchmarks/datagen_engine.py --target PATH --prompts 1024 --batch-size 256 \\
         --max-new-tokens 512 [--kinds hf,engine,hf-static] [--jsonl prompts.jsonl]
 
 Prompts: ShareGPT first turns (the pipeline's default source, MT-Bench and HumanEval
@@ -45,7 +45,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--sync-steps", type=int, default=STEPS_PER_SYNC, help="engine: decode steps per chunk")
+    p.add_argument("--sync-steps", type=int, default=None,
+                   help=f"engine: decode steps per chunk (default {STEPS_PER_SYNC} on CUDA, 1 on CPU)")
+    p.add_argument("--idle-prompts", type=int, default=None,
+                   help="prompts of the profiled pass (default 4 x batch size: a trace of every kernel is large)")
     p.add_argument("--no-idle", action="store_true", help="skip the profiled pass")
     args = p.parse_args(argv)
     bad = [k for k in args.kinds.split(",") if k not in KINDS]
@@ -69,7 +72,7 @@ def build(kind: str, target, args, stop_ids: list[int], pad_id: int):
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     if cfg.kind == "engine":
         gen = EngineGenerator(target, cfg, sampling, stop_ids, args.max_prompt_len)
-        gen.engine.sync_steps = args.sync_steps
+        gen.engine.sync_steps = args.sync_steps or gen.engine.sync_steps
         return gen
     gen = HFGenerator(target, cfg, sampling, stop_ids, pad_id)
     if kind == "hf-static":
@@ -120,25 +123,24 @@ def main(argv: list[str]) -> None:
     print(f"{len(prompts)} prompts ({min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}), "
           f"batch {args.batch_size}, max_new_tokens {args.max_new_tokens}, temperature {args.temperature}, "
           f"{target.model.dtype} on {target.device} ({torch.cuda.get_device_name(target.device) if device != 'cpu' else 'CPU'})")
-    rows, answers = [], {}
-    for kind in args.kinds.split(","):
+    print(f"{'kind':<13}{'tokens':>9}{'mean':>7}{'seconds':>9}{'tok/s':>10}{'warm-up s':>11}  "
+          f"{'GPU idle':<22}{'same as hf':>10}", flush=True)
+    answers = {}
+    for kind in args.kinds.split(","):  # each row as soon as it is measured
         gen = build(kind, target, args, stop_ids, pad_id)
         _, warm = timed(gen, prompts[:args.batch_size], seeds[:args.batch_size], target.device)
         out, wall = timed(gen, prompts, seeds, target.device)
         answers[kind] = [c.ids for c in out]
         tokens = sum(len(ids) for ids in answers[kind])
-        idle = "skipped" if args.no_idle else idle_share(gen, prompts, seeds, target.device)
+        n = args.idle_prompts or 4 * args.batch_size
+        idle = "skipped" if args.no_idle else idle_share(gen, prompts[:n], seeds[:n], target.device)
         same = (f"{sum(a == b for a, b in zip(answers[kind], answers['hf']))}/{len(prompts)}"
                 if "hf" in answers else "n/a")
-        rows.append((kind, tokens, tokens / len(prompts), wall, tokens / wall, warm, idle, same))
+        print(f"{kind:<13}{tokens:>9}{tokens / len(prompts):>7.1f}{wall:>9.2f}{tokens / wall:>10.1f}{warm:>11.2f}  "
+              f"{idle:<22}{same:>10}", flush=True)
         del gen  # its KV cache and graphs, before the next kind allocates its own
         if target.device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"{'kind':<13}{'tokens':>9}{'mean':>7}{'seconds':>9}{'tok/s':>10}{'warm-up s':>11}  "
-          f"{'GPU idle':<22}{'same as hf':>10}")
-    for kind, tokens, mean, wall, rate, warm, idle, same in rows:
-        print(f"{kind:<13}{tokens:>9}{mean:>7.1f}{wall:>9.2f}{rate:>10.1f}{warm:>11.2f}  {idle:<22}{same:>10}")
-
 
 if __name__ == "__main__":
     main(sys.argv[1:])

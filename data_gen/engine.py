@@ -141,7 +141,7 @@ class GenerationEngine:
     (key, Completion) as answers end, and a consumer may submit more while draining."""
 
     def __init__(self, target: TargetModel, batch_size: int, max_len: int, sampling: SamplingConfig,
-                 stop_ids: list[int], cuda_graphs: bool = True, sync_steps: int = STEPS_PER_SYNC):
+                 stop_ids: list[int], cuda_graphs: bool = True, sync_steps: int | None = None):
         _register_attention()
         self.model = _private_model(target.model)
         self.device = target.device
@@ -151,7 +151,8 @@ class GenerationEngine:
         self.layers = len(decoder_layers(self.model))
         self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if cuda_graphs and self.device.type == "cuda" else None
         self._pool = None
-        self.sync_steps = sync_steps
+        # Off CUDA the host waits for every step anyway: it reads the slots after each.
+        self.sync_steps = sync_steps or (STEPS_PER_SYNC if self.device.type == "cuda" else 1)
         self.queue: deque = deque()
         # The host's view of the slots: the request in each, its position as of the last
         # snapshot read, and the first snapshot that shows it.
@@ -290,6 +291,8 @@ class GenerationEngine:
         chunk old, and the chunk adds its own steps."""
         busy = [p for p, key in zip(self.slot_pos, self.slot_key) if key is not None]
         needed = max(busy) + 2 * self.sync_steps + 1
+        if self.graphs is None:  # eager: any width, no graph per width to bound
+            return min(self.max_len, needed)
         return min(self.max_len, WIDTH_STEP * math.ceil(needed / WIDTH_STEP))
 
     def _snapshot(self) -> tuple:
@@ -334,7 +337,8 @@ class GenerationEngine:
         """Each round queues a chunk of steps and a snapshot after it, then reads the previous
         round's snapshot while the device runs the new chunk, and refills the slots it shows
         free (their prefill queued behind the chunk). The host's work hides behind the
-        device's; a finished row idles one to two chunks before its slot takes a new prompt."""
+        device's; a finished row idles one to two chunks before its slot takes a new prompt.
+        Off CUDA each round reads its own snapshot (chunks of one step)."""
         stop_ids = set(self.stop_ids.tolist())
         pending = None
         while True:
@@ -342,6 +346,8 @@ class GenerationEngine:
             if any(key is not None for key in self.slot_key):
                 self._run_steps(self._width(), self.sync_steps)
                 snapshot = self._snapshot()
+            if self.device.type != "cuda":  # nothing runs ahead of the host: read it now
+                pending, snapshot = snapshot, None
             if pending is not None:
                 yield from self._harvest(pending, stop_ids)
             self._admit()
