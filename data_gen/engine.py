@@ -11,8 +11,8 @@ slot rows and attends over them:
     (transformers' SDPA function); all but each prompt's last token, whose logits come from
     the first decode step, so the prefill needs no logits;
   * decode: one token per slot, SDPA over the first `width` cache columns with a per-row
-    visibility mask (column <= the row's position). `width` is a multiple of WIDTH_STEP
-    covering every busy row, so attention reads what the rows hold, not the whole cache.
+    visibility mask (column <= the row's position). `width` covers every busy row (on CUDA
+    a multiple of WIDTH_STEP), so attention reads what the rows hold, not the whole cache.
 The decode step (forward, token choice, stop detection, bookkeeping) runs on the device
 without a host sync; on CUDA each width is captured once as a CUDA graph and replayed. The
 host reads the slots every STEPS_PER_SYNC steps, one chunk behind the device.
@@ -237,12 +237,16 @@ class GenerationEngine:
 
     # -- prompts in, answers out ------------------------------------------------------
 
-    def submit(self, key: Hashable, prompt: list[int], seed: int = 0) -> None:
-        """Queue a prompt; its answer comes out of `drain` under `key`."""
+    def check(self, key: Hashable, prompt: list[int]) -> None:
+        """Raise ValueError if the prompt does not fit a cache row with its answer."""
         if not prompt or len(prompt) + self.max_new > self.max_len:
             raise ValueError(f"prompt {key!r} of {len(prompt)} tokens: the engine holds 1 to "
                              f"{self.max_len - self.max_new} prompt tokens (max_len={self.max_len}, "
                              f"max_new_tokens={self.max_new})")
+
+    def submit(self, key: Hashable, prompt: list[int], seed: int = 0) -> None:
+        """Queue a prompt; its answer comes out of `drain` under `key`."""
+        self.check(key, prompt)
         self.queue.append((key, list(prompt), seed))
 
     def _to_device(self, values) -> torch.Tensor:
@@ -379,6 +383,8 @@ class EngineGenerator:
                    max_prompt_len)
 
     def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
+        for i, p in enumerate(prompts):  # all of them before any is queued
+            self.engine.check(i, p)
         # Longest first, as the hf generator: long prompts start early, and the prefill
         # groups of similar lengths.
         for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
