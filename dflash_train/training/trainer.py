@@ -109,13 +109,13 @@ class Trainer:
             check_writable_dir(self.output_dir, "output_dir")
             if cfg.export:
                 check_export_destination(self.output_dir / EXPORT_DIR, "dflash-train")
-        if cfg.drafter.attention == "flex" and self.backend.device.type == "cpu":
-            raise ValueError("drafter.attention=flex cannot train on the CPU (flex attention has no CPU backward): "
-                             "add drafter.attention=dense")
         self._setup_data(data)  # before any model: bad data fails in seconds, not minutes
         self._setup_model(target)
         if self.manifest is not None:  # rows read from disk: every id must index this target's embedding
             check_rows(self.data.ds, self.target.vocab_rows, cfg.data.path)
+        if cfg.drafter.attention == "flex" and self.backend.device.type == "cpu":
+            raise ValueError("drafter.attention=flex cannot train on the CPU (flex attention has no CPU backward): "
+                             "add drafter.attention=dense")
         self._setup_optimizer()
         self.target_weights = _target_weights(cfg.target.name)
         self.state = TrainerState(global_batch=self.slice.global_batch, target_weights=self.target_weights)

@@ -127,10 +127,10 @@ def test_a_truncated_arrow_file_and_an_empty_dataset(tiny, tmp_path):
     arrow = next((data / "data").glob("*.arrow"))
     os.truncate(arrow, arrow.stat().st_size // 2)
     done = run_cli("dflash-train", *tiny_train_args(tiny["target"], data, tmp_path / "run"))
-    assert_one_line_error(done, "dflash-train", f"'{data / 'data'}': unreadable dataset, truncated or damaged")
+    assert_one_line_error(done, "dflash-train", f"'{arrow}' is damaged (its sha256 does not match manifest.json)")
     empty = write_datagen_dir(tmp_path / "empty", tiny["target"], tiny["tok"], rows=[])
     done = run_cli("dflash-train", *tiny_train_args(tiny["target"], empty, tmp_path / "run"))
-    assert_one_line_error(done, "dflash-train", "the training dataset is empty")
+    assert_one_line_error(done, "dflash-train", f"'{empty}' is an empty dataset (its manifest counts 0 rows)")
     empty_prompts = tmp_path / "none.jsonl"
     empty_prompts.write_text("\n")
     done = run_cli("dflash-eval", "drafter_path=random", f"datasets=[{empty_prompts}]", f"output_dir={tmp_path / 'e'}")
