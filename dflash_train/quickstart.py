@@ -7,7 +7,8 @@ Four stages, each the project's own console script with its quickstart recipe:
   4. dflash-eval     the trained drafter
 A stage whose output is complete is reused, so running the command again is cheap and an
 interrupted run continues where it stopped (data generation and training resume inside
-their stage too). Per-stage Hydra overrides: `dflash-quickstart --train optim.lr=1e-3`.
+their stage too). Per-stage Hydra overrides: `dflash-quickstart --train optim.lr=1e-3`;
+`--long` trains twice as long (recipes/train_quickstart_long.yaml) in a folder of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ RUN_DIR = "runs/quickstart-smollm2"
 # which batching keeps, and the evaluation takes a third of the time of one prompt at a time
 # (the batch-1 latency numbers: `dflash-eval ... batch_size=1`).
 EVAL_ARGS = ["datasets=[mtbench,humaneval]", "limit=10", "max_new_tokens=64", "max_turns=1", "batch_size=10"]
+# The fresh drafter is the tau ~ 1 baseline: almost none of its drafts is accepted at any
+# length, so it answers the same prompts in 16 tokens (a quarter of its decoding time).
+FRESH_EVAL_ARGS = [a if not a.startswith("max_new_tokens=") else "max_new_tokens=16" for a in EVAL_ARGS]
+RECIPE, LONG_RECIPE = "train_quickstart", "train_quickstart_long"
 # The quickstart recipes run the target in bf16 and train under bf16 autocast: 2.4x faster
 # than float32 on a CPU with bf16 instructions, and about 10x slower on one without them
 # (data generation at 20 tok/s against 255 on two AMD EPYC cores of each kind). There the
@@ -69,18 +74,18 @@ def stage_overrides(extra: dict[str, list[str]], native_bf16: bool) -> dict[str,
     return {stage: ([] if native_bf16 else FLOAT32_OVERRIDES[stage]) + given for stage, given in extra.items()}
 
 
-def _stages(run_dir: Path, extra: dict[str, list[str]]) -> list[tuple[str, Path, list[str]]]:
-    """(name, file that marks the stage done, command)."""
+def _stages(run_dir: Path, extra: dict[str, list[str]], recipe: str = RECIPE) -> list[tuple[str, Path, list[str]]]:
+    """(name, file that marks the stage done, command); ``recipe``: the training recipe."""
     export = run_dir / "export"
     return [
         ("datagen", Path(DATA_DIR) / "manifest.json",
          [_script("dflash-datagen"), "--config-name", "datagen_quickstart", f"out_dir={DATA_DIR}", *extra["datagen"]]),
         ("train", export / "model.safetensors",
-         [_script("dflash-train"), "--config-name", "train_quickstart", f"output_dir={run_dir}",
+         [_script("dflash-train"), "--config-name", recipe, f"output_dir={run_dir}",
           f"data.path={DATA_DIR}", *extra["train"]]),
         ("eval-fresh", run_dir / "eval_fresh" / "results.json",
          [_script("dflash-eval"), "drafter_path=random", "drafter=cpu_small", f"output_dir={run_dir / 'eval_fresh'}",
-          *EVAL_ARGS, *extra["eval"]]),
+          *FRESH_EVAL_ARGS, *extra["eval"]]),
         ("eval-trained", run_dir / "eval" / "results.json",
          [_script("dflash-eval"), f"drafter_path={export}", f"output_dir={run_dir / 'eval'}", *EVAL_ARGS,
           *extra["eval"]]),
@@ -123,11 +128,16 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run-dir", type=Path, default=Path(RUN_DIR), help="training output and eval results")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help=f"training output and eval results (default {RUN_DIR}, with --long {RUN_DIR}-long)")
+    parser.add_argument("--long", action="store_true",
+                        help=f"train with recipes/{LONG_RECIPE}.yaml: twice the training time, a little higher tau")
     for stage in ("datagen", "train", "eval"):
         parser.add_argument(f"--{stage}", nargs="*", default=[], metavar="KEY=VALUE",
                             help=f"Hydra overrides for dflash-{stage}")
     args = parser.parse_args(argv)
+    if args.run_dir is None:
+        args.run_dir = Path(RUN_DIR + ("-long" if args.long else ""))
     native_bf16 = cpu_has_native_bf16()
     if not native_bf16:
         print("this CPU has no bf16 instructions (AVX512-BF16, AMX or Arm BF16): the target runs in float32 "
@@ -140,7 +150,7 @@ def _run(argv: list[str] | None) -> None:
     check_writable_dir(args.run_dir, "--run-dir")
     check_writable_dir(DATA_DIR, "the quickstart data folder")
     start = time.perf_counter()
-    for i, (name, done, command) in enumerate(_stages(args.run_dir, extra), 1):
+    for i, (name, done, command) in enumerate(_stages(args.run_dir, extra, LONG_RECIPE if args.long else RECIPE), 1):
         if done.exists():
             print(f"[{i}/4] {name}: done already ({done}), reused", flush=True)
             continue

@@ -3,7 +3,10 @@
 import json
 from pathlib import Path
 
+from data_gen.config import DatagenConfig
+from dflash_train.config import TrainConfig, validate
 from dflash_train.quickstart import _held_out, _stages, _table, cpu_has_native_bf16, stage_overrides
+from dflash_train.recipe import load_command
 
 EPYC_NO_AVX512 = "processor\t: 0\nflags\t\t: fpu vme sse sse2 avx avx2 fma\n"
 EPYC_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
@@ -59,3 +62,32 @@ def test_stages_run_float32_without_bf16_instructions_and_the_user_still_wins():
     assert commands["eval-trained"][-1] == "limit=2" and "target.dtype=float32" not in commands["eval-trained"]
     native = {name: cmd for name, _, cmd in _stages(run_dir, stage_overrides(given, native_bf16=True))}
     assert not any("float32" in c or "mixed_precision" in c for cmd in native.values() for c in cmd)
+
+
+def test_fresh_drafter_answers_in_16_tokens_and_long_trains_with_its_own_recipe():
+    none = {"datagen": [], "train": [], "eval": []}
+    short = {name: cmd for name, _, cmd in _stages(Path("runs/qs"), none)}
+    assert short["train"][1:3] == ["--config-name", "train_quickstart"]
+    fresh, trained = short["eval-fresh"], short["eval-trained"]
+    assert [c for c in fresh if c.startswith("max_new_tokens=")] == ["max_new_tokens=16"]
+    assert [c for c in trained if c.startswith("max_new_tokens=")] == ["max_new_tokens=64"]
+    # same prompts, turns and batch for both drafters: only the answer length differs
+    assert [c for c in fresh if c.startswith(("datasets=", "limit=", "max_turns=", "batch_size="))] == \
+        [c for c in trained if c.startswith(("datasets=", "limit=", "max_turns=", "batch_size="))]
+    long = {name: (done, cmd) for name, done, cmd in _stages(Path("runs/qs-long"), none, "train_quickstart_long")}
+    assert long["train"][1][1:4] == ["--config-name", "train_quickstart_long", "output_dir=runs/qs-long"]
+    assert long["train"][0] == Path("runs/qs-long/export/model.safetensors")
+
+
+def test_long_recipe_is_the_quickstart_trained_twice_as_long():
+    short, long = (load_command(TrainConfig, [], name, "", validate)
+                   for name in ("train_quickstart", "train_quickstart_long"))
+    gen = load_command(DatagenConfig, [], "datagen_quickstart", "", DatagenConfig.validate)
+    rows = gen.num_prompts - short.data.val_rows  # the answers less the held-out ones: 496
+    passes = {c.optim.lr: c.epochs * rows for c in (short, long)}
+    assert passes == {1.5e-3: 4 * 496, 3.0e-3: 8 * 496}
+    assert (short.optim.grad_accum_steps, long.optim.grad_accum_steps) == (1, 4)
+    # the same data, drafter and dtype: only the optimisation differs
+    assert short.data.path == long.data.path and short.drafter == long.drafter
+    assert short.target == long.target and short.data.num_anchors == long.data.num_anchors
+    assert (short.output_dir, long.output_dir) == ("runs/quickstart-smollm2", "runs/quickstart-smollm2-long")
