@@ -55,6 +55,9 @@ class DrafterConfig:
     # A saved drafter to start every weight from (warm start): one of ours, or a z-lab, SpecForge,
     # Model-Optimizer or speculators checkpoint (model/foreign.py); its geometry must match.
     init_from: str | None = None
+    # Start from a drafter that was exported for other target weights (refused by default: a
+    # model of the same architecture passes every shape check and rejects nearly every draft).
+    init_from_other_target: bool = False
 
 
 @dataclass

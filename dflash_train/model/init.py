@@ -101,13 +101,18 @@ def _geometry(config) -> dict:
     return out
 
 
-def init_from_checkpoint(drafter: nn.Module, path: str, target) -> None:
+def init_from_checkpoint(drafter: nn.Module, path: str, target, target_weights: str | None = None,
+                         allow_other_target: bool = False) -> None:
     """Replace every weight of ``drafter`` with those of the saved drafter at ``path``
-    (checked against ``target``, a TargetModel); its geometry must equal ``drafter``'s."""
-    from dflash_train.model.io import load_drafter
+    (checked against ``target``, a TargetModel); its geometry must equal ``drafter``'s, and
+    an export of ours must have been trained for ``target_weights`` (the target's
+    ``weights_digest``) unless ``allow_other_target``."""
+    from dflash_train.model.io import check_target_weights, load_drafter
 
     try:
         loaded = load_drafter(path, target=target)
+        if target_weights and not allow_other_target:
+            check_target_weights(loaded.config, target_weights, "drafter.init_from_other_target=true")
     except ValueError as err:
         raise ValueError(f"drafter.init_from={path}: {err}") from None
     mine, theirs = _geometry(drafter.config), _geometry(loaded.config)

@@ -177,7 +177,8 @@ class Trainer:
             if self.backend.is_main:
                 log.info("drafter initialised from target layers: %s", copied)
         if d.init_from:  # every weight, so after init_from_target (which it then replaces)
-            init_from_checkpoint(self.drafter, d.init_from, target)
+            init_from_checkpoint(self.drafter, d.init_from, target, _target_weights(cfg.target.name),
+                                 d.init_from_other_target)
             if self.backend.is_main:
                 log.info("drafter initialised from %s", d.init_from)
         # After the copy: a sharded target's weights are no longer plain tensors.

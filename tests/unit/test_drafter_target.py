@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from dflash_train.model.io import TARGET_WEIGHTS_KEY
 from dflash_train.model.target import load_tokenizer, weights_digest
@@ -62,3 +63,18 @@ def test_resume_notices_other_weights_at_the_same_path(tiny, tmp_path):
     with pytest.raises(ValueError, match=f"other settings \\(target weights: '{before}' -> '{after}'\\): "
                                          "resume with the checkpoint's settings"):
         t.resume()
+
+
+def test_warm_start_refuses_a_drafter_for_other_target_weights(tiny, tmp_path):
+    export = tiny["run"] / "export"
+    with pytest.raises(ValueError, match=rf"drafter.init_from={export}: the drafter was trained for the target "
+                                         rf"weights {weights_digest(tiny['target'])}, this target's are "
+                                         rf"{weights_digest(tiny['other'])}.*drafter.init_from_other_target=true"):
+        Trainer(tiny_train_config(tiny["other"], tiny["data"], tmp_path / "refused", data={"check_manifest": False},
+                                  drafter={"init_from": str(export)}))
+    allowed = Trainer(tiny_train_config(tiny["other"], tiny["data"], tmp_path / "allowed",
+                                        data={"check_manifest": False},
+                                        drafter={"init_from": str(export), "init_from_other_target": True}))
+    same = Trainer(tiny_train_config(tiny["target"], tiny["data"], tmp_path / "same", drafter={"init_from": str(export)}))
+    for name, tensor in same.drafter.state_dict().items():
+        assert torch.equal(tensor, allowed.drafter.state_dict()[name]), name
