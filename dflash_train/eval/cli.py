@@ -87,7 +87,7 @@ def validate(cfg: EvalConfig, static_batches: bool = False) -> None:
         raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {cfg.runtime!r}")
     if cfg.runtime == "static" and cfg.batch_size != 1 and not static_batches:
         raise ValueError(f"runtime=static decodes one prompt at a time but batch_size={cfg.batch_size}; use "
-                         "batch_size=1 or runtime=dynamic")
+                         "batch_size=1 or runtime=dynamic (python -m dflash_train.eval.speed measures static batches)")
 
 
 def _dataset_entries(cfg: EvalConfig) -> list[dict]:
