@@ -113,9 +113,6 @@ class Trainer:
         self._setup_model(target)
         if self.manifest is not None:  # rows read from disk: every id must index this target's embedding
             check_rows(self.data.ds, self.target.vocab_rows, cfg.data.path)
-        if cfg.drafter.attention == "flex" and self.backend.device.type == "cpu":
-            raise ValueError("drafter.attention=flex cannot train on the CPU (flex attention has no CPU backward): "
-                             "add drafter.attention=dense")
         self._setup_optimizer()
         self.target_weights = _target_weights(cfg.target.name)
         self.state = TrainerState(global_batch=self.slice.global_batch, target_weights=self.target_weights)
@@ -424,8 +421,12 @@ class Trainer:
 
     def fit(self) -> Path | None:
         """Train to the end (resuming if possible), export; returns the export directory on rank 0."""
-        self.resume()
         cfg = self.cfg
+        # Here, not at construction: a CPU trainer with flex masks still validates (forward only).
+        if cfg.drafter.attention == "flex" and self.backend.device.type == "cpu":
+            raise ValueError("drafter.attention=flex cannot train on the CPU (flex attention has no CPU backward): "
+                             "add drafter.attention=dense")
+        self.resume()
         if self.backend.is_main:
             mark_output_dir(self.output_dir)  # before anything else is written there
         if self.backend.is_main and self.manifest is not None:
