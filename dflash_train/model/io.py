@@ -23,7 +23,7 @@ from dflash_train.model.dflash import (
     dflash_field,
     rope_parameters,
 )
-from dflash_train.model.foreign import read_foreign, read_weights
+from dflash_train.model.foreign import read_foreign, read_raw_config, read_weights
 from dflash_train.model.serving import layer_types, serving_conflicts, serving_fields
 
 CONFIG_NAME = "config.json"
@@ -154,13 +154,8 @@ def _config_fields(config_dict: dict) -> dict:
 
 def read_config(path) -> DFlashConfig:
     """Parse and check an export's config.json without touching the weights."""
+    raw = read_raw_config(Path(path))
     file = Path(path) / CONFIG_NAME
-    if not file.is_file():
-        raise ValueError(f"{path}: no {CONFIG_NAME}; not a DFlash drafter export")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file}: not valid JSON ({err})") from None
     missing = [k for k in REQUIRED_KEYS if k not in raw]
     if missing:
         raise ValueError(f"{file}: missing required key(s) {missing}")

