@@ -9,8 +9,10 @@ Each decode step of `speculate_static` is split at the laps it marks:
 host ms is the wall time between laps with no synchronisation added: on a GPU the time the
 host takes to queue each part (the queue drains in `host`), on a CPU the compute itself.
 device ms (CUDA) is the GPU time between CUDA events recorded at the same laps, idle gaps
-included. ops: top-level ATen calls the host makes; kernels (CUDA): kernels the device runs
-for the part, those of a replayed graph included; launches (CUDA): the kernel, graph and copy
+included. ops: top-level ATen calls the host makes; kernels (CUDA): kernels the profiler puts
+in the part's range; a replayed graph's kernels are not among them (on an H100 the verify
+part shows 1 launch and 0 kernels), only in the step's total printed below the table;
+launches (CUDA): the kernel, graph and copy
 launch calls the host makes. Counts come from one decode under torch.profiler. The plain
 step is the static runtime's one-token step (a CUDA graph on a GPU) over the same prompts.
 

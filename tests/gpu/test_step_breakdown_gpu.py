@@ -19,7 +19,8 @@ def test_breakdown_times_and_counts_the_graphs(target, trained, prompts):  # noq
     parts = b["parts"]
     assert b["device"] == "cuda" and b["tau"] > 1.5
     assert all(parts[p]["device_ms"] > 0 for p in PARTS)
-    # the verify part is one graph replay: one launch call, and the kernels of the target's forward
-    assert parts["verify"]["launches"] == pytest.approx(1.0)
-    assert parts["verify"]["kernels"] > 10 and b["kernels_per_step"] >= parts["verify"]["kernels"]
-    assert sum(p["kernels"] for p in parts.values()) <= b["kernels_per_step"] + 1e-6
+    # the verify part is one graph replay: one launch call; the profiler gives its kernels to no
+    # range (measured on an H100 at 091a5d3: verify 0 kernels, the step's total 388 against 31
+    # in the parts), so only the step total holds them
+    assert parts["verify"]["launches"] == pytest.approx(1.0) and parts["verify"]["kernels"] == 0
+    assert b["kernels_per_step"] > sum(p["kernels"] for p in parts.values()) + 10
