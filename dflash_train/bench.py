@@ -96,6 +96,28 @@ def validate_bench(cfg: BenchConfig) -> None:
         raise ValueError(f"bench.steps={b.steps} must be >= 1 and bench.warmup={b.warmup} >= 0")
     if b.target_layers is not None and not b.random_target:
         raise ValueError(f"bench.target_layers={b.target_layers} needs bench.random_target=true")
+    for key, path, ours in (("bench.json", b.json, _is_result), ("bench.profile", b.profile, _is_profile)):
+        if path is not None and Path(path).exists() and not (Path(path).is_file() and ours(Path(path))):
+            raise ValueError(f"{key}={path} exists and is not an earlier dflash-bench {key.split('.')[1]}: it is "
+                             "left untouched; name a new file")
+
+
+PROFILE_HEADER = "# dflash-bench profile: one training step's kernels\n"
+
+
+def _is_result(path: Path) -> bool:
+    """Whether ``path`` holds a result this benchmark wrote (bench.json), which it may replace."""
+    try:
+        return "samples_per_s" in json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError, TypeError):
+        return False
+
+
+def _is_profile(path: Path) -> bool:
+    try:
+        return path.read_text().startswith(PROFILE_HEADER)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 # The benchmark's flags before it took key=value settings, kept as aliases.
@@ -338,7 +360,7 @@ def main(argv: list[str] | None = None, profile: Callable[[Trainer, int], str] =
         try:
             result = run(trainer, opts.steps, opts.warmup)
             if opts.profile:
-                Path(opts.profile).write_text(profile(trainer, opts.warmup + 2 * opts.steps))
+                Path(opts.profile).write_text(PROFILE_HEADER + profile(trainer, opts.warmup + 2 * opts.steps))
         finally:
             trainer.backend.shutdown()
     if trainer.backend.is_main:

@@ -76,3 +76,21 @@ def test_steps_that_skip_their_update_are_not_timed(tiny):
     with pytest.raises(RunError, match="2 of the 2 timed steps had a non-finite loss or gradient norm"):
         bench.main([*args, "optim.lr=1e30"])
     # (A run with finite steps still reports: the other tests here.)
+
+
+@pytest.mark.parametrize("flag", ["--json", "--profile"])
+def test_a_users_file_is_not_overwritten(tiny, tmp_path, capsys, flag):
+    target, data = tiny
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my notes\n")
+    with pytest.raises(ValueError, match=rf"bench.{flag[2:]}={mine} exists and is not an earlier dflash-bench "
+                                         rf"{flag[2:]}: it is left untouched; name a new file"):
+        bench.main([f"target.name={target}", f"data.path={data}", "target.num_layers=6", "target.mask_token_id=16",
+                    "drafter=cpu_small", "drafter.target_layer_ids=[1,3]", flag, str(mine)])
+    assert mine.read_text() == "my notes\n"
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"samples_per_s": 1.0}))
+    assert bench._is_result(earlier) and not bench._is_result(mine)
+    profile = tmp_path / "profile.txt"
+    profile.write_text(bench.PROFILE_HEADER + "kernels\n")
+    assert bench._is_profile(profile) and not bench._is_profile(mine)
