@@ -1,7 +1,7 @@
 """A quality run within a wall-clock budget: `dflash-quality`.
 
-    dflash-quality --target qwen25_coder_05b --data ../shared/data/sharegpt-qwen25-coder-05b \\
-        --budget-min 20 --run-dir runs/quality-qwen25-coder -- +experiment=qwen25_coder_05b_1xh100
+    dflash-quality target=qwen25_coder_05b data=../shared/data/sharegpt-qwen25-coder-05b \\
+        budget_min=20 run_dir=runs/quality-qwen25-coder 'train=["+experiment=qwen25_coder_05b_1xh100"]'
 
 Four stages, each the project's own command:
   1. probe   dflash-train for a few steps (a metric line per step, no export): seconds per
@@ -11,20 +11,22 @@ Four stages, each the project's own command:
   3. train   dflash-train with that plan and data.val_rows held out; exports the drafter
   4. eval    dflash-eval of the export on MT-Bench and HumanEval (first N prompts, M tokens)
 and prints one table: training minutes, steps, conversations seen, held-out expected tau,
-tau per eval dataset (also written to <run-dir>/quality.json). Arguments after `--` are
-dflash-train overrides; `--set KEY=VALUE` goes to both dflash-train and dflash-eval (a
-local target folder: `--set target.name=/models/qwen25-coder-05b`). A finished stage is
-reused, so an interrupted run continues with the same plan; the train stage checkpoints
-about ten times and resumes from the latest checkpoint, its minutes summed over attempts.
-The run's settings are kept in <run-dir>/run.json: a rerun with another budget, target, data
-or override is refused with the setting that changed (a new --run-dir starts a new plan).
-Without a CUDA GPU the stages run on the CPU: dense attention masks for training and
-device=cpu for the evaluation; logging.wandb=disabled where wandb is not installed.
+tau per eval dataset (also written to <run_dir>/quality.json).
+Settings are Hydra overrides of recipes/quality.yaml (or of the recipe --config-name names),
+which says what each key does. target=NAME and every target.KEY=VALUE of the command line go
+to both dflash-train and dflash-eval (a local target folder: target.name=/models/qwen25-coder-05b);
+train=[...] and eval=[...] list each stage's own overrides, each item quoted. A finished
+stage is reused, so an interrupted run continues with the same plan; the train stage
+checkpoints about ten times and resumes from the latest checkpoint, its minutes summed over
+attempts. The run's settings are kept in <run_dir>/run.json: a rerun with another budget,
+target, data or override is refused with the setting that changed (a new run_dir starts a
+new plan). Without a CUDA GPU the stages run on the CPU: dense attention masks for training
+and device=cpu for the evaluation; logging.wandb=disabled where wandb is not installed.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -32,18 +34,76 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from omegaconf import MISSING
+
+from dflash_train.config import TargetConfig
 from dflash_train.errors import check_own_folder, check_writable_dir, run_command
+from dflash_train.recipe import HINT, compose_recipe, parse_command_line, recipe_choices, to_config
 from dflash_train.training.logging import METRICS_FILE
 
 # The budget ends the run, not the epochs: this only has to exceed any budget's steps.
 UNBOUNDED_EPOCHS = 1000
 DATASETS = ("mtbench", "humaneval")
 RUN_FILE, PLAN_FILE = "run.json", "plan.json"
-# What dflash-quality writes into --run-dir; its stages check their own folders.
+# What dflash-quality writes into run_dir; its stages check their own folders.
 OWN_FILES = (RUN_FILE, PLAN_FILE, "train_seconds.json", "eval_seconds.json", "quality.json", "probe/*", "train/*",
              "eval/*")
+
+
+@dataclass
+class QualityData:
+    """dflash-train's data keys that dflash-quality sets (the same names)."""
+
+    path: str = field(default=MISSING, metadata={HINT: "<dflash-datagen output folder>"})
+    val_rows: int = 64
+
+
+@dataclass
+class QualityConfig:
+    """Every setting of dflash-quality; recipes/quality.yaml says what each one does."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)  # the group both stages get
+    data: QualityData = field(default_factory=QualityData)
+    budget_min: float = field(default=MISSING, metadata={HINT: "<training minutes>"})
+    run_dir: str = "runs/quality"
+    probe_steps: int = 8
+    warmup_steps: int = 3
+    seconds_per_step: float | None = None
+    startup_s: float = 0.0
+    datasets: list[str] = field(default_factory=lambda: list(DATASETS))
+    limit: int = 40
+    max_new_tokens: int = 256
+    device: str | None = None
+    train: list[str] = field(default_factory=list)
+    eval: list[str] = field(default_factory=list)
+
+
+@dataclass
+class QualityRun:
+    """The settings and what the stage commands are built from besides them."""
+
+    cfg: QualityConfig
+    target_recipe: str  # recipes/target/<name>.yaml
+    # The command line's target.KEY=VALUE overrides: both stages get them as written (the
+    # composed cfg.target cannot be passed on, a train override such as +experiment=... may
+    # set target keys of its own).
+    target_overrides: list[str] = field(default_factory=list)
+    machine: list[str] = field(default_factory=list)  # machine_defaults, once the machine is known
+
+    @property
+    def target_args(self) -> list[str]:
+        return [f"target={self.target_recipe}", *self.target_overrides]
+
+
+def load(argv: list[str]) -> QualityRun:
+    """The validated settings of a command line (``--config-name``, ``key=value``)."""
+    line = parse_command_line(argv, "quality", __doc__)
+    cfg = to_config(QualityConfig, compose_recipe(QualityConfig, line.config_name, line.overrides), validate)
+    target_keys = [o for o in line.overrides if o.split("=", 1)[0].lstrip("+~").startswith("target.")]
+    return QualityRun(cfg, recipe_choices(line.config_name, line.overrides)["target"], target_keys)
 
 
 def _metrics(out_dir: Path) -> list[dict]:
@@ -59,7 +119,7 @@ def step_timing(lines: list[dict], warmup: int, launched: float) -> tuple[float,
     times = {m["step"]: m["time"] for m in lines}
     last = max(times, default=0)
     if warmup < 1 or last <= warmup:
-        raise ValueError(f"the probe logged {last} steps; it needs more than --warmup-steps={warmup}")
+        raise ValueError(f"the probe logged {last} steps; it needs more than warmup_steps={warmup}")
     per_step = (times[last] - times[warmup]) / (last - warmup)
     startup = max(0.0, times[warmup] - launched - warmup * per_step)
     return per_step, startup
@@ -122,55 +182,68 @@ def machine_defaults(cuda: bool, wandb_installed: bool) -> list[str]:
     return ([] if cuda else ["drafter.attention=dense"]) + ([] if wandb_installed else ["logging.wandb=disabled"])
 
 
-def _train_command(args, out_dir: Path, *extra: str, defaults: tuple[str, ...] = ()) -> list[str]:
+def _train_command(run: QualityRun, out_dir: Path, *extra: str, defaults: tuple[str, ...] = ()) -> list[str]:
     """``defaults`` come before the user's overrides, ``extra`` after them (the plan's own)."""
-    return [sys.executable, "-m", "dflash_train.train", f"target={args.target}", f"data.path={args.data}",
-            *args.machine, *defaults, *args.set, *args.train, f"output_dir={out_dir}", f"epochs={UNBOUNDED_EPOCHS}",
-            *extra]
+    return [sys.executable, "-m", "dflash_train.train", f"target={run.target_recipe}",
+            f"data.path={run.cfg.data.path}", *run.machine, *defaults, *run.target_overrides, *run.cfg.train, f"output_dir={out_dir}",
+            f"epochs={UNBOUNDED_EPOCHS}", *extra]
 
 
-def _plan(args, run_dir: Path) -> dict:
+def _eval_command(run: QualityRun, drafter: Path, out_dir: Path, device: str) -> list[str]:
+    cfg = run.cfg
+    return [sys.executable, "-m", "dflash_train.eval.cli", *run.target_args, f"drafter_path={drafter}",
+            f"output_dir={out_dir}", f"datasets=[{','.join(cfg.datasets)}]", f"limit={cfg.limit}",
+            f"max_new_tokens={cfg.max_new_tokens}", f"device={device}", *cfg.eval]
+
+
+def _plan(run: QualityRun, run_dir: Path) -> dict:
     """Seconds per step (probed, or given) and the steps the budget allows; kept in plan.json."""
-    path = run_dir / PLAN_FILE
+    cfg, path = run.cfg, run_dir / PLAN_FILE
     if path.exists():
         return json.loads(path.read_text())
-    if args.seconds_per_step:
-        per_step, startup = args.seconds_per_step, args.startup_s
+    if cfg.seconds_per_step:
+        per_step, startup = cfg.seconds_per_step, cfg.startup_s
     else:
         probe = run_dir / "probe"
         shutil.rmtree(probe, ignore_errors=True)
         launched = time.time()
         _run_stage("probe", _train_command(
-            args, probe, f"max_steps={args.probe_steps}", "logging.every=1", "logging.progress_bar=false",
+            run, probe, f"max_steps={cfg.probe_steps}", "logging.every=1", "logging.progress_bar=false",
             "logging.wandb=disabled", "export=false", "checkpoint.every=0", "checkpoint.resume=false",
             "data.val_rows=0"))
-        per_step, startup = step_timing(_metrics(probe), args.warmup_steps, launched)
+        per_step, startup = step_timing(_metrics(probe), cfg.warmup_steps, launched)
         shutil.rmtree(probe)
-    plan = {"budget_min": args.budget_min, "seconds_per_step": per_step, "startup_s": startup,
-            "steps": plan_steps(args.budget_min * 60, per_step, startup)}
+    plan = {"budget_min": cfg.budget_min, "seconds_per_step": per_step, "startup_s": startup,
+            "steps": plan_steps(cfg.budget_min * 60, per_step, startup)}
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=2))
     return plan
 
 
-def check_args(args) -> None:
-    """Values no plan can come from, each named with the flag that holds it."""
-    positive = {"--budget-min": args.budget_min, "--seconds-per-step": args.seconds_per_step,
-                "--probe-steps": args.probe_steps, "--warmup-steps": args.warmup_steps, "--limit": args.limit,
-                "--max-new-tokens": args.max_new_tokens}
-    for flag, value in positive.items():
+def validate(cfg: QualityConfig) -> None:
+    """Values no plan can come from, each named with its key."""
+    positive = {"budget_min": cfg.budget_min, "seconds_per_step": cfg.seconds_per_step,
+                "probe_steps": cfg.probe_steps, "warmup_steps": cfg.warmup_steps, "limit": cfg.limit,
+                "max_new_tokens": cfg.max_new_tokens}
+    for key, value in positive.items():
         if value is not None and not 0 < value < math.inf:  # NaN fails the comparison too
-            raise ValueError(f"{flag} {value:g} must be a positive number")
-    for flag, value in {"--startup-s": args.startup_s, "--val-rows": args.val_rows}.items():
+            raise ValueError(f"{key}={value:g} must be a positive number")
+    for key, value in {"startup_s": cfg.startup_s, "data.val_rows": cfg.data.val_rows}.items():
         if not 0 <= value < math.inf:
-            raise ValueError(f"{flag} {value:g} must be a number >= 0")
-    if args.seconds_per_step is None and args.probe_steps <= args.warmup_steps:
-        raise ValueError(f"--probe-steps {args.probe_steps} must exceed --warmup-steps {args.warmup_steps}")
+            raise ValueError(f"{key}={value:g} must be a number >= 0")
+    if cfg.seconds_per_step is None and cfg.probe_steps <= cfg.warmup_steps:
+        raise ValueError(f"probe_steps={cfg.probe_steps} must exceed warmup_steps={cfg.warmup_steps}")
+    if not cfg.datasets:
+        raise ValueError("datasets=[] names no dataset to evaluate on: give at least one (mtbench, humaneval, a .jsonl)")
 
 
-def settings(args) -> dict:
-    """What the plan and the stages depend on: every flag but --run-dir."""
-    return {k: v for k, v in vars(args).items() if k not in ("run_dir", "machine")}
+def settings(run: QualityRun) -> dict:
+    """What the plan and the stages depend on, by key (``data.path``): every setting but
+    run_dir, and the target's recipe beside its keys."""
+    now = dataclasses.asdict(run.cfg)
+    del now["run_dir"]
+    sections = {f"{name}.{k}": v for name in ("target", "data") for k, v in now.pop(name).items()}
+    return {**now, "target": run.target_recipe, **sections}
 
 
 def _ours(run_dir: Path) -> bool:
@@ -183,11 +256,11 @@ def _ours(run_dir: Path) -> bool:
     return False
 
 
-def check_run(args, run_dir: Path) -> None:
+def check_run(run: QualityRun, run_dir: Path) -> None:
     """Refuse a run dir holding a run with other settings (or not a run of ours at all);
     record this run's settings in a new one."""
-    check_own_folder(run_dir, "--run-dir", "dflash-quality", OWN_FILES, _ours)
-    now = settings(args)
+    check_own_folder(run_dir, "run_dir", "dflash-quality", OWN_FILES, _ours)
+    now = settings(run)
     path, plan = run_dir / RUN_FILE, run_dir / PLAN_FILE
     if path.exists():
         before = json.loads(path.read_text())["settings"]
@@ -195,36 +268,29 @@ def check_run(args, run_dir: Path) -> None:
         before = {**now, "budget_min": json.loads(plan.read_text())["budget_min"]}
     else:
         before = now
-    changed = [f"{_flag(k)} {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
+    changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
                if before.get(k) != now.get(k)]
     if changed:
-        raise ValueError(f"--run-dir {str(run_dir)!r} holds a quality run with other settings ({'; '.join(changed)}): "
-                         "rerun with its settings to finish it, or use a new --run-dir for a new plan")
-    check_writable_dir(run_dir, "--run-dir")
+        raise ValueError(f"run_dir {str(run_dir)!r} holds a quality run with other settings ({'; '.join(changed)}): "
+                         "rerun with its settings to finish it, or use a new run_dir for a new plan")
+    check_writable_dir(run_dir, "run_dir")
     if not path.exists():
         run_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"written_by": "dflash-quality", "settings": now}, indent=2))
 
 
-def _flag(key: str) -> str:
-    return "overrides after --" if key == "train" else "--" + key.replace("_", "-")
-
-
 def _run(argv: list[str] | None) -> None:
-    args = _parser().parse_args(argv)
-    check_args(args)
-    run_dir = args.run_dir
-    check_run(args, run_dir)
+    run = load(sys.argv[1:] if argv is None else argv)
+    cfg, run_dir = run.cfg, Path(run.cfg.run_dir)
+    check_run(run, run_dir)
     cuda = _cuda()
-    if args.device is None:
-        args.device = "cuda" if cuda else "cpu"
-    args.machine = machine_defaults(cuda, importlib.util.find_spec("wandb") is not None)
-    if args.machine:
-        print(f"[machine] dflash-train gets {' '.join(args.machine)} before your overrides "
+    run.machine = machine_defaults(cuda, importlib.util.find_spec("wandb") is not None)
+    if run.machine:
+        print(f"[machine] dflash-train gets {' '.join(run.machine)} before your overrides "
               f"({'no CUDA GPU' if not cuda else 'wandb is not installed'})", flush=True)
-    plan = _plan(args, run_dir)
+    plan = _plan(run, run_dir)
     print(f"[plan] {plan['seconds_per_step']:.3f} s per step, {plan['startup_s']:.0f} s start-up: "
-          f"{plan['steps']} steps in {args.budget_min:g} min", flush=True)
+          f"{plan['steps']} steps in {cfg.budget_min:g} min", flush=True)
     train_dir, eval_dir = run_dir / "train", run_dir / "eval"
     timing = run_dir / "train_seconds.json"
     if not (train_dir / "export" / "model.safetensors").exists():
@@ -235,49 +301,22 @@ def _run(argv: list[str] | None) -> None:
         starts.append(time.time())
         timing.write_text(json.dumps({"starts": starts}))
         _run_stage("train", _train_command(
-            args, train_dir, f"max_steps={n}", f"optim.schedule_steps={n}", f"data.val_rows={args.val_rows}",
+            run, train_dir, f"max_steps={n}", f"optim.schedule_steps={n}", f"data.val_rows={cfg.data.val_rows}",
             defaults=(f"checkpoint.every={max(1, n // 10)}",)))
         seconds = training_seconds(starts, [m["time"] for m in _metrics(train_dir)], time.time())
         timing.write_text(json.dumps({"starts": starts, "seconds": seconds}))
     eval_timing = run_dir / "eval_seconds.json"
     if not (eval_dir / "results.json").exists():
-        eval_s = _run_stage("eval", [sys.executable, "-m", "dflash_train.eval.cli", f"target={args.target}",
-                                     *args.set, f"drafter_path={train_dir / 'export'}", f"output_dir={eval_dir}",
-                                     f"datasets=[{','.join(args.datasets)}]", f"limit={args.limit}",
-                                     f"max_new_tokens={args.max_new_tokens}", f"device={args.device}", *args.eval])
+        device = cfg.device or ("cuda" if cuda else "cpu")
+        eval_s = _run_stage("eval", _eval_command(run, train_dir / "export", eval_dir, device))
         eval_timing.write_text(json.dumps({"seconds": eval_s}))
     evals = json.loads((eval_dir / "results.json").read_text())["datasets"]
     seconds = json.loads(timing.read_text()).get("seconds", float("nan")) if timing.exists() else float("nan")
     eval_s = json.loads(eval_timing.read_text())["seconds"] if eval_timing.exists() else float("nan")
     summary = summarise(_metrics(train_dir), seconds, evals, eval_s)
     (run_dir / "quality.json").write_text(json.dumps({"plan": plan, **summary}, indent=2))
-    print(f"\nquality run: target={args.target} data={args.data} budget={args.budget_min:g} min")
+    print(f"\nquality run: target={run.target_recipe} data={cfg.data.path} budget={cfg.budget_min:g} min")
     print(table(summary))
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-quality", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="target recipe (recipes/target/<name>.yaml)")
-    p.add_argument("--data", required=True, help="a dflash-datagen output folder")
-    p.add_argument("--budget-min", type=float, required=True, help="training wall-clock budget in minutes")
-    p.add_argument("--run-dir", type=Path, default=Path("runs/quality"))
-    p.add_argument("--probe-steps", type=int, default=8, help="steps of the timing probe")
-    p.add_argument("--warmup-steps", type=int, default=3, help="probe steps left out of the timing (compilation)")
-    p.add_argument("--seconds-per-step", type=float, default=None,
-                   help="skip the probe: seconds per step (e.g. from python -m dflash_train.bench)")
-    p.add_argument("--startup-s", type=float, default=0.0, help="with --seconds-per-step: start-up seconds")
-    p.add_argument("--val-rows", type=int, default=64, help="held-out conversations (held-out expected tau)")
-    p.add_argument("--datasets", type=lambda s: s.split(","), default=list(DATASETS))
-    p.add_argument("--limit", type=int, default=40, help="first N prompts per eval dataset")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--device", default=None, help="dflash-eval device (default: cuda when a GPU is there, else cpu)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override for both dflash-train and dflash-eval (repeatable)")
-    p.add_argument("--eval", nargs="*", default=[], metavar="KEY=VALUE", help="dflash-eval overrides")
-    p.add_argument("train", nargs="*", metavar="KEY=VALUE", help="after --: dflash-train overrides")
-    p.set_defaults(machine=[])  # machine_defaults, once the machine is known
-    return p
 
 
 def _cuda() -> bool:

@@ -43,6 +43,7 @@ HELP_FLAGS = ("-h", "--help")
 # Values Hydra's override grammar takes unquoted; others (spaces, commas, brackets) get quoted.
 _PLAIN_VALUE = re.compile(r"[\w\-+./:@~%]*")
 _LIST_INDEX = re.compile(r"\[\d+\]")
+_MISSING_GROUP = re.compile(r"You must specify '([\w/.]+)'")  # Hydra's words for a `group: ???` default
 # A required field's metadata key: what to write after "key=" in the missing-value error,
 # e.g. field(default=MISSING, metadata={HINT: "<drafter directory> or random"}).
 HINT = "hint"
@@ -114,12 +115,34 @@ def compose_recipe(schema: type, config_name: str, overrides: Sequence[str]) -> 
             raise ValueError(f"no recipe {err.missing_cfg_file!r}; options: {', '.join(err.options)}") from None
         raise ValueError(_first_line(err)) from None
     except OverrideParseException as err:
-        raise ValueError(f"cannot parse override {err.override!r}: {_first_line(err)}") from None
+        hint = _list_hint(err.override)
+        raise ValueError(f"cannot parse override {err.override!r}: {_first_line(err)}{hint}") from None
     except HydraException as err:
         key = getattr(err.__cause__, "full_key", None)
         if key and "Could not override" in str(err):  # a key the recipe does not have
             raise ValueError(_unknown_key(schema, key)) from None
+        group = _MISSING_GROUP.match(str(err))
+        if group:  # a group the recipe leaves to the command line (`- target: ???`)
+            options = [line.strip() for line in str(err).splitlines()[2:] if line.strip()]
+            raise ValueError(f"missing value for {group[1]}: add {group[1]}=<{' | '.join(options)}> "
+                             "to the command") from None
         raise ValueError(_first_line(err)) from None
+
+
+def recipe_choices(config_name: str, overrides: Sequence[str]) -> dict[str, str]:
+    """The option each config group of the composed recipe took (``{"target": "qwen3_8b"}``).
+    Call it after ``compose_recipe``, which reports the command line's errors."""
+    with initialize_config_module(RECIPES_MODULE, version_base=None):
+        cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+    return {group: choice for group, choice in cfg.hydra.runtime.choices.items() if not group.startswith("hydra/")}
+
+
+def _list_hint(override: str) -> str:
+    """Hydra's grammar takes no bare '=' inside a list: a list of overrides quotes each one."""
+    key, _, value = override.partition("=")
+    if not (value.startswith("[") and "=" in value):
+        return ""
+    return f" (quote each item of a list of overrides: {key}='[\"optim.lr=1e-3\", \"seed=1\"]')"
 
 
 def to_config(schema: type[T], raw: DictConfig | dict, validate: Callable[[T], None] | None = None,

@@ -1,4 +1,4 @@
-"""dflash-quality: the budget plan, the summary table, and a CPU smoke run on a tiny target."""
+"""dflash-quality: its recipe, the budget plan, the summary table, and a CPU smoke run on a tiny target."""
 
 import json
 from pathlib import Path
@@ -17,7 +17,7 @@ def test_step_timing_leaves_out_the_warmup_steps():
     lines = [{"step": s, "time": t} for s, t in [(1, 130.0), (2, 132.0), (3, 134.0), (4, 136.0), (5, 138.0)]]
     per_step, startup = quality.step_timing(lines, warmup=2, launched=100.0)
     assert per_step == pytest.approx(2.0) and startup == pytest.approx(28.0)
-    with pytest.raises(ValueError, match="the probe logged 2 steps; it needs more than --warmup-steps=2"):
+    with pytest.raises(ValueError, match="the probe logged 2 steps; it needs more than warmup_steps=2"):
         quality.step_timing(lines[:2], warmup=2, launched=100.0)
 
 
@@ -51,9 +51,9 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys):
     data = write_datagen_dir(tmp_path / "data", target, tok, repeat=4)
     run = tmp_path / "run"
     both = [f"target.name={target}", "target.num_layers=6", "target.mask_token_id=16", "target.dtype=float32"]
-    argv = ["--target", "smollm2_135m", "--data", str(data), "--budget-min", "0.4", "--run-dir", str(run),
-            "--probe-steps", "4", "--warmup-steps", "1", "--val-rows", "4", "--limit", "2",
-            "--max-new-tokens", "8", "--device", "cpu", *[a for s in both for a in ("--set", s)], "--", *TINY_TRAIN]
+    argv = ["target=smollm2_135m", f"data.path={data}", "budget_min=0.4", f"run_dir={run}", "probe_steps=4",
+            "warmup_steps=1", "data.val_rows=4", "limit=2", "max_new_tokens=8", "device=cpu", *both,
+            _listed("train", TINY_TRAIN)]
     quality.main(argv)
     out = json.loads((run / "quality.json").read_text())
     plan = out["plan"]
@@ -72,11 +72,11 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys):
     # Run again with another budget: a refusal naming the change, not the stale plan.
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     with pytest.raises(SystemExit) as exit_info:
-        quality.main([("0.8" if a == "0.4" else a) for a in argv])
+        quality.main([("budget_min=0.8" if a == "budget_min=0.4" else a) for a in argv])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == (
-        f"dflash-quality: error: --run-dir '{run}' holds a quality run with other settings (--budget-min 0.4 -> "
-        "0.8): rerun with its settings to finish it, or use a new --run-dir for a new plan")
+        f"dflash-quality: error: run_dir '{run}' holds a quality run with other settings (budget_min 0.4 -> "
+        "0.8): rerun with its settings to finish it, or use a new run_dir for a new plan")
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
@@ -89,37 +89,114 @@ def test_training_seconds_sum_the_attempts():
     assert quality.training_seconds([100.0, 105.0, 200.0], [250.0], 290.0) == pytest.approx(90.0)
 
 
+def _listed(key: str, overrides: list[str]) -> str:
+    """A stage's overrides as one list-valued setting, each item quoted as Hydra wants."""
+    return f"{key}=[{','.join(json.dumps(o) for o in overrides)}]"
+
+
+REQUIRED = ["target=smollm2_135m", "data.path=d", "budget_min=1"]
+
+
 def test_train_stage_checkpoints_unless_told_otherwise():
-    args = quality._parser().parse_args(["--target", "t", "--data", "d", "--budget-min", "1", "--", "seed=1"])
-    cmd = quality._train_command(args, Path("out"), "max_steps=50", defaults=("checkpoint.every=5",))
+    run = quality.load([*REQUIRED, _listed("train", ["seed=1"])])
+    cmd = quality._train_command(run, Path("out"), "max_steps=50", defaults=("checkpoint.every=5",))
     assert cmd.index("checkpoint.every=5") < cmd.index("seed=1") < cmd.index("max_steps=50")
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--budget-min", "-5"], "--budget-min -5 must be a positive number"),
-    (["--budget-min", "0"], "--budget-min 0 must be a positive number"),
-    (["--budget-min", "nan"], "--budget-min nan must be a positive number"),
-    (["--budget-min", "10", "--seconds-per-step", "0"], "--seconds-per-step 0 must be a positive number"),
-    (["--budget-min", "10", "--seconds-per-step", "-1.5"], "--seconds-per-step -1.5 must be a positive number"),
-    (["--budget-min", "10", "--seconds-per-step", "2", "--startup-s", "-3"], "--startup-s -3 must be a number >= 0"),
-    (["--budget-min", "10", "--probe-steps", "3", "--warmup-steps", "3"], "--probe-steps 3 must exceed --warmup-steps 3"),
+def test_recipe_defaults_and_stage_lists():
+    run = quality.load(REQUIRED)
+    cfg = run.cfg
+    assert (cfg.run_dir, cfg.probe_steps, cfg.warmup_steps, cfg.seconds_per_step, cfg.startup_s) == (
+        "runs/quality", 8, 3, None, 0.0)
+    assert (cfg.data.path, cfg.data.val_rows, cfg.budget_min) == ("d", 64, 1.0)
+    assert (cfg.datasets, cfg.limit, cfg.max_new_tokens, cfg.device) == (["mtbench", "humaneval"], 40, 256, None)
+    assert (cfg.train, cfg.eval, run.target_recipe, run.target_overrides) == ([], [], "smollm2_135m", [])
+    # Items of a stage list keep their '=', '+' and commas: each is one override of that stage.
+    run = quality.load([*REQUIRED, _listed("train", ["+experiment=qwen25_coder_05b_1xh100", "optim.lr=1e-3"]),
+                        _listed("eval", ["batch_size=4", "datasets=[mtbench,x.jsonl]"])])
+    assert run.cfg.train == ["+experiment=qwen25_coder_05b_1xh100", "optim.lr=1e-3"]
+    assert run.cfg.eval == ["batch_size=4", "datasets=[mtbench,x.jsonl]"]
+
+
+def test_the_target_and_its_keys_go_to_both_stages():
+    run = quality.load(["target=qwen3_8b", "target.name=/models/qwen3-8b", "target.dtype=float32", "data.path=d",
+                        "budget_min=1", "data.val_rows=8", "datasets=[mtbench,held-out.jsonl]", "limit=5",
+                        _listed("train", ["seed=1"]), _listed("eval", ["batch_size=5"])])
+    assert run.cfg.target.name == "/models/qwen3-8b" and run.cfg.target.num_layers == 36  # the group's own value
+    train = quality._train_command(run, Path("out"), "max_steps=9")
+    assert train[3:] == ["target=qwen3_8b", "data.path=d", "target.name=/models/qwen3-8b", "target.dtype=float32",
+                         "seed=1", "output_dir=out", f"epochs={quality.UNBOUNDED_EPOCHS}", "max_steps=9"]
+    evaluate = quality._eval_command(run, Path("out/export"), Path("ev"), "cpu")
+    assert evaluate[3:] == ["target=qwen3_8b", "target.name=/models/qwen3-8b", "target.dtype=float32",
+                            "drafter_path=out/export", "output_dir=ev", "datasets=[mtbench,held-out.jsonl]",
+                            "limit=5", "max_new_tokens=256", "device=cpu", "batch_size=5"]
+
+
+def test_a_rerun_with_another_target_key_is_refused_by_name(tmp_path):
+    run_dir = tmp_path / "run"
+    quality.check_run(quality.load([*REQUIRED, "target.name=/models/a"]), run_dir)
+    recorded = json.loads((run_dir / "run.json").read_text())["settings"]
+    assert (recorded["target"], recorded["target.name"], recorded["data.path"]) == ("smollm2_135m", "/models/a", "d")
+    quality.check_run(quality.load([*REQUIRED, "target.name=/models/a"]), run_dir)  # the same settings: go on
+    with pytest.raises(ValueError) as err:
+        quality.check_run(quality.load([*REQUIRED, "target.name=/models/b", "limit=7"]), run_dir)
+    assert str(err.value) == (
+        f"run_dir '{run_dir}' holds a quality run with other settings (limit 40 -> 7; target.name '/models/a' -> "
+        "'/models/b'): rerun with its settings to finish it, or use a new run_dir for a new plan")
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["budget_min=-5"], "budget_min=-5 must be a positive number"),
+    (["budget_min=0"], "budget_min=0 must be a positive number"),
+    (["budget_min=nan"], "budget_min=nan must be a positive number"),
+    (["budget_min=10", "seconds_per_step=0"], "seconds_per_step=0 must be a positive number"),
+    (["budget_min=10", "seconds_per_step=-1.5"], "seconds_per_step=-1.5 must be a positive number"),
+    (["budget_min=10", "seconds_per_step=2", "startup_s=-3"], "startup_s=-3 must be a number >= 0"),
+    (["budget_min=10", "probe_steps=3", "warmup_steps=3"], "probe_steps=3 must exceed warmup_steps=3"),
+    (["budget_min=10", "data.val_rows=-1"], "data.val_rows=-1 must be a number >= 0"),
+    (["budget_min=10", "datasets=[]"], "datasets=[] names no dataset to evaluate on: give at least one "
+                                       "(mtbench, humaneval, a .jsonl)"),
+    ([], "missing value for budget_min: add budget_min=<training minutes> to the command"),
+    (["budget_min=ten"], "wrong type for budget_min='ten': could not be converted to Float"),
+    (["budget_min=10", "budget=3"], "unknown key budget (did you mean budget_min?)"),
+    (["budget_min=10", "train=[optim.lr=1e-3]"],
+     "cannot parse override 'train=[optim.lr=1e-3]': no viable alternative at input '[optim.lr=' (quote each item "
+     "of a list of overrides: train='[\"optim.lr=1e-3\", \"seed=1\"]')"),
+    (["budget_min=10", "--budget-min", "3"],
+     "unknown option --budget-min (options: --config-name, -cn; settings are key=value)"),
 ])
-def test_budgets_and_step_times_must_be_positive(tmp_path, capsys, flags, message):
+def test_bad_settings_are_refused_in_one_line(tmp_path, capsys, settings, message):
     with pytest.raises(SystemExit) as exit_info:
-        quality.main(["--target", "smollm2_135m", "--data", str(tmp_path), "--run-dir", str(tmp_path / "run"), *flags])
+        quality.main(["target=smollm2_135m", f"data.path={tmp_path}", f"run_dir={tmp_path / 'run'}", *settings])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == f"dflash-quality: error: {message}"
     assert not (tmp_path / "run").exists()
+
+
+def test_the_target_recipe_is_required_and_config_name_picks_the_recipe(tmp_path, capsys):
+    for argv, message in [
+        ([f"data.path={tmp_path}", "budget_min=1"],
+         "missing value for target: add target=<llama31_8b | qwen25_7b | qwen25_coder_05b | qwen3_4b | qwen3_8b | "
+         "smollm2_135m> to the command"),
+        (["target=qwen9", f"data.path={tmp_path}", "budget_min=1"], "no recipe 'target/qwen9'; options: llama31_8b, "
+         "qwen25_7b, qwen25_coder_05b, qwen3_4b, qwen3_8b, smollm2_135m"),
+        (["--config-name", "quality_nope", *REQUIRED], "Cannot find primary config 'quality_nope'"),
+    ]:
+        with pytest.raises(SystemExit):
+            quality.main(argv)
+        assert capsys.readouterr().err.strip().startswith(f"dflash-quality: error: {message}")
+    with pytest.raises(SystemExit):
+        quality.main(["--config-name", "train", "output_dir=o", "data.path=d"])  # not a quality recipe
+    assert capsys.readouterr().err.strip().startswith("dflash-quality: error: unknown key ")
 
 
 def test_the_stages_get_the_machines_settings_before_the_users():
     assert quality.machine_defaults(cuda=False, wandb_installed=True) == ["drafter.attention=dense"]
     assert quality.machine_defaults(cuda=True, wandb_installed=False) == ["logging.wandb=disabled"]
     assert quality.machine_defaults(cuda=True, wandb_installed=True) == []
-    args = quality._parser().parse_args(["--target", "t", "--data", "d", "--budget-min", "1", "--",
-                                         "drafter.attention=flex"])
-    args.machine = quality.machine_defaults(cuda=False, wandb_installed=False)
-    cmd = quality._train_command(args, Path("out"))
+    run = quality.load([*REQUIRED, _listed("train", ["drafter.attention=flex"])])
+    run.machine = quality.machine_defaults(cuda=False, wandb_installed=False)
+    cmd = quality._train_command(run, Path("out"))
     assert cmd.index("drafter.attention=dense") < cmd.index("drafter.attention=flex")  # the user's word wins
     assert "logging.wandb=disabled" in cmd
 

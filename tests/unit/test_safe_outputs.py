@@ -1,6 +1,6 @@
 """Outputs never destroy what the user owns, and an unwritable place fails before any work:
 dflash-export --out, the trainer's output_dir and <output_dir>/export, dflash-datagen's
-out_dir/data, dflash-eval's output_dir and dflash-quality's --run-dir, each through its real
+out_dir/data, dflash-eval's output_dir and dflash-quality's run_dir, each through its real
 console command, all under one rule: a folder holding files the command did not write is
 refused in one line."""
 
@@ -164,8 +164,8 @@ def test_every_command_refuses_a_users_folder_with_the_same_rule(run, tmp_path):
         "dflash-export": ("export directory", lambda d: [run["out"], f"out={d}"]),
         "dflash-datagen": ("out_dir", lambda d: [f"out_dir={d}", "exclude_eval=[]",
                                                  f"sources=[{{kind: jsonl, path: {prompts}}}]"]),
-        "dflash-quality": ("--run-dir", lambda d: ["--target", "smollm2_135m", "--data", str(run["data"]),
-                                                   "--budget-min", "1", "--run-dir", str(d)]),
+        "dflash-quality": ("run_dir", lambda d: ["target=smollm2_135m", f"data.path={run['data']}", "budget_min=1",
+                                                 f"run_dir={d}"]),
     }
     for prog, (what, args) in commands.items():
         mine = tmp_path / prog
