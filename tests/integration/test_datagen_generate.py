@@ -102,7 +102,7 @@ def seeded_generate(model, ids, seed, **sampling):
 
 
 def test_sampled_rows_use_each_prompts_own_seed(tmp_path, smollm2, smollm2_tokenizer):
-    """Sampled answers depend on the prompt's seed only: one prompt per call or four per call,
+    """Sampled answers depend on the prompt's seed only: one prompt per batch or four per batch,
     in shards of 1 or 3, the rows are the same, and each equals a plain unbatched loop."""
     sampling = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 7}
     kwargs = dict(sampling=sampling, template={"max_turns": 1})
