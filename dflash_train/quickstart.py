@@ -7,22 +7,25 @@ Four stages, each the project's own console script with its quickstart recipe:
   4. dflash-eval     the trained drafter
 A stage whose output is complete is reused, so running the command again is cheap and an
 interrupted run continues where it stopped (data generation and training resume inside
-their stage too). Per-stage Hydra overrides: `dflash-quickstart --train optim.lr=1e-3`;
-`--long` trains twice as long (recipes/train_quickstart_long.yaml) in a folder of its own.
+their stage too). Settings are Hydra overrides of recipes/quickstart.yaml (or of the recipe
+--config-name names): `long=true` trains twice as long (recipes/train_quickstart_long.yaml)
+in a folder of its own; datagen=[...], train=[...] and eval=[...] list each stage's own
+overrides, each item quoted: `dflash-quickstart 'train=["optim.lr=1e-3"]'`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_train.data.format import check_out_dir
 from dflash_train.errors import check_writable_dir, run_command
 from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY
+from dflash_train.recipe import load_command
 from dflash_train.training.run_dir import check_output_dir
 
 DATA_DIR = "data/quickstart-smollm2"
@@ -44,6 +47,20 @@ RECIPE, LONG_RECIPE = "train_quickstart", "train_quickstart_long"
 NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; "bf16" is an Arm feature
 FLOAT32_OVERRIDES = {"datagen": ["target.dtype=float32"],
                      "train": ["target.dtype=float32", "backend.mixed_precision=none"], "eval": []}
+
+
+@dataclass
+class QuickstartConfig:
+    """Every setting of dflash-quickstart; recipes/quickstart.yaml says what each one does."""
+
+    long: bool = False
+    run_dir: str | None = None  # None: RUN_DIR, or RUN_DIR-long
+    datagen: list[str] = field(default_factory=list)
+    train: list[str] = field(default_factory=list)
+    eval: list[str] = field(default_factory=list)
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir or RUN_DIR + ("-long" if self.long else ""))
 
 
 def _script(name: str) -> str:
@@ -127,30 +144,21 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(argv: list[str] | None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run-dir", type=Path, default=None,
-                        help=f"training output and eval results (default {RUN_DIR}, with --long {RUN_DIR}-long)")
-    parser.add_argument("--long", action="store_true",
-                        help=f"train with recipes/{LONG_RECIPE}.yaml: twice the training time, a little higher tau")
-    for stage in ("datagen", "train", "eval"):
-        parser.add_argument(f"--{stage}", nargs="*", default=[], metavar="KEY=VALUE",
-                            help=f"Hydra overrides for dflash-{stage}")
-    args = parser.parse_args(argv)
-    if args.run_dir is None:
-        args.run_dir = Path(RUN_DIR + ("-long" if args.long else ""))
+    cfg = load_command(QuickstartConfig, argv, "quickstart", __doc__)
+    run_dir = cfg.resolved_run_dir()
     native_bf16 = cpu_has_native_bf16()
     if not native_bf16:
         print("this CPU has no bf16 instructions (AVX512-BF16, AMX or Arm BF16): the target runs in float32 "
               "and training without bf16 autocast", flush=True)
-    extra = stage_overrides({"datagen": args.datagen, "train": args.train, "eval": args.eval}, native_bf16)
+    extra = stage_overrides({"datagen": cfg.datagen, "train": cfg.train, "eval": cfg.eval}, native_bf16)
     # Before the first stage: a folder of the user's is refused now, not after minutes of
     # data generation (each stage applies the same rule again to its own folder).
     check_out_dir(DATA_DIR)
-    check_output_dir(args.run_dir, (f"{EXPORT_DIR}/*", MANIFEST_COPY, "eval/*", "eval_fresh/*"))
-    check_writable_dir(args.run_dir, "--run-dir")
+    check_output_dir(run_dir, (f"{EXPORT_DIR}/*", MANIFEST_COPY, "eval/*", "eval_fresh/*"))
+    check_writable_dir(run_dir, "run_dir")
     check_writable_dir(DATA_DIR, "the quickstart data folder")
     start = time.perf_counter()
-    for i, (name, done, command) in enumerate(_stages(args.run_dir, extra, LONG_RECIPE if args.long else RECIPE), 1):
+    for i, (name, done, command) in enumerate(_stages(run_dir, extra, LONG_RECIPE if cfg.long else RECIPE), 1):
         if done.exists():
             print(f"[{i}/4] {name}: done already ({done}), reused", flush=True)
             continue
@@ -162,12 +170,12 @@ def _run(argv: list[str] | None) -> None:
                              f"(finished stages are reused)")
         print(f"[{i}/4] {name}: finished in {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"\nDFlash drafter for SmolLM2-135M-Instruct ({time.perf_counter() - start:.0f} s in all)")
-    print(_table(args.run_dir))
-    held_out = _held_out(args.run_dir)
+    print(_table(run_dir))
+    held_out = _held_out(run_dir)
     if held_out:
         print(held_out)
-    print(f"\nexported drafter: {args.run_dir / 'export'}")
-    print(f"acceptance plots: {args.run_dir / 'eval' / 'acceptance.png'}, {args.run_dir / 'eval_fresh' / 'acceptance.png'}")
+    print(f"\nexported drafter: {run_dir / 'export'}")
+    print(f"acceptance plots: {run_dir / 'eval' / 'acceptance.png'}, {run_dir / 'eval_fresh' / 'acceptance.png'}")
 
 
 if __name__ == "__main__":

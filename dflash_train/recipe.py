@@ -138,11 +138,13 @@ def recipe_choices(config_name: str, overrides: Sequence[str]) -> dict[str, str]
 
 
 def _list_hint(override: str) -> str:
-    """Hydra's grammar takes no bare '=' inside a list: a list of overrides quotes each one."""
+    """Hydra's grammar takes no bare '=' inside a value: a list of overrides (a stage's, for
+    dflash-quality and dflash-quickstart) quotes each one."""
     key, _, value = override.partition("=")
-    if not (value.startswith("[") and "=" in value):
+    if "=" not in value:
         return ""
-    return f" (quote each item of a list of overrides: {key}='[\"optim.lr=1e-3\", \"seed=1\"]')"
+    example = f"{key}='[\"optim.lr=1e-3\", \"seed=1\"]'"
+    return f" (quote a value holding '=', each item of a list of overrides: {example})"
 
 
 def to_config(schema: type[T], raw: DictConfig | dict, validate: Callable[[T], None] | None = None,

@@ -160,8 +160,8 @@ def test_a_rerun_with_another_target_key_is_refused_by_name(tmp_path):
     (["budget_min=ten"], "wrong type for budget_min='ten': could not be converted to Float"),
     (["budget_min=10", "budget=3"], "unknown key budget (did you mean budget_min?)"),
     (["budget_min=10", "train=[optim.lr=1e-3]"],
-     "cannot parse override 'train=[optim.lr=1e-3]': no viable alternative at input '[optim.lr=' (quote each item "
-     "of a list of overrides: train='[\"optim.lr=1e-3\", \"seed=1\"]')"),
+     "cannot parse override 'train=[optim.lr=1e-3]': no viable alternative at input '[optim.lr=' (quote a value "
+     "holding '=', each item of a list of overrides: train='[\"optim.lr=1e-3\", \"seed=1\"]')"),
     (["budget_min=10", "--budget-min", "3"],
      "unknown option --budget-min (options: --config-name, -cn; settings are key=value)"),
 ])

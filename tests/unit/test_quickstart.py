@@ -1,11 +1,21 @@
-"""dflash-quickstart's summary lines and its choice of dtype for the CPU it runs on."""
+"""dflash-quickstart's recipe, summary lines and choice of dtype for the CPU it runs on."""
 
 import json
 from pathlib import Path
 
+import pytest
+
 from data_gen.config import DatagenConfig
 from dflash_train.config import TrainConfig, validate
-from dflash_train.quickstart import _held_out, _stages, _table, cpu_has_native_bf16, stage_overrides
+from dflash_train.quickstart import (
+    QuickstartConfig,
+    _held_out,
+    _stages,
+    _table,
+    cpu_has_native_bf16,
+    main,
+    stage_overrides,
+)
 from dflash_train.recipe import load_command
 
 EPYC_NO_AVX512 = "processor\t: 0\nflags\t\t: fpu vme sse sse2 avx avx2 fma\n"
@@ -91,3 +101,41 @@ def test_long_recipe_is_the_quickstart_trained_twice_as_long():
     assert short.data.path == long.data.path and short.drafter == long.drafter
     assert short.target == long.target and short.data.num_anchors == long.data.num_anchors
     assert (short.output_dir, long.output_dir) == ("runs/quickstart-smollm2", "runs/quickstart-smollm2-long")
+
+
+QUOTE_HINT = """(quote a value holding '=', each item of a list of overrides: train='["optim.lr=1e-3", "seed=1"]')"""
+
+
+def _quickstart(*overrides: str) -> QuickstartConfig:
+    return load_command(QuickstartConfig, list(overrides), "quickstart", "")
+
+
+def test_recipe_defaults_long_and_stage_lists():
+    plain = _quickstart()  # make quickstart: no arguments
+    assert (plain.long, plain.datagen, plain.train, plain.eval) == (False, [], [], [])
+    assert plain.resolved_run_dir() == Path("runs/quickstart-smollm2")
+    assert _quickstart("long=true").resolved_run_dir() == Path("runs/quickstart-smollm2-long")
+    assert _quickstart("long=true", "run_dir=elsewhere").resolved_run_dir() == Path("elsewhere")
+    cfg = _quickstart('train=["optim.lr=1e-3", "+experiment=x"]', 'eval=["limit=2"]', 'datagen=["num_prompts=64"]')
+    extra = stage_overrides({"datagen": cfg.datagen, "train": cfg.train, "eval": cfg.eval}, native_bf16=True)
+    commands = {name: cmd for name, _, cmd in _stages(cfg.resolved_run_dir(), extra)}
+    assert commands["train"][-2:] == ["optim.lr=1e-3", "+experiment=x"]
+    assert commands["datagen"][-1] == "num_prompts=64" and commands["eval-trained"][-1] == "limit=2"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["long=maybe"], "wrong type for long='maybe': is not a valid bool (type str)"),
+    (["--long"], "unknown option --long (options: --config-name, -cn; settings are key=value)"),
+    (["lnog=true"], "unknown key lnog (did you mean long?)"),
+    (["train=[optim.lr=1e-3]"], "cannot parse override 'train=[optim.lr=1e-3]': no viable alternative at input "
+     f"'[optim.lr=' {QUOTE_HINT}"),
+    (["train=optim.lr=1e-3"],
+     f"cannot parse override 'train=optim.lr=1e-3': mismatched input '=' expecting <EOF> {QUOTE_HINT}"),
+])
+def test_bad_settings_are_refused_in_one_line_before_any_stage(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)  # the stages would write data/ and runs/ here
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"dflash-quickstart: error: {message}"
+    assert list(tmp_path.iterdir()) == []

@@ -14,6 +14,9 @@ from dflash_train.config import TrainConfig, validate
 from dflash_train.eval.cli import EvalConfig
 from dflash_train.eval.cli import validate as validate_eval
 from dflash_train.export.cli import ExportConfig
+from dflash_train.quality import QualityConfig
+from dflash_train.quality import validate as validate_quality
+from dflash_train.quickstart import QuickstartConfig
 from dflash_train.recipe import load_command
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -24,9 +27,11 @@ COMMANDS = {
     "datagen": (DatagenConfig, DatagenConfig.validate, ["out_dir=/nonexistent/data"]),
     "eval": (EvalConfig, validate_eval, ["drafter_path=random"]),
     "export": (ExportConfig, None, ["path=/nonexistent/run"]),
+    "quality": (QualityConfig, validate_quality, ["target=smollm2_135m", "data.path=/nonexistent/data", "budget_min=1"]),
+    "quickstart": (QuickstartConfig, None, []),
 }
 # The commands that compose each config group.
-GROUP_USERS = {"target": ["train", "datagen", "eval"], "drafter": ["train", "eval"], "data": ["train"],
+GROUP_USERS = {"target": ["train", "datagen", "eval", "quality"], "drafter": ["train", "eval"], "data": ["train"],
                "optim": ["train"], "backend": ["train"], "experiment": ["train"]}
 
 
