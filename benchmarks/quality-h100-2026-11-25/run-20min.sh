@@ -3,11 +3,11 @@ source benchmarks/quality-h100-2026-11-25/setup.sh
 if [ ! -f /tmp/q20.started ]; then
   touch /tmp/q20.started
   date +%s > /tmp/q20.t0
-  setsid nohup bash -c 'python3 -m dflash_train.quality --target qwen25_coder_05b --data /tmp/data/sharegpt-qwen25-coder-05b \
-    --budget-min 20 --seconds-per-step 0.228 --startup-s 60 --run-dir /tmp/q20 --set target.name=/tmp/qwen25coder05b.gguf \
-    --datasets mtbench,humaneval,benchmarks/quality-h100-2026-11-24/sharegpt-heldout.jsonl --eval batch_size=120 \
-    -- +experiment=qwen25_coder_05b_1xh100 logging.wandb=disabled logging.progress_bar=false checkpoint.every=500 \
-    data.val_every=500; echo EXIT $? ; date +%s > /tmp/q20.t1' > /tmp/q20.log 2>&1 < /dev/null &
+  setsid nohup bash -c 'python3 -m dflash_train.quality target=qwen25_coder_05b target.name=/tmp/qwen25coder05b.gguf \
+    data.path=/tmp/data/sharegpt-qwen25-coder-05b budget_min=20 seconds_per_step=0.228 startup_s=60 run_dir=/tmp/q20 \
+    "datasets=[mtbench,humaneval,benchmarks/quality-h100-2026-11-24/sharegpt-heldout.jsonl]" "eval=[\"batch_size=120\"]" \
+    "train=[\"+experiment=qwen25_coder_05b_1xh100\",\"logging.wandb=disabled\",\"logging.progress_bar=false\",\"checkpoint.every=500\",\"data.val_every=500\"]"; \
+    echo EXIT $? ; date +%s > /tmp/q20.t1' > /tmp/q20.log 2>&1 < /dev/null &
 fi
 end=$(( $(date +%s) + ${1:-560} ))
 while [ $(date +%s) -lt $end ] && [ ! -f /tmp/q20.t1 ]; do sleep 10; done
