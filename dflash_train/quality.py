@@ -1,6 +1,6 @@
 """A quality run within a wall-clock budget: `dflash-quality`.
 
-    dflash-quality target=qwen25_coder_05b data=../shared/data/sharegpt-qwen25-coder-05b \\
+    dflash-quality target=qwen25_coder_05b data.path=../shared/data/sharegpt-qwen25-coder-05b \\
         budget_min=20 run_dir=runs/quality-qwen25-coder 'train=["+experiment=qwen25_coder_05b_1xh100"]'
 
 Four stages, each the project's own command:
@@ -185,8 +185,8 @@ def machine_defaults(cuda: bool, wandb_installed: bool) -> list[str]:
 def _train_command(run: QualityRun, out_dir: Path, *extra: str, defaults: tuple[str, ...] = ()) -> list[str]:
     """``defaults`` come before the user's overrides, ``extra`` after them (the plan's own)."""
     return [sys.executable, "-m", "dflash_train.train", f"target={run.target_recipe}",
-            f"data.path={run.cfg.data.path}", *run.machine, *defaults, *run.target_overrides, *run.cfg.train, f"output_dir={out_dir}",
-            f"epochs={UNBOUNDED_EPOCHS}", *extra]
+            f"data.path={run.cfg.data.path}", *run.machine, *defaults, *run.target_overrides, *run.cfg.train,
+            f"output_dir={out_dir}", f"epochs={UNBOUNDED_EPOCHS}", *extra]
 
 
 def _eval_command(run: QualityRun, drafter: Path, out_dir: Path, device: str) -> list[str]:
@@ -234,7 +234,8 @@ def validate(cfg: QualityConfig) -> None:
     if cfg.seconds_per_step is None and cfg.probe_steps <= cfg.warmup_steps:
         raise ValueError(f"probe_steps={cfg.probe_steps} must exceed warmup_steps={cfg.warmup_steps}")
     if not cfg.datasets:
-        raise ValueError("datasets=[] names no dataset to evaluate on: give at least one (mtbench, humaneval, a .jsonl)")
+        raise ValueError("datasets=[] names no dataset to evaluate on: give at least one "
+                         "(mtbench, humaneval, a .jsonl)")
 
 
 def settings(run: QualityRun) -> dict:
