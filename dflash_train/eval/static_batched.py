@@ -7,9 +7,11 @@ its block starts at its own committed length, its masks hide its own uncommitted
 its own budget's end. So every row computes what its batch-1 static run computes and
 accepts its own prefix; in float32 its greedy output is plain greedy decoding of that row
 alone, and its acceptance lengths are its batch-1 static run's
-(tests/unit/test_static_batched.py). On a GPU each decode step of the whole batch is one
-captured graph (draft, verify), replayed; acceptance runs on the device and each step
-copies one small (b, B + 1) tensor to the host.
+(tests/unit/test_static_batched.py). Greedy, each decode step of the whole batch (draft,
+verify, acceptance, commit) is decided on the device, one captured graph on a GPU, and the
+host reads the rows' state only between runs of steps (`StaticSpeculator.run_greedy`).
+Sampling: the draft and the verify are captured graphs, acceptance runs row by row and each
+step copies one small (b, B + 1) tensor to the host.
 
 Prefill: prompts are left-padded into one (b, P) forward. Row i's prompt sits at positions
 0..n_i-1; its padding gets positions n_i, n_i+1, ...: slots past the prompt, which only a
@@ -29,6 +31,7 @@ import torch
 from dflash_train.eval.acceptance import next_token, timed
 from dflash_train.eval.batched import _first_tokens, _Rows, batch_results, left_pad
 from dflash_train.model.dflash import (
+    MAX_STOP_IDS,
     Sampling,
     SpecOutput,
     StaticSpeculator,
@@ -97,7 +100,17 @@ def speculate_static_batch(drafter, target, prompts: list[list[int]], max_new_to
     ids, positions, lengths = slot_layout(prompts, device)
     logits, feats = rt.verifier.forward(ids, positions, logits_to_keep=1)
     anchor = _first_tokens(logits[:, -1], sampling, generator)  # (b,)
-    rows = _Rows(len(prompts), max_new_tokens, set(stop_token_ids or []), anchor.tolist())
+    stops = set(stop_token_ids or [])
+    if sampling.greedy and len(stops) <= MAX_STOP_IDS:  # every step decided on the device
+        rt.begin(anchor, lengths, lengths + max_new_tokens - 1, drafter.mask_token_id, stops)
+        t1 = device_clock(device)
+        rt.run_greedy((feats, positions))
+        done = rt.results([len(p) for p in prompts])
+        t2 = device_clock(device)
+        return [SpecOutput(output_ids=torch.tensor([p + new], dtype=torch.long), acceptance_lengths=steps,
+                           num_new_tokens=len(new), prefill_s=t1 - t0, decode_s=t2 - t1)
+                for p, (new, steps) in zip(prompts, done)]
+    rows = _Rows(len(prompts), max_new_tokens, stops, anchor.tolist())
     rt.end.copy_(lengths + max_new_tokens - 1)  # each row's last new token: no block slot there commits
     start = lengths.clone()  # (b, 1) each row's anchor position
     active = torch.tensor([not d for d in rows.done], device=device)

@@ -650,6 +650,11 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
 MIN_SLOTS = 1024  # cache slots: a power of two, at least this, so few requests rebuild
 GRAPH_WARMUP_RUNS = 2  # eager runs on a side stream before capture, as CUDA graphs require
 STATIC_ATTENTION = ("sdpa", "eager")  # the implementations that read our 4D additive masks
+MAX_STOP_IDS = 8  # stop tokens the greedy device loop checks; more take the per-step loop
+# A run of replayed steps is at most this share of what the remaining budget needs at the
+# acceptance seen so far: steps past the end cost a whole step each, a host read between runs
+# a few microseconds, so runs stay short of the end.
+RUN_SHARE = 0.5
 
 
 def _write_slots(buffer: torch.Tensor, write_at: torch.Tensor, states: torch.Tensor) -> None:
@@ -760,23 +765,28 @@ class Replayable:
 
     Eager unless `capture`; then its first call warms it up on a side stream and captures
     it as a CUDA graph, and every call replays the graph. The step must be idempotent (the
-    warm-up repeats the first call) and its results are overwritten by the next call.
+    warm-up repeats the first call), or name in `state` the tensors it advances, and its
+    results are overwritten by the next call.
     """
 
-    def __init__(self, fn, device, capture: bool):
+    def __init__(self, fn, device, capture: bool, state: tuple = ()):
         self.fn, self.device, self.graph, self.out = fn, torch.device(device), None, None
         self.capture = capture and self.device.type == "cuda"
+        self.state = state  # tensors a step advances: put back after the warm-up runs
 
     def __call__(self):
         if not self.capture:
             return self.fn()
         if self.graph is None:
             with torch.cuda.device(self.device):
+                saved = [t.clone() for t in self.state]
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(GRAPH_WARMUP_RUNS):
                         self.fn()
+                    for t, before in zip(self.state, saved):
+                        t.copy_(before)
                 torch.cuda.current_stream().wait_stream(side)
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph):
@@ -870,6 +880,20 @@ class StaticSpeculator:
         self.ctx_feats = torch.zeros(rows, drafter.block_size, drafter.fc.in_features, dtype=dtype, device=device)
         self.ctx_pos = torch.zeros(rows, drafter.block_size, dtype=torch.long, device=device)
         self.draft_step = Replayable(lambda: self.draft(self.ctx_feats, self.ctx_pos), device, graphs)
+        # The greedy loop's state on the device (`advance`): each row's anchor, its position,
+        # whether it has finished, its steps, per step its committed count, per position its token.
+        self.mask_id = torch.zeros((), dtype=torch.long, device=device)
+        self.stop_ids = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, device=device)
+        self.anchor = torch.zeros(rows, dtype=torch.long, device=device)
+        self.start = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.done = torch.zeros(rows, 1, dtype=torch.bool, device=device)
+        self.steps = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.counts = torch.zeros(rows, size, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(rows, size, dtype=torch.long, device=device)
+        advanced = (self.anchor, self.start, self.done, self.steps, self.counts, self.tokens, self.ctx_feats,
+                    self.ctx_pos, self.block, self.block_pos)
+        self.greedy_step = Replayable(lambda: self.advance(lambda: self.draft(self.ctx_feats, self.ctx_pos)), device,
+                                      graphs, state=advanced)
 
     @property
     def block(self) -> torch.Tensor:
@@ -897,6 +921,77 @@ class StaticSpeculator:
         self.block.fill_(mask_id)
         self.block[:, :1].copy_(anchor.view(-1, 1))
         torch.add(self.offsets, start, out=self.block_pos)
+
+    def begin(self, anchor: torch.Tensor, start: torch.Tensor, end: torch.Tensor, mask_id: int, stops) -> None:
+        """The greedy loop's state for a new request: anchor (b,) at positions start (b, 1),
+        the last new token's positions end (b, 1)."""
+        if len(stops) > MAX_STOP_IDS:
+            raise ValueError(f"{len(stops)} stop token ids: the device loop takes at most {MAX_STOP_IDS}")
+        self.mask_id.fill_(mask_id)
+        self.stop_ids.fill_(-1)
+        self.stop_ids[: len(stops)] = torch.tensor(sorted(stops), dtype=torch.long)
+        self.anchor.copy_(anchor)
+        self.start.copy_(start)
+        self.end.copy_(end)
+        self.done.copy_((start >= end) | (anchor[:, None, None] == self.stop_ids).any(-1))
+        self.steps.zero_()
+        self.tokens.scatter_(1, start, anchor[:, None])
+
+    def advance(self, draft) -> None:
+        """One greedy speculative step of every row, decided on the device with no host copy.
+
+        Draft (``draft()``: logits (b, B-1, V)), verify, accept the prefix of drafts the target
+        agrees with within the row's budget, then the target's own token; cut after the first
+        stop token. A row's committed tokens go to `tokens` at their positions, their count
+        to `counts` at the row's step; the verify's features become the next draft's
+        context. A finished row keeps its state (its block is recomputed, nothing recorded),
+        so running more steps than needed changes no result.
+        """
+        width = self.offsets.shape[1]
+        slot = self.offsets  # (1, B)
+        self.set_block(self.anchor, self.start, self.mask_id)
+        self.block[:, 1:] = draft().argmax(-1)
+        logits, feats = self.verifier.forward(self.block, self.block_pos)
+        best = logits.argmax(-1)  # (b, B): the target's token after each block slot
+        usable = (self.end - self.start).clamp(max=width) - 1  # (b, 1) drafts the budget can commit
+        agree = (self.block[:, 1:] == best[:, :-1]) & (slot[:, :-1] < usable)
+        count = agree.long().cumprod(1).sum(1, keepdim=True) + 1  # (b, 1) accepted drafts + the target's token
+        stop = (best[..., None] == self.stop_ids).any(-1) & (slot < count)  # (b, B)
+        count = torch.minimum(count, torch.where(stop, slot, width).amin(1, keepdim=True) + 1) * ~self.done
+        at = (self.start + 1 + slot).clamp(max=self.tokens.shape[1] - 1)  # (b, B) the committed tokens' positions
+        self.tokens.scatter_(1, at, torch.where(slot < count, best, self.tokens.gather(1, at)))
+        live = ~self.done
+        self.counts.scatter_(1, self.steps, torch.where(live, count, self.counts.gather(1, self.steps)))
+        self.steps += live
+        self.anchor.copy_(torch.where(live[:, 0], best.gather(1, (count - 1).clamp(min=0))[:, 0], self.anchor))
+        self.start += count
+        self.done |= stop.any(1, keepdim=True) | (self.start >= self.end)
+        self.ctx_feats.copy_(feats)
+        self.ctx_pos.copy_(self.block_pos)
+
+    def run_greedy(self, first_ctx) -> None:
+        """Steps until every row has finished: the first drafts from ``first_ctx`` (the
+        prompts' features and positions, eager), then replayed `greedy_step`s in runs, the
+        host reading four numbers a row between runs (the one device-to-host copy)."""
+        first = self.start.clone()
+        self.advance(lambda: self.draft(*first_ctx))
+        while True:
+            done, start, end, steps = torch.cat([self.done, self.start, self.end, self.steps], 1).T.tolist()
+            if all(done):
+                return
+            per_step = max(1.0, sum(s - f for s, f in zip(start, first[:, 0].tolist())) / max(1, sum(steps)))
+            remaining = max(e - s for e, s, d in zip(end, start, done) if not d)
+            # never more steps than the budget needs (a step commits at most B tokens), or a
+            # share of what the acceptance so far needs
+            width = self.offsets.shape[1]
+            for _ in range(max(-(-remaining // width), int(RUN_SHARE * remaining / per_step))):
+                self.greedy_step()
+
+    def results(self, prompt_lens: list[int]) -> list[tuple[list[int], list[int]]]:
+        """Each row's (new tokens, committed count per step) once `run_greedy` is done."""
+        start, steps = self.start[:, 0].tolist(), self.steps[:, 0].tolist()
+        tokens, counts = self.tokens.tolist(), self.counts.tolist()
+        return [(row[p : s + 1], c[:n]) for row, c, p, s, n in zip(tokens, counts, prompt_lens, start, steps)]
 
 
 def static_runtime(owner: nn.Module, needed: int, fits, build):
@@ -942,8 +1037,11 @@ def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_to
     """`speculate` with fixed shapes: every block is B wide and both caches are slot buffers.
 
     The first draft step reads the prompt's features (any length) eagerly; later ones read
-    the previous verify's B features. Each step copies one small tensor to the host (the
-    accepted count and the tokens), which decides what is committed and when to stop.
+    the previous verify's B features. Greedy and untimed (`clock`), every step is decided on
+    the device (`StaticSpeculator.advance`, one CUDA graph a step on a GPU) and the host
+    reads the state only between runs of steps. Otherwise (sampling, or a clock that laps
+    the parts of each step) each step copies one small tensor to the host (the accepted
+    count and the tokens), which decides what is committed and when to stop.
     """
     mask_id = _check_request(model, input_ids, mask_token_id)
     stops = set(stop_token_ids or [])
@@ -956,9 +1054,17 @@ def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_to
     t0 = device_clock(device)
     logits, feats = rt.verifier.prefill(input_ids, logits_to_keep=1)
     anchor = _first_token(logits[0, -1], sampling, generator).view(1)
+    first_ctx = (feats, torch.arange(prompt_len, device=device)[None])
+    if sampling.greedy and clock is NO_CLOCK and len(stops) <= MAX_STOP_IDS:
+        rt.begin(anchor, torch.tensor([[prompt_len]], device=device), torch.tensor([[end]], device=device), mask_id,
+                 stops)
+        t1 = device_clock(device)
+        rt.run_greedy(first_ctx)
+        new, lengths = rt.results([prompt_len])[0]
+        return SpecOutput.of_run(input_ids[0].tolist() + new, lengths, prompt_len, (t0, t1, device_clock(device)),
+                                 clock, device)
     tokens = input_ids[0].tolist() + [int(anchor)]
     rt.end.fill_(end)
-    first_ctx = (feats, torch.arange(prompt_len, device=device)[None])
     t1 = device_clock(device)
     lengths = []
     while len(tokens) - prompt_len < max_new_tokens and tokens[-1] not in stops:
