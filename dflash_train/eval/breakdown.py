@@ -1,6 +1,7 @@
 """Where a speculative step of the static runtime spends its time (`eval.speed step_timing=true`).
 
-Each decode step of `speculate_static` is split at the laps it marks:
+Each decode step of `speculate_static`'s per-step loop (the one sampling uses) is split at
+the laps it marks:
   draft        the block filled in, the drafter's forward (a CUDA graph on a GPU), the drafts
   verify       the target's forward over the block (a CUDA graph on a GPU)
   accept       the acceptance rule, on the device
@@ -15,6 +16,8 @@ part shows 1 launch and 0 kernels), only in the step's total printed below the t
 launches (CUDA): the kernel, graph and copy
 launch calls the host makes. Counts come from one decode under torch.profiler. The plain
 step is the static runtime's one-token step (a CUDA graph on a GPU) over the same prompts.
+Below the table: the greedy device loop's step (`StaticSpeculator.advance`, what untimed
+greedy decoding runs), its decode time over its steps with no clock inside.
 
 Shapes: a prompt's input ids are (1, T).
 """
@@ -144,6 +147,10 @@ def step_breakdown(drafter, target, prompts: list[torch.Tensor], max_new_tokens:
         out = speculate_static(drafter, target, ids, max_new_tokens, Sampling(), [], None, None, clock)
         lengths += out.acceptance_lengths
     timing = clock.result()
+    loop_s = loop_steps = 0  # the same decodes untimed: the device loop (`StaticSpeculator.advance`)
+    for ids in prompts:
+        out = speculate_static(drafter, target, ids, max_new_tokens, Sampling(), [], None, None)
+        loop_s, loop_steps = loop_s + out.decode_s, loop_steps + len(out.acceptance_lengths)
     counts = _profiled_counts(drafter, target, prompts[0], max_new_tokens)
     steps = timing["steps"]
     parts = {}
@@ -152,7 +159,7 @@ def step_breakdown(drafter, target, prompts: list[torch.Tensor], max_new_tokens:
         parts[part] = {"host_ms": 1e3 * timing["host_s"][part] / steps,
                        "device_ms": None if device_s is None else 1e3 * device_s / steps, **counts["parts"][part]}
     return {"device": device.type, "prompts": len(prompts), "steps": steps, "tau": sum(lengths) / len(lengths),
-            "parts": parts, "kernels_per_step": counts["kernels_per_step"],
+            "parts": parts, "kernels_per_step": counts["kernels_per_step"], "loop_step_ms": 1e3 * loop_s / loop_steps,
             "plain_step_ms": 1e3 * plain_step_s(target, prompts, max_new_tokens)}
 
 
@@ -172,6 +179,8 @@ def format_breakdown(b: dict) -> str:
         row(name, p["host_ms"], p["device_ms"], p["ops"], p["kernels"], p["launches"])
     total = {k: sum(p[k] or 0 for p in b["parts"].values()) for k in ("device_ms", "ops", "kernels", "launches")}
     row("step", step_ms, total["device_ms"], total["ops"], total["kernels"], total["launches"])
+    rows.append(f"the device loop (greedy, untimed: every step decided on the device, one graph a step on a GPU): "
+                f"{b['loop_step_ms']:.2f} ms a step = {b['loop_step_ms'] / b['plain_step_ms']:.2f} plain steps")
     if cuda:
         rows.append(f"kernels the device ran per step in the profile, between parts included: "
                     f"{b['kernels_per_step']:.0f}")

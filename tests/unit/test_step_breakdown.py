@@ -62,6 +62,12 @@ def test_breakdown_counts_the_ops_each_part_dispatches(models):
     assert lines[1].split() == ["part", "host", "ms", "device", "ms", "ops", "kernels", "launches"]
     assert [line.split()[0] for line in lines[3:9]] == [*PARTS, "step"]
     assert lines[7].split()[2:] == ["-", "3", "-", "-"]  # bookkeeping
+    # the device loop decodes the same steps: on a CPU it costs about what the laps add up to
+    assert lines[-2] == (f"the device loop (greedy, untimed: every step decided on the device, one graph a step on a "
+                         f"GPU): {b['loop_step_ms']:.2f} ms a step = {b['loop_step_ms'] / b['plain_step_ms']:.2f} "
+                         f"plain steps")
+    step_ms = sum(p["host_ms"] for p in parts.values())
+    assert 0.5 * step_ms < b["loop_step_ms"] < 2 * step_ms
     assert lines[-1] == "on a CPU host ms is the compute; device times and kernel counts need a GPU"
 
 
