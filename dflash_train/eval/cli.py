@@ -62,6 +62,7 @@ class EvalConfig:
     batch_size: int = 1
     runtime: str = "auto"  # auto | static | dynamic (auto: static on a GPU at batch_size=1)
     step_timing: bool = False
+    compile_drafter: bool = False  # static runtime on a GPU: the draft step compiled inside its graphs
     enable_thinking: bool = False
     system_prompt: str | None = None
     output_dir: str = "eval_results"
@@ -210,6 +211,7 @@ def setup(cfg: EvalConfig):
     target = load_target(cfg.target.name, dtype=cfg.dtype, device=cfg.device)
     tokenizer = load_tokenizer(cfg.target.name)
     drafter = _setup_drafter(cfg, target)
+    drafter.compile_static_draft = cfg.compile_drafter
     resolve_runtime(cfg, target)  # runtime=static on a target it cannot serve fails here
     datasets = {}
     for label, (name, items) in prompts.items():

@@ -879,7 +879,12 @@ class StaticSpeculator:
         self.end = torch.zeros(rows, 1, dtype=torch.long, device=device)  # per row: first position never committed
         self.ctx_feats = torch.zeros(rows, drafter.block_size, drafter.fc.in_features, dtype=dtype, device=device)
         self.ctx_pos = torch.zeros(rows, drafter.block_size, dtype=torch.long, device=device)
-        self.draft_step = Replayable(lambda: self.draft(self.ctx_feats, self.ctx_pos), device, graphs)
+        # `drafter.compile_static_draft` (eval's compile_drafter): the fixed-shape draft step
+        # compiled by torch.compile inside the captured graphs, fewer and fused kernels; its
+        # drafts may differ from eager's by rounding, the committed tokens stay the target's.
+        self.compiled = graphs and device.type == "cuda" and getattr(drafter, "compile_static_draft", False)
+        draft = torch.compile(self.draft, dynamic=False) if self.compiled else self.draft
+        self.draft_step = Replayable(lambda: draft(self.ctx_feats, self.ctx_pos), device, graphs)
         # The greedy loop's state on the device (`advance`): each row's anchor, its position,
         # whether it has finished, its steps, per step its committed count, per position its token.
         self.mask_id = torch.zeros((), dtype=torch.long, device=device)
@@ -892,7 +897,7 @@ class StaticSpeculator:
         self.tokens = torch.zeros(rows, size, dtype=torch.long, device=device)
         advanced = (self.anchor, self.start, self.done, self.steps, self.counts, self.tokens, self.ctx_feats,
                     self.ctx_pos, self.block, self.block_pos)
-        self.greedy_step = Replayable(lambda: self.advance(lambda: self.draft(self.ctx_feats, self.ctx_pos)), device,
+        self.greedy_step = Replayable(lambda: self.advance(lambda: draft(self.ctx_feats, self.ctx_pos)), device,
                                       graphs, state=advanced)
 
     @property
@@ -904,7 +909,8 @@ class StaticSpeculator:
         return self.verifier.positions
 
     def fits(self, drafter, target, size: int, graphs: bool, rows: int = 1) -> bool:
-        return (drafter is self.drafter and self.weights == _where(drafter)
+        compiled = graphs and self.target.device.type == "cuda" and getattr(drafter, "compile_static_draft", False)
+        return (drafter is self.drafter and self.weights == _where(drafter) and compiled == self.compiled
                 and self.verifier.fits(target, size, graphs, rows))
 
     def draft(self, feats, ctx_pos) -> torch.Tensor:

@@ -44,7 +44,7 @@ def test_graphs_give_the_eager_steps_tokens_and_lengths(on_gpu, prompts):  # noq
             ids = prompt[None].cuda()
             eager = _static(drafter, model, ids, new, graphs=False)
             graphed = _static(drafter, model, ids, new, graphs=True)
-            assert drafter.__dict__["_static_runtime"].draft_step.graph is not None  # really replayed
+            assert drafter.__dict__["_static_runtime"].greedy_step.graph is not None  # really replayed (the device loop)
             dynamic = drafter.spec_generate(model, ids, new, return_stats=True, static=False)
             assert torch.equal(graphed.output_ids, eager.output_ids)
             assert graphed.acceptance_lengths == eager.acceptance_lengths == dynamic.acceptance_lengths
@@ -92,3 +92,21 @@ def test_bf16_graphs_run_and_match_eager_static():
     assert torch.equal(graphed.output_ids, eager.output_ids)
     assert graphed.acceptance_lengths == eager.acceptance_lengths
     assert torch.equal(drafter.spec_generate(model, ids, 40), graphed.output_ids)  # the GPU default: static
+
+
+def test_a_compiled_draft_step_keeps_the_targets_tokens(on_gpu, prompts):  # noqa: F811
+    """eval's compile_drafter: the draft step compiled inside the graphs. Drafts may move by
+    rounding, the committed tokens may not, and the drafter is still accepted."""
+    model, drafter = on_gpu
+    drafter.compile_static_draft = True
+    try:
+        lengths = []
+        for prompt in prompts:
+            ids = prompt[None].cuda()
+            out = _static(drafter, model, ids, NEW_TOKENS, graphs=True)
+            assert drafter.__dict__["_static_runtime"].compiled
+            assert torch.equal(out.output_ids, target_generate(model, ids, NEW_TOKENS, static=True))
+            lengths += out.acceptance_lengths
+        assert sum(lengths) / len(lengths) > 1.5
+    finally:
+        drafter.compile_static_draft = False
