@@ -789,7 +789,8 @@ class Replayable:
                         t.copy_(before)
                 torch.cuda.current_stream().wait_stream(side)
                 self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
+                # thread_local: a CUDA call from another thread (a compile worker) does not void the capture
+                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                     self.out = self.fn()
         self.graph.replay()
         return self.out
