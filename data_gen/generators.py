@@ -21,8 +21,9 @@ ENGINE_BATCHES_PER_CALL = 16
 # The hf generator sorts a call's prompts by length before cutting them into batches, so a
 # call of several batches pads each batch only to its own longest prompt. On the
 # quickstart's 512 ShareGPT prompts (batches of 32) a call of one batch pads the prompts
-# to 2.6x their tokens, a shard of 64 to 1.75x, 8 batches to 1.16x; the prefill of padded
-# prompts is most of data generation's CPU time.
+# to 2.6x their tokens, a shard of 64 to 1.75x, 8 batches to 1.16x. Padding costs in the
+# prefill and in every decode step's attention: the first 128 of those prompts took 86,
+# 75 and 66 CPU seconds (benchmarks/quickstart-cpu-2026-11-25/datagen-batching.md).
 HF_BATCHES_PER_CALL = 8
 
 
@@ -56,9 +57,11 @@ class Generator(Protocol):
         the call (data_gen/sampling.py draws the numbers; greedy ignores the seeds)."""
 
 
-def prompts_per_call(cfg: BackendConfig) -> int:
+def prompts_per_call(cfg: BackendConfig, varied_lengths: bool = True) -> int:
     """How many prompts the pipeline hands one `generate` call: enough to keep the generator
-    busy, few enough that a conversation's next turn waits one call at most."""
+    busy, few enough that a conversation's next turn waits one call at most.
+    ``varied_lengths=False`` for prompts of one length (magpie's candidates are all the
+    template's header), which the hf generator's length sort cannot pad less."""
     if cfg.kind == "engine":
         # Continuous batching refills a slot as soon as its answer ends, but a call still
         # waits for its slowest answer while the slots empty: calls of many batches make
@@ -66,7 +69,7 @@ def prompts_per_call(cfg: BackendConfig) -> int:
         return ENGINE_BATCHES_PER_CALL * cfg.batch_size
     if cfg.kind == "openai":
         return cfg.max_concurrency
-    return HF_BATCHES_PER_CALL * cfg.batch_size
+    return (HF_BATCHES_PER_CALL if varied_lengths else 1) * cfg.batch_size
 
 
 def trim_response(ids: list[int], stop_ids: list[int]) -> Completion:

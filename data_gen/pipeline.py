@@ -126,7 +126,7 @@ def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = No
     def magpie(src, skips, remaining):
         build = None if generators is None else lambda sampling: generators.build(sampling, shaper)
         writer = MagpieWriter(src, shaper, Path(cfg.out_dir), cfg.sampling.seed, identity, build,
-                              prompts_per_call(cfg.backend))
+                              prompts_per_call(cfg.backend, varied_lengths=False))
         return writer.candidates(remaining, skips)
 
     skips = SkipLog()
