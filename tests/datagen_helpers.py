@@ -2,7 +2,11 @@
 console command and the in-process reference run, so the two are the same config."""
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from http.server import BaseHTTPRequestHandler
 
 from hydra import compose, initialize_config_module
@@ -35,6 +39,24 @@ def overrides(out_dir, prompts_file, shard_size: int, batch_size: int, max_new_t
 
 def cli(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "data_gen.cli", *args]
+
+
+def kill_after_first_shard(args: list[str], out_dir) -> list:
+    """Run dflash-datagen with ``args``, SIGKILL it once its first shard is committed, and
+    return the shard files it left (the run must not end before that shard, or within 180 s)."""
+    from dflash_train.data.format import shard_path
+
+    proc = subprocess.Popen(cli(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while not shard_path(out_dir, 0).exists():
+            assert proc.poll() is None and time.time() < deadline, "the run ended before its first shard"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    return sorted((out_dir / "shards").glob("shard-*.parquet"))
 
 
 def compose_config(args: list[str]) -> DatagenConfig:

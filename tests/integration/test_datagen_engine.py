@@ -3,11 +3,8 @@ greedy and sampled, from the generator and from a multi-turn pipeline run; a kil
 middle of an engine run and a rerun hold every prompt exactly once."""
 
 import json
-import os
 import re
-import signal
 import subprocess
-import time
 
 import pytest
 
@@ -16,9 +13,9 @@ from data_gen.engine import EngineGenerator
 from data_gen.hf_generator import HFGenerator
 from data_gen.pipeline import run
 from data_gen.template import ChatShaper
-from dflash_train.data.format import load_generated, read_shard_meta, shard_path
+from dflash_train.data.format import load_generated, read_shard_meta
 from tests.conftest import SMOLLM2
-from tests.datagen_helpers import cli, compose_config, overrides, write_prompts
+from tests.datagen_helpers import cli, compose_config, kill_after_first_shard, overrides, write_prompts
 
 # one thread: tiny matmuls do not split, and on a shared CPU the second thread waits
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -106,17 +103,7 @@ def test_kill_9_then_rerun_holds_every_prompt_once(tmp_path, smollm2, smollm2_to
     src = tmp_path / "prompts.jsonl"
     write_prompts(src, num_prompts)
     args = overrides(tmp_path / "killed", src, shard_size=4, batch_size=2) + ["backend.kind=engine"]
-    proc = subprocess.Popen(cli(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 180
-        while not shard_path(tmp_path / "killed", 0).exists():
-            assert proc.poll() is None and time.time() < deadline, "the run ended before its first shard"
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    committed = sorted((tmp_path / "killed" / "shards").glob("shard-*.parquet"))
+    committed = kill_after_first_shard(args, tmp_path / "killed")
     assert 1 <= len(committed) < num_prompts // 4 and not (tmp_path / "killed" / "manifest.json").exists()
 
     rerun = subprocess.run(cli(args), capture_output=True, text=True, timeout=300)

@@ -2,18 +2,22 @@
 result holds every prompt exactly once and equals an uninterrupted run; with every turn of
 multi-turn conversations regenerated, each conversation is one row, once."""
 
-import os
 import re
-import signal
 import subprocess
-import time
 
 import pytest
 import torch
 
 from data_gen.pipeline import run
-from dflash_train.data.format import load_generated, shard_path
-from tests.datagen_helpers import cli, compose_config, overrides, write_conversations, write_prompts
+from dflash_train.data.format import load_generated
+from tests.datagen_helpers import (
+    cli,
+    compose_config,
+    kill_after_first_shard,
+    overrides,
+    write_conversations,
+    write_prompts,
+)
 
 pytestmark = pytest.mark.slow
 NUM_PROMPTS = 6
@@ -30,17 +34,7 @@ def test_kill_9_then_rerun_equals_uninterrupted(tmp_path, smollm2, smollm2_token
         write_conversations(prompts, NUM_PROMPTS)
         killed = overrides(tmp_path / "killed", prompts, shard_size=1, batch_size=2, max_new_tokens=8)
         killed.append("template.max_turns=null")
-    proc = subprocess.Popen(cli(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 180
-        while not shard_path(tmp_path / "killed", 0).exists():
-            assert proc.poll() is None and time.time() < deadline, "the run ended before its first shard"
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    committed = sorted((tmp_path / "killed" / "shards").glob("shard-*.parquet"))
+    committed = kill_after_first_shard(killed, tmp_path / "killed")
     assert 1 <= len(committed) < NUM_PROMPTS and not (tmp_path / "killed" / "manifest.json").exists()
 
     rerun = subprocess.run(cli(killed), capture_output=True, text=True, timeout=300)
