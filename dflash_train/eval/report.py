@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dflash_train.eval.acceptance import NEAR_TIE_ULPS
 
-# The GPU figure a CPU's speedup is shown beside: README, "4. Evaluate acceptance" (batch-1
-# tokens/s of both runtimes on one H100, Qwen2.5-Coder-0.5B in bf16, commit 1e04a6f).
+# The GPU figure a CPU's speedup is shown beside: README, "4. Evaluate acceptance" (each graph
+# of the static runtime timed on one H100, Qwen2.5-Coder-0.5B in bf16, commit fc18e9f; the
+# measured speedup at commit d7893bb).
 GPU_FIGURE = ("on one H100 (Qwen2.5-Coder-0.5B in bf16, batch 1, static runtime; README section 4, commit "
-              "1e04a6f) a speculative step costs 1.79 plain steps, so the speedup there is about 0.56 x tau "
-              "(0.69x measured at tau 1.27)")
+              "fc18e9f) a speculative step costs 1.74 plain steps, 1.51 with compile_drafter=true, so the "
+              "speedup there is about 0.66 x tau (0.69x measured at tau 1.27 without it)")
 
 
 def cpu_speedup_note(measured: dict[str, tuple[float, float]], batch_size: int = 1) -> str:
