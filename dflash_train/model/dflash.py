@@ -884,7 +884,10 @@ class StaticSpeculator:
         # compiled by torch.compile inside the captured graphs, fewer and fused kernels; its
         # drafts may differ from eager's by rounding, the committed tokens stay the target's.
         self.compiled = graphs and device.type == "cuda" and getattr(drafter, "compile_static_draft", False)
-        draft = torch.compile(self.draft, dynamic=False) if self.compiled else self.draft
+        compiled = torch.compile(self.draft, dynamic=False) if self.compiled else None
+
+        def draft(feats, ctx_pos):  # `self.draft` looked up at each call, as a step's code always is
+            return (compiled or self.draft)(feats, ctx_pos)
         self.draft_step = Replayable(lambda: draft(self.ctx_feats, self.ctx_pos), device, graphs)
         # The greedy loop's state on the device (`advance`): each row's anchor, its position,
         # whether it has finished, its steps, per step its committed count, per position its token.
