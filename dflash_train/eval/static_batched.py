@@ -38,6 +38,7 @@ from dflash_train.model.dflash import (
     TargetSlots,
     _accept,
     device_clock,
+    greedy_accepted,
     static_runtime,
 )
 
@@ -60,8 +61,7 @@ def accept_rows(drafts, draft_probs, logits, sampling: Sampling, generator, usab
     """
     if sampling.greedy:
         target_tokens = logits.argmax(-1)  # (b, B)
-        slots = torch.arange(drafts.shape[1], device=drafts.device)[None]
-        accepted = ((drafts == target_tokens[:, :-1]) & (slots < usable)).long().cumprod(1).sum(1)  # (b,)
+        accepted = greedy_accepted(drafts, target_tokens, usable)  # (b,)
         return accepted, target_tokens.gather(1, accepted[:, None])[:, 0]
     zero = torch.zeros((), dtype=torch.long, device=drafts.device)
     pairs = [_accept(drafts[i], draft_probs[i], logits[i], sampling, generator, int(usable[i])) if active[i]
@@ -105,7 +105,7 @@ def speculate_static_batch(drafter, target, prompts: list[list[int]], max_new_to
         rt.begin(anchor, lengths, lengths + max_new_tokens - 1, drafter.mask_token_id, stops)
         t1 = device_clock(device)
         rt.run_greedy((feats, positions))
-        done = rt.results([len(p) for p in prompts])
+        done = rt.results()
         t2 = device_clock(device)
         return [SpecOutput(output_ids=torch.tensor([p + new], dtype=torch.long), acceptance_lengths=steps,
                            num_new_tokens=len(new), prefill_s=t1 - t0, decode_s=t2 - t1)

@@ -842,6 +842,19 @@ class TargetSlots:
                 and graphs == self.graphs and rows == self.ids.shape[0])
 
 
+def _compiles_draft(drafter, graphs: bool, device) -> bool:
+    """Whether the static runtime compiles `drafter`'s draft step: eval's compile_drafter sets
+    `drafter.compile_static_draft`, and only captured graphs on a GPU use it."""
+    return graphs and torch.device(device).type == "cuda" and getattr(drafter, "compile_static_draft", False)
+
+
+def greedy_accepted(drafts: torch.Tensor, target_tokens: torch.Tensor, usable) -> torch.Tensor:
+    """Accepted drafts per row (b,): the prefix of drafts (b, B-1) equal to the target's
+    tokens (b, B) after them, within the first ``usable`` (an int, or (b, 1) per row)."""
+    slots = torch.arange(drafts.shape[1], device=drafts.device)[None]
+    return ((drafts == target_tokens[:, :-1]) & (slots < usable)).long().cumprod(1).sum(1)
+
+
 def _slot_draft_masks(drafter, slots, block_pos, end) -> dict:
     """Per layer type (b, 1, B, S + B) bool: what each block slot sees (`end`: (b, 1)).
 
@@ -884,7 +897,7 @@ class StaticSpeculator:
         # `drafter.compile_static_draft` (eval's compile_drafter): the fixed-shape draft step
         # compiled by torch.compile inside the captured graphs, fewer and fused kernels; its
         # drafts may differ from eager's by rounding, the committed tokens stay the target's.
-        self.compiled = graphs and device.type == "cuda" and getattr(drafter, "compile_static_draft", False)
+        self.compiled = _compiles_draft(drafter, graphs, device)
         compiled = torch.compile(self.draft, dynamic=False) if self.compiled else None
 
         def draft(feats, ctx_pos):  # `self.draft` looked up at each call, as a step's code always is
@@ -897,6 +910,7 @@ class StaticSpeculator:
         self.stop_ids = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, device=device)
         self.anchor = torch.zeros(rows, dtype=torch.long, device=device)
         self.start = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.first = torch.zeros_like(self.start)  # each row's first new token's position (`begin`)
         self.done = torch.zeros(rows, 1, dtype=torch.bool, device=device)
         self.steps = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.counts = torch.zeros(rows, size, dtype=torch.long, device=device)
@@ -915,8 +929,8 @@ class StaticSpeculator:
         return self.verifier.positions
 
     def fits(self, drafter, target, size: int, graphs: bool, rows: int = 1) -> bool:
-        compiled = graphs and self.target.device.type == "cuda" and getattr(drafter, "compile_static_draft", False)
-        return (drafter is self.drafter and self.weights == _where(drafter) and compiled == self.compiled
+        return (drafter is self.drafter and self.weights == _where(drafter)
+                and _compiles_draft(drafter, graphs, self.target.device) == self.compiled
                 and self.verifier.fits(target, size, graphs, rows))
 
     def draft(self, feats, ctx_pos) -> torch.Tensor:
@@ -948,6 +962,7 @@ class StaticSpeculator:
         self.end.copy_(end)
         self.done.copy_((start >= end) | (anchor[:, None, None] == self.stop_ids).any(-1))
         self.steps.zero_()
+        self.first = start.clone()  # each row's first new token's position: where its answer starts
         self.tokens.scatter_(1, start, anchor[:, None])
 
     def advance(self, draft) -> None:
@@ -967,8 +982,7 @@ class StaticSpeculator:
         logits, feats = self.verifier.forward(self.block, self.block_pos)
         best = logits.argmax(-1)  # (b, B): the target's token after each block slot
         usable = (self.end - self.start).clamp(max=width) - 1  # (b, 1) drafts the budget can commit
-        agree = (self.block[:, 1:] == best[:, :-1]) & (slot[:, :-1] < usable)
-        count = agree.long().cumprod(1).sum(1, keepdim=True) + 1  # (b, 1) accepted drafts + the target's token
+        count = greedy_accepted(self.block[:, 1:], best, usable)[:, None] + 1  # (b, 1) accepted + the target's token
         stop = (best[..., None] == self.stop_ids).any(-1) & (slot < count)  # (b, B)
         count = torch.minimum(count, torch.where(stop, slot, width).amin(1, keepdim=True) + 1) * ~self.done
         at = (self.start + 1 + slot).clamp(max=self.tokens.shape[1] - 1)  # (b, B) the committed tokens' positions
@@ -986,13 +1000,13 @@ class StaticSpeculator:
         """Steps until every row has finished: the first drafts from ``first_ctx`` (the
         prompts' features and positions, eager), then replayed `greedy_step`s in runs, the
         host reading four numbers a row between runs (the one device-to-host copy)."""
-        first = self.start.clone()
         self.advance(lambda: self.draft(*first_ctx))
+        first = self.first[:, 0].tolist()
         while True:
             done, start, end, steps = torch.cat([self.done, self.start, self.end, self.steps], 1).T.tolist()
             if all(done):
                 return
-            per_step = max(1.0, sum(s - f for s, f in zip(start, first[:, 0].tolist())) / max(1, sum(steps)))
+            per_step = max(1.0, sum(s - f for s, f in zip(start, first)) / max(1, sum(steps)))
             remaining = max(e - s for e, s, d in zip(end, start, done) if not d)
             # never more steps than the budget needs (a step commits at most B tokens), or a
             # share of what the acceptance so far needs
@@ -1003,11 +1017,11 @@ class StaticSpeculator:
             for _ in range(run if self.block.is_cuda else 1):  # off a GPU reading the state costs nothing
                 self.greedy_step()
 
-    def results(self, prompt_lens: list[int]) -> list[tuple[list[int], list[int]]]:
+    def results(self) -> list[tuple[list[int], list[int]]]:
         """Each row's (new tokens, committed count per step) once `run_greedy` is done."""
-        start, steps = self.start[:, 0].tolist(), self.steps[:, 0].tolist()
+        first, start, steps = self.first[:, 0].tolist(), self.start[:, 0].tolist(), self.steps[:, 0].tolist()
         tokens, counts = self.tokens.tolist(), self.counts.tolist()
-        return [(row[p : s + 1], c[:n]) for row, c, p, s, n in zip(tokens, counts, prompt_lens, start, steps)]
+        return [(row[f : s + 1], c[:n]) for row, c, f, s, n in zip(tokens, counts, first, start, steps)]
 
 
 def static_runtime(owner: nn.Module, needed: int, fits, build):
@@ -1028,11 +1042,11 @@ def _accept(drafts, draft_probs, target_logits, sampling: Sampling, generator, u
     token comes from the residual max(0, p - q) there, after `usable` acceptances from p:
     the same distribution as the sequential rule.
     """
-    usable_rows = torch.arange(drafts.shape[0], device=drafts.device) < usable
     if sampling.greedy:
         target_tokens = target_logits.argmax(-1)  # (B,)
-        accepted = ((drafts == target_tokens[:-1]) & usable_rows).long().cumprod(0).sum()
+        accepted = greedy_accepted(drafts[None], target_tokens[None], usable)[0]
         return accepted, target_tokens.gather(0, accepted.view(1))[0]
+    usable_rows = torch.arange(drafts.shape[0], device=drafts.device) < usable
     p = sampling.probs(target_logits)  # (B, V)
     if usable == 0:  # nothing was drafted: the target's own next token
         return torch.zeros((), dtype=torch.long, device=p.device), torch.multinomial(p[0], 1, generator=generator)[0]
@@ -1076,7 +1090,7 @@ def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_to
                  stops)
         t1 = device_clock(device)
         rt.run_greedy(first_ctx)
-        new, lengths = rt.results([prompt_len])[0]
+        new, lengths = rt.results()[0]
         return SpecOutput.of_run(input_ids[0].tolist() + new, lengths, prompt_len, (t0, t1, device_clock(device)),
                                  clock, device)
     tokens = input_ids[0].tolist() + [int(anchor)]
