@@ -9,7 +9,7 @@ arguments, then profiles three more steps (on a GPU) and prints
     each with the Python frames that launched the kernel after it.
 
     python benchmarks/profile_step.py +experiment=qwen3_8b_8xh100 backend=single optim.grad_accum_steps=1 \\
-        --random-target --steps 4 --warmup 3 data.max_length=8192 data.num_anchors=1024 \\
+        bench.random_target=true bench.steps=4 bench.warmup=3 data.max_length=8192 data.num_anchors=1024 \\
         [--gaps] [--out report.txt] [--trace trace.json.gz]
 
 Compare the TFLOP/s column with the bench's measured bf16 matmul peak: a shape well below
@@ -146,7 +146,9 @@ def main(argv: list[str]) -> None:
         report["text"] = gap_table(events) if gaps else kernel_tables(prof, events)
         return report["text"]
 
-    bench.main([*argv, "--profile", out or os.devnull], profile=profile)
+    with tempfile.TemporaryDirectory() as tmp:
+        # Not os.devnull: bench.profile replaces no file but a profile of its own.
+        bench.main([*argv, f"bench.profile={out or os.path.join(tmp, 'profile.txt')}"], profile=profile)
     print(report["text"])
 
 

@@ -5,8 +5,8 @@
     python -m dflash_train.bench --config-name train_quickstart bench.steps=3
 
 Settings are overrides of a training recipe (recipes/train.yaml or --config-name NAME) plus
-the benchmark's own, under bench. (see ``BenchOptions``); the flags --steps, --warmup,
---random-target, --target-layers, --json and --profile stand for their bench. keys.
+the benchmark's own, under bench. (see ``BenchOptions``). Its flags of before (--steps N,
+--random-target, ...) are refused with their bench. key=value form.
 
 Prints conversations/s, tokens/s and supervised slots/s (block predictions trained) of the
 real training step, a per-phase breakdown (target forward, mask build, drafter
@@ -120,10 +120,10 @@ def _is_profile(path: Path) -> bool:
         return False
 
 
-# The benchmark's flags before it took key=value settings, kept as aliases.
-FLAGS = {"--steps": ("bench.steps", None), "--warmup": ("bench.warmup", None),
-         "--random-target": ("bench.random_target", "true"), "--target-layers": ("bench.target_layers", None),
-         "--json": ("bench.json", None), "--profile": ("bench.profile", None)}
+# The benchmark's flags before it took key=value settings: refused, naming what replaced each.
+RETIRED_FLAGS = {"--steps": "bench.steps=N", "--warmup": "bench.warmup=N",
+                 "--random-target": "bench.random_target=true", "--target-layers": "bench.target_layers=N",
+                 "--json": "bench.json=FILE", "--profile": "bench.profile=FILE"}
 
 
 def target_config(name: str, num_layers: int | None):
@@ -331,7 +331,7 @@ def format_result(r: dict) -> str:
 def main(argv: list[str] | None = None, profile: Callable[[Trainer, int], str] = profile_table) -> dict:
     """``profile(trainer, step)``: the report ``bench.profile`` writes (benchmarks/profile_step.py
     passes its own)."""
-    line = parse_command_line(sys.argv[1:] if argv is None else argv, "train", __doc__, flags=FLAGS)
+    line = parse_command_line(sys.argv[1:] if argv is None else argv, "train", __doc__, retired=RETIRED_FLAGS)
     # The training recipes have no bench section: its keys are added, then checked by the schema.
     overrides = [f"+{o}" if o.startswith(f"{OPTIONS}.") else o for o in line.overrides]
     real_data = any(o.split("=", 1)[0].lstrip("+") == "data.path" for o in overrides)

@@ -56,16 +56,15 @@ class CommandLine:
 
 
 def parse_command_line(argv: Sequence[str], config_name: str, doc: str, *,
-                       flags: dict[str, tuple[str, str | None]] | None = None,
+                       retired: dict[str, str] | None = None,
                        positional: str | None = None) -> CommandLine:
     """Split ``argv`` into the recipe's name and its overrides.
 
-    ``flags`` maps an option to the key it sets: ``{"--out": ("out", None)}`` takes the next
-    argument (or ``--out=DIR``) as the value, ``{"--push": ("push", "true")}`` sets a fixed
-    one. ``positional`` names the key a bare argument sets (one at most). ``-h`` prints
-    ``doc`` and exits.
+    ``positional`` names the key a bare argument sets (one at most). ``retired`` maps a flag
+    the command took before its key=value settings to the setting that replaced it
+    (``{"--out": "out=PATH"}``): the refusal names both. ``-h`` prints ``doc`` and exits.
     """
-    flags = flags or {}
+    retired = retired or {}
     overrides, bare = [], []
     args = list(argv)
     while args:
@@ -77,20 +76,14 @@ def parse_command_line(argv: Sequence[str], config_name: str, doc: str, *,
             (overrides if "=" in arg or arg.startswith("~") else bare).append(arg)
             continue
         name, eq, inline = arg.partition("=")
-        if name not in CONFIG_NAME_FLAGS and name not in flags:
-            known = ", ".join(sorted([*CONFIG_NAME_FLAGS, *flags]))
+        if name in retired:
+            raise ValueError(f"{name} is no longer accepted; use {retired[name]}")
+        if name not in CONFIG_NAME_FLAGS:
+            known = ", ".join(CONFIG_NAME_FLAGS)
             raise ValueError(f"unknown option {name} (options: {known}; settings are key=value)")
-        key, fixed = flags.get(name, (None, None))
-        if fixed is not None and not eq:
-            overrides.append(f"{key}={fixed}")
-            continue
         if not eq and not args:
-            raise ValueError(f"missing value for {key or name}: option {name} needs one")
-        value = inline if eq else args.pop(0)
-        if key is None:
-            config_name = value
-        else:
-            overrides.append(f"{key}={_quoted(value)}")
+            raise ValueError(f"missing value for {name}: option {name} needs one")
+        config_name = inline if eq else args.pop(0)
     if bare and (positional is None or len(bare) > 1):
         at_most = f" (one bare argument at most: {positional})" if positional else ""
         raise ValueError(f"unexpected argument {bare[-1]!r}: settings are key=value{at_most}")

@@ -4,8 +4,8 @@
     dflash-export runs/x/checkpoints/step_00002000 out=drafter-2k
     dflash-export runs/x push=true repo_id=me/qwen3-8b-dflash eval_results=eval_results/results.json
 
-Settings are key=value overrides of recipes/export.yaml; the bare path stands for path=...,
-and the flags --out, --eval-results, --push, --repo-id, --private/--no-private for their keys.
+Settings are key=value overrides of recipes/export.yaml; the bare path stands for path=...
+The command's flags of before (--out DIR, --push, ...) are refused with their key=value form.
 The checkpoint's own recipe (config.yaml) rebuilds the drafter config from the target's
 config alone (no target weights are loaded). Repo id and privacy default to the recipe's
 ``hub`` section; the Hub token comes from huggingface_hub's environment or login only.
@@ -89,14 +89,14 @@ class ExportConfig:
     private: bool | None = None
 
 
-# The command's flags before it took key=value settings, kept as aliases.
-FLAGS = {"--out": ("out", None), "--eval-results": ("eval_results", None), "--push": ("push", "true"),
-         "--repo-id": ("repo_id", None), "--private": ("private", "true"), "--no-private": ("private", "false")}
+# The command's flags before it took key=value settings: refused, naming what replaced each.
+RETIRED_FLAGS = {"--out": "out=PATH", "--eval-results": "eval_results=FILE", "--push": "push=true",
+                 "--repo-id": "repo_id=USER/NAME", "--private": "private=true", "--no-private": "private=false"}
 
 
 def main(argv: list[str] | None = None) -> None:
     run_command("dflash-export", lambda: export_and_push(
-        load_command(ExportConfig, argv, "export", __doc__, flags=FLAGS, positional="path")))
+        load_command(ExportConfig, argv, "export", __doc__, retired=RETIRED_FLAGS, positional="path")))
 
 
 def export_and_push(args: ExportConfig) -> None:

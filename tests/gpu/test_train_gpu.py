@@ -21,7 +21,7 @@ def test_qwen3_8b_geometry_trains_on_one_gpu_without_oom():
     from dflash_train import bench
 
     result = bench.main(["+experiment=qwen3_8b_8xh100", "backend=single", "optim.grad_accum_steps=1",
-                         "--random-target", "--steps", "3", "--warmup", "2"])
+                         "bench.random_target=true", "bench.steps=3", "bench.warmup=2"])
     assert result["seq_len"] == 3072 and result["queries_per_row"] == 512 * 16
     total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     assert result["peak_memory_gib"] < 0.9 * total_gib

@@ -25,11 +25,11 @@ def tiny(tmp_path_factory):
 def test_real_rows_packed_in_fixed_shapes_with_validation(tiny, tmp_path):
     target, data = tiny
     out = tmp_path / "bench.json"
-    # Flags before and after the Hydra overrides, in any order.
-    result = bench.main(["--steps", "2", f"target.name={target}", "target.mask_token_id=16", "target.num_layers=6",
-                         "--json", str(out), "drafter=cpu_small", "drafter.target_layer_ids=[1,3]",
+    # The benchmark's own keys before and after the recipe's, in any order.
+    result = bench.main(["bench.steps=2", f"target.name={target}", "target.mask_token_id=16", "target.num_layers=6",
+                         f"bench.json={out}", "drafter=cpu_small", "drafter.target_layer_ids=[1,3]",
                          f"data.path={data}", "data.packing=true", "data.max_length=176", "data.num_anchors=8",
-                         "data.blocks_per_row=24", "data.val_rows=4", "optim.micro_batch_size=2", "--warmup", "1"])
+                         "data.blocks_per_row=24", "data.val_rows=4", "optim.micro_batch_size=2", "bench.warmup=1"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["fixed_shape"] == [176, 24] and result["queries_per_row"] == 24 * 8
     # Several conversations per row: conversations/s exceeds rows/s by the packing factor.
@@ -56,7 +56,7 @@ def test_random_rows_stay_full_length(tiny, tmp_path):
     target, _ = tiny
     result = bench.main([f"target.name={target}", "target.mask_token_id=16", "target.num_layers=6",
                          "drafter=cpu_small", "drafter.target_layer_ids=[1,3]", "data.max_length=64",
-                         "data.num_anchors=4", "--steps", "1", "--warmup", "1", "--profile", str(tmp_path / "p.txt")])
+                         "data.num_anchors=4", "bench.steps=1", "bench.warmup=1", f"bench.profile={tmp_path / 'p.txt'}"])
     # bench.profile: torch's operator table of one more step (CPU time here), the optimizer's included
     table = (tmp_path / "p.txt").read_text()
     assert "Self CPU" in table and "aten::mm" in table and "Optimizer.step" in table
@@ -70,23 +70,23 @@ def test_steps_that_skip_their_update_are_not_timed(tiny):
     one: a kernel option or learning rate that makes every step NaN must not pass for speed."""
     target, _ = tiny
     args = [f"target.name={target}", "target.mask_token_id=16", "target.num_layers=6", "drafter=cpu_small",
-            "drafter.target_layer_ids=[1,3]", "data.max_length=64", "data.num_anchors=4", "--steps", "2",
-            "--warmup", "1", "optim.warmup_ratio=0"]
+            "drafter.target_layer_ids=[1,3]", "data.max_length=64", "data.num_anchors=4", "bench.steps=2",
+            "bench.warmup=1", "optim.warmup_ratio=0"]
     # The warm-up step moves every weight by about the learning rate: 1e30 overflows the next forward.
     with pytest.raises(RunError, match="2 of the 2 timed steps had a non-finite loss or gradient norm"):
         bench.main([*args, "optim.lr=1e30"])
     # (A run with finite steps still reports: the other tests here.)
 
 
-@pytest.mark.parametrize("flag", ["--json", "--profile"])
-def test_a_users_file_is_not_overwritten(tiny, tmp_path, capsys, flag):
+@pytest.mark.parametrize("key", ["json", "profile"])
+def test_a_users_file_is_not_overwritten(tiny, tmp_path, capsys, key):
     target, data = tiny
     mine = tmp_path / "notes.txt"
     mine.write_text("my notes\n")
-    with pytest.raises(ValueError, match=rf"bench.{flag[2:]}={mine} exists and is not an earlier dflash-bench "
-                                         rf"{flag[2:]}: it is left untouched; name a new file"):
+    with pytest.raises(ValueError, match=rf"bench.{key}={mine} exists and is not an earlier dflash-bench "
+                                         rf"{key}: it is left untouched; name a new file"):
         bench.main([f"target.name={target}", f"data.path={data}", "target.num_layers=6", "target.mask_token_id=16",
-                    "drafter=cpu_small", "drafter.target_layer_ids=[1,3]", flag, str(mine)])
+                    "drafter=cpu_small", "drafter.target_layer_ids=[1,3]", f"bench.{key}={mine}"])
     assert mine.read_text() == "my notes\n"
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps({"samples_per_s": 1.0}))

@@ -2,14 +2,18 @@
 a non-zero exit, and changes nothing of the user's: the real console commands, run as a user
 would, against bad inputs and a hostile machine."""
 
+import functools
 import json
 import os
 import time
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from dflash_train import bench
 from dflash_train.errors import RunError, one_line, run_command
+from dflash_train.export import cli as export_cli
 from tests.cli_helpers import assert_one_line_error, full_disk, run_cli, snapshot
 from tests.train_data import tiny_inputs, tiny_train_args, write_datagen_dir
 
@@ -51,11 +55,11 @@ SETTINGS_MISTAKES = {
                     ([], "missing value for drafter_path: add drafter_path=<drafter directory> or random to the command"),
                     (["batch_size=two", "drafter_path=random"], "wrong type for batch_size='two'")],
     "dflash-export": [(["runs/x", "outt=y"], "unknown key outt (did you mean out?)"),
-                      (["--out", "y"], "missing value for path: add path=<run output_dir or checkpoint directory> to the command"),
-                      (["runs/x", "--push=maybe"], "wrong type for push='maybe'")],
+                      (["out=y"], "missing value for path: add path=<run output_dir or checkpoint directory> to the command"),
+                      (["runs/x", "push=maybe"], "wrong type for push='maybe'")],
     "dflash-bench": [(["bench.stepz=3"], "unknown key bench.stepz (did you mean bench.steps?)"),
-                     (["--steps"], "missing value for bench.steps: option --steps needs one"),
-                     (["--steps", "many"], "wrong type for bench.steps='many'")],
+                     (["--config-name"], "missing value for --config-name: option --config-name needs one"),
+                     (["bench.steps=many"], "wrong type for bench.steps='many'")],
 }
 
 
@@ -70,6 +74,55 @@ def test_every_command_names_a_bad_setting_in_one_line(prog, args, message, tmp_
     done = run_cli(prog, *args, cwd=tmp_path)
     assert_one_line_error(done, prog, message)
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+# The flags dflash-export and dflash-bench took before key=value settings, and the setting
+# each refusal names instead.
+RETIRED_FLAGS = {
+    "dflash-export": {"--out": "out=PATH", "--eval-results": "eval_results=FILE", "--push": "push=true",
+                      "--repo-id": "repo_id=USER/NAME", "--private": "private=true", "--no-private": "private=false"},
+    "dflash-bench": {"--steps": "bench.steps=N", "--warmup": "bench.warmup=N",
+                     "--random-target": "bench.random_target=true", "--target-layers": "bench.target_layers=N",
+                     "--json": "bench.json=FILE", "--profile": "bench.profile=FILE"},
+}
+RETIRED = [(prog, flag, setting) for prog, flags in RETIRED_FLAGS.items() for flag, setting in flags.items()]
+# A command line that is otherwise right, and the schema its settings go to.
+COMMANDS = {"dflash-export": (export_cli.main, ["runs/x"], export_cli.ExportConfig),
+            "dflash-bench": (functools.partial(run_command, "dflash-bench", bench.main), ["bench.warmup=1"],
+                             bench.BenchConfig)}
+
+
+def test_the_commands_refuse_every_retired_flag():
+    assert {"dflash-export": export_cli.RETIRED_FLAGS, "dflash-bench": bench.RETIRED_FLAGS} == RETIRED_FLAGS
+
+
+@pytest.mark.parametrize("prog, flag, setting", RETIRED)
+def test_a_retired_flag_is_refused_naming_its_setting(prog, flag, setting, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main, args, _ = COMMANDS[prog]
+    for argv in ([*args, flag, "3"], [f"{flag}=3", *args]):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2
+        assert capsys.readouterr().err == f"{prog}: error: {flag} is no longer accepted; use {setting}\n"
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("prog, flag, setting", RETIRED)
+def test_the_setting_a_refusal_names_is_one_the_command_takes(prog, flag, setting):
+    key, _, placeholder = setting.partition("=")
+    value = {"PATH": "exp", "FILE": "r.json", "USER/NAME": "me/drafter", "N": "3"}.get(placeholder, placeholder)
+    schema = COMMANDS[prog][2]
+    merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist([f"{key}={value}"]))
+    assert str(OmegaConf.select(merged, key)).lower() == value
+
+
+@pytest.mark.parametrize("prog, args", [("dflash-export", ["runs/x", "--out", "exp"]),
+                                        ("dflash-bench", ["bench.warmup=1", "--steps", "3"])])
+def test_the_console_commands_refuse_a_retired_flag_in_one_line(prog, args, tmp_path):
+    done = run_cli(prog, *args, cwd=tmp_path)
+    assert_one_line_error(done, prog, f"{args[1]} is no longer accepted; use {RETIRED_FLAGS[prog][args[1]]}")
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("prog, args", [
@@ -150,6 +203,6 @@ def test_export_onto_a_full_disk_fails_before_reading_the_checkpoint(tiny, tmp_p
     Trainer(tiny_train_config(tiny["target"], tiny["data"], tmp_path / "run", max_steps=1)).fit()
     before = snapshot(tmp_path / "run")
     with full_disk(tmp_path / "full") as full:
-        done = run_cli("dflash-export", tmp_path / "run", "--out", full / "export")
+        done = run_cli("dflash-export", tmp_path / "run", f"out={full / 'export'}")
         assert_one_line_error(done, "dflash-export", str(full / "export"), "MiB free on its disk")
     assert snapshot(tmp_path / "run") == before

@@ -1,5 +1,5 @@
 """Outputs never destroy what the user owns, and an unwritable place fails before any work:
-dflash-export --out, the trainer's output_dir and <output_dir>/export, dflash-datagen's
+dflash-export out=DIR, the trainer's output_dir and <output_dir>/export, dflash-datagen's
 out_dir/data, dflash-eval's output_dir and dflash-quality's run_dir, each through its real
 console command, all under one rule: a folder holding files the command did not write is
 refused in one line."""
@@ -39,23 +39,23 @@ def _user_folder(path):
 def test_export_into_a_users_folder_is_refused_and_changes_nothing(run, tmp_path):
     mine = tmp_path / "mydocs"
     before = _user_folder(mine)
-    done = run_cli("dflash-export", run["out"], "--out", mine)
+    done = run_cli("dflash-export", run["out"], f"out={mine}")
     assert_one_line_error(done, "dflash-export", str(mine), "holds files dflash-export did not write", "thesis.txt")
     assert snapshot(mine) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mydocs"]  # no temp or backup folder left
 
 
 def test_export_over_a_previous_export_replaces_it(run, tmp_path):
-    done = run_cli("dflash-export", run["out"], "--out", tmp_path / "exp")
+    done = run_cli("dflash-export", run["out"], f"out={tmp_path / 'exp'}")
     assert done.returncode == 0, done.stderr
     first = snapshot(tmp_path / "exp")
-    done = run_cli("dflash-export", run["out"], "--out", tmp_path / "exp")
+    done = run_cli("dflash-export", run["out"], f"out={tmp_path / 'exp'}")
     assert done.returncode == 0, done.stderr
     assert snapshot(tmp_path / "exp") == first
     # ... but not once a foreign file sits in it
     (tmp_path / "exp" / "results.csv").write_text("a,b\n")
     before = snapshot(tmp_path / "exp")
-    assert_one_line_error(run_cli("dflash-export", run["out"], "--out", tmp_path / "exp"), "dflash-export",
+    assert_one_line_error(run_cli("dflash-export", run["out"], f"out={tmp_path / 'exp'}"), "dflash-export",
                           "results.csv")
     assert snapshot(tmp_path / "exp") == before
 

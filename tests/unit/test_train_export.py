@@ -47,7 +47,7 @@ def test_training_exports_a_loadable_drafter_with_card(run):
 
 
 def test_reexport_from_checkpoint_is_identical(run, tmp_path):
-    cli.main([str(run), "--out", str(tmp_path / "again"), "--eval-results", str(_results(tmp_path / "r.json"))])
+    cli.main([str(run), f"out={tmp_path / 'again'}", f"eval_results={_results(tmp_path / 'r.json')}"])
     a, b = load_file(run / "export" / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     card = (tmp_path / "again" / hub.CARD).read_text()
@@ -66,7 +66,7 @@ def test_push_uses_recipe_repo_and_never_the_token(run, tmp_path, monkeypatch):
             return "commit-url"
 
     monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
-    cli.main([str(run), "--out", str(tmp_path / "push"), "--push", "--repo-id", "me/drafter", "--no-private"])
+    cli.main([str(run), f"out={tmp_path / 'push'}", "push=true", "repo_id=me/drafter", "private=false"])
     assert calls[0] == ("create", "me/drafter", False)
     assert {"README.md", "config.json", "model.safetensors", "dflash.py"} <= set(calls[1][2])
     for f in [*run.rglob("*"), *(tmp_path / "push").rglob("*")]:
@@ -87,7 +87,7 @@ def _user_error(argv, capsys) -> str:
 def test_push_without_repo_id_names_the_missing_setting(run, tmp_path, capsys, monkeypatch):
     # the run's recipe names no hub.repo_id and the command gives none: the Hub is never called
     monkeypatch.setattr("huggingface_hub.HfApi", lambda: pytest.fail("HfApi built without a repository"))
-    assert "repo_id=<user>/<name>" in _user_error([str(run), "--out", str(tmp_path / "x"), "--push"], capsys)
+    assert "repo_id=<user>/<name>" in _user_error([str(run), f"out={tmp_path / 'x'}", "push=true"], capsys)
 
 
 def test_a_folder_without_checkpoints_is_refused_by_name(tmp_path, capsys):

@@ -185,7 +185,7 @@ def test_no_good_checkpoint_is_one_clear_error(tiny, tmp_path):
         (ckpt / "optimizer.pt").write_bytes(b"garbage")
     with pytest.raises(ValueError, match=r"no usable checkpoint in .*step_00000002: optimizer.pt does not match"):
         Trainer(_cfg(tiny, tmp_path, max_steps=3)).resume()
-    done = run_cli("dflash-export", tmp_path, "--out", tmp_path / "exp")
+    done = run_cli("dflash-export", tmp_path, f"out={tmp_path / 'exp'}")
     assert_one_line_error(done, "dflash-export", "no usable checkpoint", "step_00000001")
     assert not (tmp_path / "exp").exists()
 
@@ -202,7 +202,7 @@ def _poison(ckpt):
 def test_export_refuses_non_finite_weights(tiny, tmp_path):
     Trainer(_cfg(tiny, tmp_path, max_steps=1)).fit()
     _poison(list_checkpoints(tmp_path)[-1])
-    done = run_cli("dflash-export", tmp_path, "--out", tmp_path / "exp")
+    done = run_cli("dflash-export", tmp_path, f"out={tmp_path / 'exp'}")
     assert_one_line_error(done, "dflash-export", "'layers.0.mlp.up_proj.weight' has non-finite values")
     assert not (tmp_path / "exp").exists()
 
