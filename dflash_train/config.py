@@ -73,6 +73,10 @@ class DataConfig:
     shuffle: bool = True
     val_rows: int = 0  # conversations held out for validation (same anchors every time); 0: none
     val_every: int = 0  # validate every this many steps (and always at the end); 0: only at the end
+    # Keep each training row's target features after its first forward (on the training
+    # device): from the second epoch on a step skips the frozen target. Memory: every
+    # training token's features (the log says how much when training starts).
+    cache_features: bool = False
 
 
 @dataclass
@@ -245,6 +249,9 @@ def validate(cfg: TrainConfig) -> None:
         default_gamma(d.block_size)  # raises for block sizes without a paper value
     elif cfg.loss.gamma <= 0:
         raise ValueError(f"loss.gamma={cfg.loss.gamma} must be positive")
+    if cfg.data.cache_features and cfg.loss.distill_weight > 0:
+        raise ValueError(f"data.cache_features=true with loss.distill_weight={cfg.loss.distill_weight}: the cache "
+                         "keeps the target's features, not the final hidden states distillation reads")
     if not 0 <= cfg.loss.distill_weight <= 1:
         raise ValueError(f"loss.distill_weight={cfg.loss.distill_weight} must be in [0, 1]")
     if cfg.loss.distill_temperature <= 0:

@@ -43,18 +43,28 @@ class Batch:
     labels: torch.Tensor  # (b, Q) long, IGNORE_INDEX where not supervised
     supervised_index: torch.Tensor  # (M,) long: flat indices into (b * Q) of the supervised slots
     stats: BatchStats
+    # The data rows (TrainingData indices) of the batch's real rows, in order, and their
+    # token counts; empty when the batch was not built from indexed rows.
+    data_rows: tuple[int, ...] = ()
+    row_tokens: tuple[int, ...] = ()
 
     def _tensors(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stats"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _HOST_FIELDS}
+
+    def _host(self) -> dict:
+        return {name: getattr(self, name) for name in _HOST_FIELDS}
 
     def to(self, device: torch.device | str) -> "Batch":
         moved = {k: v if v is None else v.to(device, non_blocking=True) for k, v in self._tensors().items()}
-        return Batch(**moved, stats=self.stats)
+        return Batch(**moved, **self._host())
 
     def pin_memory(self) -> "Batch":
         """Page-locked host copies: the copy to the GPU then overlaps with its work."""
         pinned = {k: v if v is None else v.pin_memory() for k, v in self._tensors().items()}
-        return Batch(**pinned, stats=self.stats)
+        return Batch(**pinned, **self._host())
+
+
+_HOST_FIELDS = ("stats", "data_rows", "row_tokens")
 
 
 def _pad(tensors: list[torch.Tensor], value: int, length: int | None) -> torch.Tensor:
@@ -65,16 +75,20 @@ def _pad(tensors: list[torch.Tensor], value: int, length: int | None) -> torch.T
 
 
 def collate(examples: list[dict], mask_token_id: int, pad_token_id: int = 0,
-            shape: tuple[int, int] | None = None, rows: int | None = None) -> Batch:
+            shape: tuple[int, int] | None = None, rows: int | None = None,
+            data_rows: list[int] | None = None) -> Batch:
     """Stack per-row examples (see ``dataset.build_example``) into one padded Batch.
 
     A row with fewer anchors than the widest row gets padding blocks: their anchors are
     marked invalid (the mask builder hides them) and their labels are all ignored.
     ``shape`` (T, N) pads every row to exactly T tokens and N blocks; ``rows`` appends
-    all-padding rows up to that many (whose labels are all ignored).
+    all-padding rows up to that many (whose labels are all ignored). ``data_rows``: the data
+    row each example came from, kept on the batch (the trainer's feature cache keys).
     """
     if not examples:
         raise ValueError("cannot collate an empty list of examples")
+    if data_rows is not None and len(data_rows) != len(examples):
+        raise ValueError(f"{len(data_rows)} data rows for {len(examples)} examples")
     length, n_fixed = shape if shape is not None else (None, None)
     longest = max(e["input_ids"].numel() for e in examples)
     widest = max(1, max(e["anchors"].numel() for e in examples))
@@ -107,6 +121,8 @@ def collate(examples: list[dict], mask_token_id: int, pad_token_id: int = 0,
         labels=labels,
         supervised_index=torch.nonzero(labels.flatten() != IGNORE_INDEX).flatten(),
         stats=_stats(examples),
+        data_rows=tuple(data_rows or ()),
+        row_tokens=tuple(e["input_ids"].numel() for e in examples) if data_rows else (),
     )
 
 

@@ -56,7 +56,7 @@ RESUME_CHECKED = ("target", "drafter", "data", "optim", "loss", "seed", "epochs"
 # validation cadence and the split of the global batch (itself checked) leave the math as is.
 RESUME_FREE = frozenset({
     "drafter.attention", "drafter.flex_backend", "drafter.activation_checkpointing", "drafter.compile", "data.check_manifest",
-    "data.val_every", "optim.micro_batch_size", "optim.grad_accum_steps", "loss.chunk_size",
+    "data.val_every", "data.cache_features", "optim.micro_batch_size", "optim.grad_accum_steps", "loss.chunk_size",
 })
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import torch
 from dflash_train import contract
 from dflash_train.config import TrainConfig, as_dict
 from dflash_train.data.collate import Batch, collate
-from dflash_train.data.dataset import StepSlice, TrainingData
+from dflash_train.data.dataset import StepSlice, TrainingData, row_lengths
 from dflash_train.data.format import check_rows, check_target, load_generated, read_manifest
 from dflash_train.data.packing import document_causal_mask
 from dflash_train.distributed.backend import Backend
@@ -59,6 +59,7 @@ from dflash_train.training.checkpoint import (
     save_checkpoint,
     step_dir_name,
 )
+from dflash_train.training.feature_cache import FeatureCache, bytes_needed
 from dflash_train.training.logging import MetricsLogger, MetricWindow, check_sinks, position_accuracy
 from dflash_train.training.loss import Distillation, LossOutput, dflash_loss, supervised_blocks
 from dflash_train.training.optim import optimizer_factory, scheduler_factory
@@ -197,6 +198,14 @@ class Trainer:
         self.distill = cfg.loss.distill_weight > 0
         # Compute dtype of the drafter's inputs: bf16 under the backend's mixed precision.
         self.input_dtype = self.backend.mixed_dtype or torch.float32
+        self.feature_cache = FeatureCache() if cfg.data.cache_features else None
+        if self.feature_cache is not None and self.backend.is_main and self.data.ds is not None:
+            lengths = row_lengths(self.data.ds)
+            tokens = [min(lengths[i], self.data.max_length) for i in self.data.indices]
+            size = bytes_needed(tokens, self.drafter.fc.in_features, self.input_dtype)
+            log.info("data.cache_features: the target's features of %d training rows take %.2f GB on %s "
+                     "once all are kept (the target runs on each row once)", len(self.data), size / 1e9,
+                     self.backend.device)
 
     def _setup_optimizer(self) -> None:
         o = self.cfg.optim
@@ -215,14 +224,15 @@ class Trainer:
         batches = []
         for m in range(self.slice.grad_accum_steps):
             rows = self.slice.rows(order, in_epoch, m)
-            batch = self._collate([self.data.example(r, epoch) for r in rows], self.data)
+            batch = self._collate([self.data.example(r, epoch) for r in rows], self.data, rows)
             batches.append(batch.pin_memory() if self.backend.device.type == "cuda" else batch)
         return batches
 
-    def _collate(self, examples: list[dict], data: TrainingData) -> Batch:
+    def _collate(self, examples: list[dict], data: TrainingData, data_rows: list[int] | None = None) -> Batch:
         # Fixed shapes also fix the number of rows: a compiled drafter then sees one shape.
         rows = self.slice.micro_batch_size if data.fixed_shape else None
-        return collate(examples, self.cfg.target.mask_token_id, shape=data.fixed_shape, rows=rows)
+        return collate(examples, self.cfg.target.mask_token_id, shape=data.fixed_shape, rows=rows,
+                       data_rows=data_rows)
 
     def micro_batches(self, step: int) -> list[Batch]:
         """This process's micro-batches of global step ``step``, on the device: the ones
@@ -258,7 +268,13 @@ class Trainer:
 
     def target_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Frozen-target features (b, T, n*H), block-token embeddings (b, Q, H) and, when
-        distilling, the target's final hidden states (b, T, H) in the head's dtype (else None)."""
+        distilling, the target's final hidden states (b, T, H) in the head's dtype (else None).
+        Training rows' features come from the feature cache once it holds them (data.cache_features)."""
+        cached = self.feature_cache.get(batch) if self.feature_cache is not None else None
+        if cached is not None:
+            with torch.inference_mode():
+                noise = self.target.embed_tokens(batch.block_ids)
+            return cached, noise.to(self.input_dtype, copy=True), None
         mask, positions = self.target_mask(batch)
         final = None
         with torch.inference_mode():
@@ -271,7 +287,10 @@ class Trainer:
                 feats = self.target.features(*args, **kwargs)
             noise = self.target.embed_tokens(batch.block_ids)
         # copy=True turns inference tensors into ordinary ones that autograd may save.
-        return feats.to(self.input_dtype, copy=True), noise.to(self.input_dtype, copy=True), final
+        feats = feats.to(self.input_dtype, copy=True)
+        if self.feature_cache is not None:
+            self.feature_cache.put(batch, feats)
+        return feats, noise.to(self.input_dtype, copy=True), final
 
     def masks(self, batch: Batch) -> dict:
         return build_training_masks(self.drafter_config, batch.anchors, batch.anchor_valid,
