@@ -92,9 +92,9 @@ class Generators:
 
     def build(self, sampling: SamplingConfig, shaper: ChatShaper):
         cfg = self.cfg
-        gen = build_generator(cfg.backend, sampling, cfg.target.name, shaper.stop_ids, _pad_id(self.tokenizer, shaper),
-                              self.tokenizer, self.local_rank, cfg.target.dtype, cfg.cache_dir, self.target,
-                              cfg.max_prompt_len)
+        gen = build_generator(cfg.backend, sampling, cfg.target.name, shaper.stop_ids,
+                              pad_token_id(self.tokenizer, shaper), self.tokenizer, self.local_rank, cfg.target.dtype,
+                              cfg.cache_dir, self.target, cfg.max_prompt_len)
         self.target = getattr(gen, "target", self.target)
         return gen
 
@@ -231,6 +231,6 @@ def _backend_settings(cfg: DatagenConfig) -> dict:
     return settings
 
 
-def _pad_id(tokenizer, shaper: ChatShaper) -> int:
+def pad_token_id(tokenizer, shaper: ChatShaper) -> int:
     # Left padding is masked out, so any id works; pad == eos is common (SmolLM2).
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else shaper.stop_ids[0]

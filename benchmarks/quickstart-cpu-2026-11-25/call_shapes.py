@@ -14,7 +14,7 @@ import torch
 
 from data_gen.config import DatagenConfig
 from data_gen.hf_generator import HFGenerator
-from data_gen.pipeline import _pad_id, setup
+from data_gen.pipeline import pad_token_id, setup
 from dflash_train.model.target import load_target
 from dflash_train.recipe import load_command
 
@@ -26,7 +26,7 @@ def main(n: int, rounds: int) -> None:
     tokenizer, _, _, shaper, prompts, _ = setup(cfg)
     ids = [shaper.prompt(p.system, p.user_turns, [])[0] for p in prompts]
     target = load_target(cfg.target.name, dtype=torch.bfloat16)
-    gen = HFGenerator(target, cfg.backend, cfg.sampling, shaper.stop_ids, _pad_id(tokenizer, shaper))
+    gen = HFGenerator(target, cfg.backend, cfg.sampling, shaper.stop_ids, pad_token_id(tokenizer, shaper))
     batch = cfg.backend.batch_size
     arms = {"one batch a call": batch, "a shard of 64 a call": 64, "8 batches a call": 8 * batch}
     cpu: dict[str, list[float]] = {name: [] for name in arms}

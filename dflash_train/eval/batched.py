@@ -52,7 +52,7 @@ def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tens
     return ids.to(device), valid.to(device), positions.to(device)
 
 
-def _first_tokens(logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
+def first_tokens(logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
     """(b, V) -> (b,)"""
     if sampling.greedy:
         return logits.argmax(-1)
@@ -74,7 +74,7 @@ def _draft_masks(drafter, ctx_valid, ctx_pos, block_pos) -> dict:
     return masks
 
 
-class _Rows:
+class Rows:
     """What each row has committed and what is recorded for it."""
 
     def __init__(self, num_rows: int, max_new_tokens: int, stops: set, first: list[int] | None = None):
@@ -149,8 +149,8 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
     cache = DynamicCache(config=target.config)
     out = target(ids, attention_mask=valid.long(), position_ids=positions, past_key_values=cache, use_cache=True,
                  output_hidden_states=True, logits_to_keep=1)
-    first = _first_tokens(out.logits[:, -1], sampling, generator)  # (b,)
-    rows = _Rows(len(prompts), max_new_tokens, set(stop_token_ids or []), first.tolist())
+    first = first_tokens(out.logits[:, -1], sampling, generator)  # (b,)
+    rows = Rows(len(prompts), max_new_tokens, set(stop_token_ids or []), first.tolist())
     key_valid = valid  # (b, L) which target cache slots hold committed tokens
     # the drafter's context: features not yet in its cache, and what its cache holds
     new_feats, new_valid, new_pos = target_features(out.hidden_states, drafter.target_layer_ids), valid, positions
@@ -223,7 +223,7 @@ def target_generate_batch(model, prompts: list[list[int]], max_new_tokens: int, 
     cache = DynamicCache(config=model.config)
     out = model(ids, attention_mask=valid.long(), position_ids=positions, past_key_values=cache, use_cache=True,
                 logits_to_keep=1)
-    rows = _Rows(len(prompts), max_new_tokens, set(stop_token_ids or []))
+    rows = Rows(len(prompts), max_new_tokens, set(stop_token_ids or []))
     mask, position = valid.long(), positions[:, -1]
     tops, recorded = [], [[] for _ in prompts]  # each step's (b, 2) top logits; the steps each row recorded
     while True:

@@ -29,17 +29,17 @@ from __future__ import annotations
 import torch
 
 from dflash_train.eval.acceptance import next_token, timed
-from dflash_train.eval.batched import _first_tokens, _Rows, batch_results, left_pad
+from dflash_train.eval.batched import Rows, batch_results, first_tokens, left_pad
 from dflash_train.model.dflash import (
     MAX_STOP_IDS,
     Sampling,
     SpecOutput,
     StaticSpeculator,
     TargetSlots,
-    _accept,
     device_clock,
     greedy_accepted,
     static_runtime,
+    verify_drafts_on_device,
 )
 
 
@@ -53,7 +53,8 @@ def slot_layout(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.T
 
 def accept_rows(drafts, draft_probs, logits, sampling: Sampling, generator, usable: torch.Tensor,
                 active: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's accepted draft count (b,) and next token (b,): `_accept` row by row.
+    """Each row's accepted draft count (b,) and next token (b,): `verify_drafts_on_device` row
+    by row.
 
     drafts (b, B-1), logits (b, B, V), usable (b, 1): the drafts a row's budget can commit.
     Greedy runs as one batched rule on the device. Sampling calls the batch-1 rule per
@@ -64,8 +65,8 @@ def accept_rows(drafts, draft_probs, logits, sampling: Sampling, generator, usab
         accepted = greedy_accepted(drafts, target_tokens, usable)  # (b,)
         return accepted, target_tokens.gather(1, accepted[:, None])[:, 0]
     zero = torch.zeros((), dtype=torch.long, device=drafts.device)
-    pairs = [_accept(drafts[i], draft_probs[i], logits[i], sampling, generator, int(usable[i])) if active[i]
-             else (zero, zero) for i in range(len(drafts))]
+    pairs = [verify_drafts_on_device(drafts[i], draft_probs[i], logits[i], sampling, generator, int(usable[i]))
+             if active[i] else (zero, zero) for i in range(len(drafts))]
     return torch.stack([a for a, _ in pairs]), torch.stack([t for _, t in pairs])
 
 
@@ -99,7 +100,7 @@ def speculate_static_batch(drafter, target, prompts: list[list[int]], max_new_to
     t0 = device_clock(device)
     ids, positions, lengths = slot_layout(prompts, device)
     logits, feats = rt.verifier.forward(ids, positions, logits_to_keep=1)
-    anchor = _first_tokens(logits[:, -1], sampling, generator)  # (b,)
+    anchor = first_tokens(logits[:, -1], sampling, generator)  # (b,)
     stops = set(stop_token_ids or [])
     if sampling.greedy and len(stops) <= MAX_STOP_IDS:  # every step decided on the device
         rt.begin(anchor, lengths, lengths + max_new_tokens - 1, drafter.mask_token_id, stops)
@@ -110,7 +111,7 @@ def speculate_static_batch(drafter, target, prompts: list[list[int]], max_new_to
         return [SpecOutput(output_ids=torch.tensor([p + new], dtype=torch.long), acceptance_lengths=steps,
                            num_new_tokens=len(new), prefill_s=t1 - t0, decode_s=t2 - t1)
                 for p, (new, steps) in zip(prompts, done)]
-    rows = _Rows(len(prompts), max_new_tokens, stops, anchor.tolist())
+    rows = Rows(len(prompts), max_new_tokens, stops, anchor.tolist())
     rt.end.copy_(lengths + max_new_tokens - 1)  # each row's last new token: no block slot there commits
     start = lengths.clone()  # (b, 1) each row's anchor position
     active = torch.tensor([not d for d in rows.done], device=device)
@@ -154,7 +155,7 @@ def plain_static_batch(model, prompts: list[list[int]], max_new_tokens: int, sto
                         lambda size: TargetSlots(model, size, width=1, rows=rows))
     ids, positions, lengths = slot_layout(prompts, device)
     logits = rt.forward(ids, positions, logits_to_keep=1)[0]
-    record = _Rows(rows, max_new_tokens, stops)
+    record = Rows(rows, max_new_tokens, stops)
     tokens = []
     for step in range(max_new_tokens):
         token = next_token(logits[:, -1], temperature)  # (b, 1)

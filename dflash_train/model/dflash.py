@@ -1034,7 +1034,7 @@ def static_runtime(owner: nn.Module, needed: int, fits, build):
     return runtime
 
 
-def _accept(drafts, draft_probs, target_logits, sampling: Sampling, generator, usable: int):
+def verify_drafts_on_device(drafts, draft_probs, target_logits, sampling: Sampling, generator, usable: int):
     """`verify_drafts` on the device, with no host sync: accepted count and next token, 0-d tensors.
 
     Only the first `usable` drafts count (the rest lie past the budget). Sampling draws all
@@ -1114,7 +1114,8 @@ def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_to
         clock.lap("draft")
         logits, step_feats = rt.verifier.step()
         clock.lap("verify")
-        accepted, bonus = _accept(rt.block[0, 1:], draft_probs, logits[0], sampling, generator, usable)
+        accepted, bonus = verify_drafts_on_device(rt.block[0, 1:], draft_probs, logits[0], sampling, generator,
+                                                  usable)
         clock.lap("accept")
         host = torch.cat([accepted.view(1), bonus.view(1), rt.block[0, 1:]]).tolist()  # the step's one sync
         clock.lap("host")

@@ -12,17 +12,17 @@ from tests.conftest import make_tiny_target
 from tests.unit.test_runtime import (
     CHI2_CRIT_7DF,
     VOCAB,
-    _chi2,
-    _exact_marginals,
+    chi_square,
+    exact_marginals,
     models,  # noqa: F401  (fixture)
 )
 from tests.unit.test_runtime_drafter import (  # noqa: F401  (prompts, target, trained: fixtures)
     BLOCK,
     NEW_TOKENS,
-    _drafter,
-    _full_block_steps,
+    full_block_steps,
     prompts,
     target,
+    tiny_drafter,
     trained,
 )
 
@@ -88,7 +88,7 @@ def test_plain_rows_record_their_batch_one_top2_gaps():
 
 @pytest.mark.parametrize("which", ["trained", "sliding"])
 def test_rows_accept_what_their_batch_one_runs_accept(target, prompts, trained, which):  # noqa: F811
-    drafter = trained if which == "trained" else _drafter(
+    drafter = trained if which == "trained" else tiny_drafter(
         target, seed=6, layers=2, layer_types=[SLIDING_ATTENTION, "full_attention"], sliding_window=5,
         use_sliding_window=True, initializer_range=0.2)
     # ragged prompts: the memorised ones extended by the start of their own answers, so the
@@ -102,7 +102,7 @@ def test_rows_accept_what_their_batch_one_runs_accept(target, prompts, trained, 
         one = drafter.spec_generate(target, torch.tensor([p]), NEW_TOKENS, return_stats=True)
         assert torch.equal(out.output_ids, one.output_ids)
         # the same drafts while a whole block remains (batch 1 narrows its last blocks)
-        n = _full_block_steps(one.acceptance_lengths, NEW_TOKENS, BLOCK)
+        n = full_block_steps(one.acceptance_lengths, NEW_TOKENS, BLOCK)
         assert out.acceptance_lengths[:n] == one.acceptance_lengths[:n] and n >= len(one.acceptance_lengths) - 3
         steps += out.acceptance_lengths
     if which == "trained":
@@ -113,11 +113,11 @@ def test_rows_accept_what_their_batch_one_runs_accept(target, prompts, trained, 
 def test_batched_rejection_sampling_keeps_the_target_distribution(models):  # noqa: F811
     tiny, drafter = models
     prompt, new, temperature, draws = [1, 5, 2, 3], 4, 0.6, 3000
-    exact = _exact_marginals(tiny, torch.tensor([prompt]), temperature)
+    exact = exact_marginals(tiny, torch.tensor([prompt]), temperature)
     gen = torch.Generator().manual_seed(99)
     counts = torch.zeros(new, VOCAB)
     for _ in range(draws // 1000):
         for out in spec_generate_batch(drafter, tiny, [prompt] * 1000, new, Sampling(temperature), generator=gen):
             counts[torch.arange(new), out.output_ids[0, len(prompt):]] += 1
-    chi2 = [_chi2(counts[k], exact[k]) for k in range(new)]
+    chi2 = [chi_square(counts[k], exact[k]) for k in range(new)]
     assert max(chi2) < CHI2_CRIT_7DF, chi2

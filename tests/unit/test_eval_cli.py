@@ -20,28 +20,28 @@ from dflash_train.recipe import load_command
 from tests.conftest import make_tiny_target
 
 
-def _cfg(*overrides):
+def eval_cfg(*overrides):
     return load_command(EvalConfig, list(overrides), "eval", "", validate)
 
 
 def test_eval_recipe_composes_with_required_drafter():
-    cfg = _cfg("drafter_path=random", "target=qwen3_8b")
+    cfg = eval_cfg("drafter_path=random", "target=qwen3_8b")
     assert cfg.target.mask_token_id == 151669 and cfg.dtype == "auto"
     assert list(cfg.datasets) == ["mtbench", "humaneval"]
     # A fresh drafter takes its shape from the same drafter group training uses.
     assert (cfg.drafter.num_hidden_layers, cfg.drafter.block_size) == (5, 16)
-    assert _cfg("drafter_path=random", "drafter=b8").drafter.block_size == 8
+    assert eval_cfg("drafter_path=random", "drafter=b8").drafter.block_size == 8
     with pytest.raises(ValueError, match="missing value for drafter_path: add drafter_path=<drafter directory> or random to the command"):
-        _cfg()
+        eval_cfg()
     with pytest.raises(ValueError, match="drafter_path '/no/such/dir' is not a directory"):
-        _check_machine(_cfg("drafter_path=/no/such/dir"))
-    assert _cfg("drafter_path=random").max_turns is None  # MT-Bench's second question is asked
+        _check_machine(eval_cfg("drafter_path=/no/such/dir"))
+    assert eval_cfg("drafter_path=random").max_turns is None  # MT-Bench's second question is asked
     with pytest.raises(ValueError, match="max_turns must be >= 1 or null .every turn., got 0"):
-        _cfg("drafter_path=random", "max_turns=0")
+        eval_cfg("drafter_path=random", "max_turns=0")
 
 
 def test_dataset_entries_labels_and_limits():
-    cfg = _cfg("drafter_path=random", "limit=5",
+    cfg = eval_cfg("drafter_path=random", "limit=5",
                'datasets=[mtbench,data/gsm8k.jsonl,{name:"hf:openai/gsm8k:test",label:gsm,limit:2,column:question}]')
     assert _dataset_entries(cfg) == [
         {"name": "mtbench", "label": "mtbench", "limit": 5},
@@ -49,9 +49,9 @@ def test_dataset_entries_labels_and_limits():
         {"name": "hf:openai/gsm8k:test", "label": "gsm", "limit": 2, "column": "question"},
     ]
     with pytest.raises(ValueError, match=r"labels must be unique, got \['mtbench', 'mtbench'\]"):
-        _dataset_entries(_cfg("drafter_path=random", "datasets=[mtbench,mtbench]"))
+        _dataset_entries(eval_cfg("drafter_path=random", "datasets=[mtbench,mtbench]"))
     with pytest.raises(ValueError, match=r"datasets entry \{'name': 'x', 'colum': 'q'\}"):
-        _dataset_entries(_cfg("drafter_path=random", "datasets=[{name:x,colum:q}]"))
+        _dataset_entries(eval_cfg("drafter_path=random", "datasets=[{name:x,colum:q}]"))
 
 
 class _Tok:
@@ -134,7 +134,7 @@ def test_format_table_turns_sampling_and_step_times():
     assert lines[7].split() == ["mtbench", "250.00", "500.00", "125.00"]
 
 
-class _CharTokenizer:
+class CharTokenizer:
     """A chat template that writes `role:content|` per message; characters are tokens."""
 
     chat_template = "role:content|"
@@ -159,7 +159,7 @@ def chat_models():
     return target, drafter
 
 
-def _items(tok):
+def chat_items(tok):
     prompts = [BenchmarkPrompt("chat/1", [{"role": "user", "content": "hi"}], "chat", turns=["hi", "and then?"]),
                BenchmarkPrompt("chat/2", [{"role": "user", "content": "write"}], "chat", turns=["write"]),
                BenchmarkPrompt("chat/3", [{"role": "user", "content": "count"}], "chat", turns=["count", "again", "stop"])]
@@ -169,9 +169,9 @@ def _items(tok):
 @pytest.mark.usefixtures("one_thread")
 def test_second_turn_follows_the_targets_own_first_answer(chat_models):
     target, drafter = chat_models
-    tok = _CharTokenizer()
-    items = _items(tok)
-    cfg = _cfg("drafter_path=random", "max_new_tokens=6", "step_timing=true")
+    tok = CharTokenizer()
+    items = chat_items(tok)
+    cfg = eval_cfg("drafter_path=random", "max_new_tokens=6", "step_timing=true")
     first, second = decode_conversations(cfg, drafter, target, tok, items[:1], [], seed=0)
     assert (first.turn, second.turn) == (1, 2) and first.step_times and second.step_times
     chat = [*items[0][0].messages, {"role": "assistant", "content": tok.decode(first.plain_ids, True)},
@@ -180,17 +180,17 @@ def test_second_turn_follows_the_targets_own_first_answer(chat_models):
     assert second.prompt_tokens == second_ids.shape[1]
     assert second.plain_ids == target_generate(target.model, second_ids, 6)[0, second_ids.shape[1]:].tolist()
     assert second.spec_ids == second.plain_ids and first.spec_ids == first.plain_ids
-    assert len(decode_conversations(_cfg("drafter_path=random", "max_new_tokens=6", "max_turns=1"), drafter,
+    assert len(decode_conversations(eval_cfg("drafter_path=random", "max_new_tokens=6", "max_turns=1"), drafter,
                                     target, tok, items[:1], [], seed=0)) == 1
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_batched_conversations_equal_one_by_one(chat_models):
     target, drafter = chat_models
-    tok = _CharTokenizer()
-    items = _items(tok)
-    one = decode_conversations(_cfg("drafter_path=random", "max_new_tokens=7"), drafter, target, tok, items, [], 0)
-    cfg = _cfg("drafter_path=random", "max_new_tokens=7", "batch_size=3", "step_timing=true")
+    tok = CharTokenizer()
+    items = chat_items(tok)
+    one = decode_conversations(eval_cfg("drafter_path=random", "max_new_tokens=7"), drafter, target, tok, items, [], 0)
+    cfg = eval_cfg("drafter_path=random", "max_new_tokens=7", "batch_size=3", "step_timing=true")
     batched = decode_conversations(cfg, drafter, target, tok, items, [], 0)
     assert [(r.id, r.turn) for r in batched] == [(r.id, r.turn) for r in one] == [
         ("chat/1", 1), ("chat/1", 2), ("chat/2", 1), ("chat/3", 1), ("chat/3", 2), ("chat/3", 3)]
@@ -204,12 +204,12 @@ def test_batched_conversations_equal_one_by_one(chat_models):
 @pytest.mark.usefixtures("one_thread")
 def test_a_batch_mixes_datasets_and_each_keeps_its_own_results(chat_models):
     target, drafter = chat_models
-    tok = _CharTokenizer()
-    items = _items(tok)
+    tok = CharTokenizer()
+    items = chat_items(tok)
     datasets = {"a": ("a", items[:2]), "b": ("b", items[2:]), "c": ("c", items[:1])}
-    alone = {label: decode_conversations(_cfg("drafter_path=random", "max_new_tokens=7"), drafter, target, tok,
+    alone = {label: decode_conversations(eval_cfg("drafter_path=random", "max_new_tokens=7"), drafter, target, tok,
                                          its, [], 0) for label, (_, its) in datasets.items()}
-    cfg = _cfg("drafter_path=random", "max_new_tokens=7", "batch_size=3")
+    cfg = eval_cfg("drafter_path=random", "max_new_tokens=7", "batch_size=3")
     calls = []
     mixed = decode_datasets(cfg, drafter, target, tok, datasets, [], lambda n, res: calls.append(n))
     assert calls == [3, 1]  # a's two prompts with b's one, then c's: two decode loops, not three
@@ -226,19 +226,19 @@ def test_a_batch_mixes_datasets_and_each_keeps_its_own_results(chat_models):
 @pytest.mark.usefixtures("one_thread")
 def test_static_runtime_decodes_conversations_like_the_dynamic_one(chat_models):
     target, drafter = chat_models
-    tok = _CharTokenizer()
-    items = _items(tok)
-    dynamic = decode_conversations(_cfg("drafter_path=random", "max_new_tokens=7", "runtime=dynamic"), drafter,
+    tok = CharTokenizer()
+    items = chat_items(tok)
+    dynamic = decode_conversations(eval_cfg("drafter_path=random", "max_new_tokens=7", "runtime=dynamic"), drafter,
                                    target, tok, items, [], 0)
-    static = decode_conversations(_cfg("drafter_path=random", "max_new_tokens=7", "runtime=static"), drafter,
+    static = decode_conversations(eval_cfg("drafter_path=random", "max_new_tokens=7", "runtime=static"), drafter,
                                   target, tok, items, [], 0)
     for a, b in zip(dynamic, static, strict=True):
         assert (a.spec_ids, a.plain_ids, a.acceptance_lengths) == (b.spec_ids, b.plain_ids, b.acceptance_lengths)
         assert a.plain_gaps_ulps == pytest.approx(b.plain_gaps_ulps, rel=1e-3, abs=1e-3)
     with pytest.raises(ValueError, match="runtime must be one of .'auto', 'static', 'dynamic'., got 'fast'"):
-        _cfg("drafter_path=random", "runtime=fast")
+        eval_cfg("drafter_path=random", "runtime=fast")
     with pytest.raises(ValueError, match="runtime=static decodes one prompt at a time but batch_size=4"):
-        _cfg("drafter_path=random", "runtime=static", "batch_size=4")
+        eval_cfg("drafter_path=random", "runtime=static", "batch_size=4")
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -246,8 +246,8 @@ def test_speed_table_measures_both_runtimes(chat_models):
     from dflash_train.eval.speed import format_speed_table, measure
 
     target, drafter = chat_models
-    items = _items(_CharTokenizer())
-    summaries = measure(_cfg("drafter_path=random", "max_new_tokens=6"), {"chat": ("chat", items)}, target, drafter,
+    items = chat_items(CharTokenizer())
+    summaries = measure(eval_cfg("drafter_path=random", "max_new_tokens=6"), {"chat": ("chat", items)}, target, drafter,
                         [], None)
     assert list(summaries) == ["dynamic", "static"]
     for s in summaries.values():  # every generation runs the whole budget: stop tokens are not given

@@ -157,7 +157,7 @@ def test_load_validates_against_the_target(export):
         load_drafter(out, TargetModel(make_tiny_target("qwen3", vocab=50)))
 
 
-def _copy_export(src: Path, dst: Path, edit=None) -> Path:
+def copy_export(src: Path, dst: Path, edit=None) -> Path:
     dst.mkdir()
     for f in src.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
@@ -175,13 +175,13 @@ def _copy_export(src: Path, dst: Path, edit=None) -> Path:
     (lambda c: c["dflash_config"].pop("mask_token_id"), "missing required key dflash_config.mask_token_id"),
 ])
 def test_bad_config_is_a_clear_error(export, tmp_path, edit, message):
-    bad = _copy_export(export[1], tmp_path / "bad", edit)
+    bad = copy_export(export[1], tmp_path / "bad", edit)
     with pytest.raises(ValueError, match=message):
         load_drafter(bad)
 
 
 def test_truncated_weights_are_a_clear_error(export, tmp_path):
-    bad = _copy_export(export[1], tmp_path / "bad")
+    bad = copy_export(export[1], tmp_path / "bad")
     data = (bad / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="unreadable safetensors file"):

@@ -204,6 +204,33 @@ def test_imports_along_the_direction_pass():
     assert violations("from dflash_train.export.hub import model_card_files\n", "dflash_train.training.trainer") == []
 
 
+def private_imports(source: str, module: str, packages: tuple[str, ...]) -> list[str]:
+    """Each ``from X import _name`` in ``source`` where X is a module of ``packages``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in packages:
+            found += [f"{module}:{node.lineno} imports {node.module}.{alias.name}" for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A leading underscore means "this module's own": a name another module needs gets a
+    public name in its home. Tests may import the private helper they test, never another
+    test file's (a shared helper is public)."""
+    code = [p for folder in (*PACKAGES, "benchmarks") for p in sorted((ROOT / folder).rglob("*.py"))]
+    bad = [line for p in code
+           for line in private_imports(p.read_text(encoding="utf-8"), module_name(p), (*PACKAGES, "benchmarks"))]
+    bad += [line for p in sorted((ROOT / "tests").rglob("*.py"))
+            for line in private_imports(p.read_text(encoding="utf-8"), module_name(p), ("tests",))]
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+def test_a_private_import_is_caught():
+    source = "from dflash_train.eval.batched import Rows, _first_tokens\nfrom torch._dynamo import config\n"
+    assert private_imports(source, "x", PACKAGES) == ["x:1 imports dflash_train.eval.batched._first_tokens"]
+
+
 def test_backend_workers_import_no_model_code():
     """A distributed worker process reaches the config through the backend: neither may pull
     in transformers (4 s a process) for a constant. The block size's two homes agree."""

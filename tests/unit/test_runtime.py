@@ -28,7 +28,7 @@ def models():
     return target, DFlashDraftModel(cfg).eval()
 
 
-def _exact_marginals(target, prompt, temperature):
+def exact_marginals(target, prompt, temperature):
     """P(token at each new position) by enumerating all VOCAB**NEW continuations."""
     seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))  # (V^4, 4)
     full = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
@@ -40,7 +40,7 @@ def _exact_marginals(target, prompt, temperature):
     return torch.stack([torch.zeros(VOCAB).index_add_(0, seqs[:, k], prob) for k in range(NEW)])  # (4, V)
 
 
-def _chi2(counts, probs):
+def chi_square(counts, probs):
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected.clamp_min(1e-9)).sum())
 
@@ -56,7 +56,7 @@ def _chi2(counts, probs):
 def test_rejection_sampling_matches_target_distribution(models, temperature, static):
     target, drafter = models
     prompt = torch.tensor([[1, 5, 2, 3]])
-    exact = _exact_marginals(target, prompt, temperature)
+    exact = exact_marginals(target, prompt, temperature)
     gen = torch.Generator().manual_seed(1234)
     counts = torch.zeros(NEW, VOCAB)
     steps = []
@@ -66,7 +66,7 @@ def test_rejection_sampling_matches_target_distribution(models, temperature, sta
         new = out.output_ids[0, prompt.shape[1]:]
         counts[torch.arange(NEW), new] += 1
         steps.append(out.acceptance_lengths)
-    chi2 = [_chi2(counts[k], exact[k]) for k in range(NEW)]
+    chi2 = [chi_square(counts[k], exact[k]) for k in range(NEW)]
     assert max(chi2) < CHI2_CRIT_7DF, chi2
     # The drafts were really checked: some were rejected (a step committed fewer tokens than
     # its width) and some accepted, so positions 2..4 exercised both branches.
@@ -77,13 +77,13 @@ def test_the_check_has_power_against_the_drafts_own_distribution(models):
     """The drafter's proposals alone are far from the target: the chi-square above can fail."""
     target, drafter = models
     prompt = torch.tensor([[1, 5, 2, 3]])
-    exact = _exact_marginals(target, prompt, 1.0)
+    exact = exact_marginals(target, prompt, 1.0)
     first = torch.tensor([[int(exact[0].argmax())]])
     block = torch.tensor([[first.item(), VOCAB - 1]])
     logits = drafter.draft(target, block, _features(target, prompt, drafter), prompt.shape[1], ContextCache())
     q = torch.softmax(logits[0, 0], -1)
     p = _conditional(target, torch.cat([prompt, first], 1))
-    assert _chi2(q * DRAWS, p) > 10 * CHI2_CRIT_7DF
+    assert chi_square(q * DRAWS, p) > 10 * CHI2_CRIT_7DF
 
 
 @torch.no_grad()

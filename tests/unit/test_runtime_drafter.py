@@ -44,7 +44,7 @@ def prompts():
     return torch.randint(0, 90, (4, PROMPT_LEN), generator=torch.Generator().manual_seed(4))
 
 
-def _drafter(target, seed, **overrides):
+def tiny_drafter(target, seed, **overrides):
     cfg = DFlashConfig.from_target(target.config, mask_token_id=MASK_ID, num_hidden_layers=overrides.pop("layers", 1),
                                    block_size=BLOCK, **overrides)
     torch.manual_seed(seed)
@@ -82,7 +82,7 @@ def trained(target, prompts):
     with torch.no_grad():
         seqs = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW_TOKENS,
                                do_sample=False, eos_token_id=None, pad_token_id=0)
-    drafter = _drafter(target, seed=5).train()
+    drafter = tiny_drafter(target, seed=5).train()
     for p in target.parameters():
         p.requires_grad_(False)
     anchors = torch.arange(PROMPT_LEN - 1, seqs.shape[1] - 1).expand(len(seqs), -1)  # every answer position
@@ -140,7 +140,7 @@ DRAFTERS = {
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_every_draft_step_equals_the_training_forward_over_the_committed_sequence(
         monkeypatch, target, prompts, trained, which, temperature):
-    drafter = trained if DRAFTERS[which] is None else _drafter(target, seed=6, **DRAFTERS[which])
+    drafter = trained if DRAFTERS[which] is None else tiny_drafter(target, seed=6, **DRAFTERS[which])
     gen = torch.Generator().manual_seed(7)
     for prompt in prompts[:2]:
         steps = _record_drafts(monkeypatch, drafter)
@@ -158,7 +158,7 @@ def test_every_draft_step_equals_the_training_forward_over_the_committed_sequenc
         assert max(out.acceptance_lengths) == BLOCK and min(out.acceptance_lengths) < BLOCK
 
 
-def _full_block_steps(lengths, max_new_tokens, block):
+def full_block_steps(lengths, max_new_tokens, block):
     """The leading steps that drafted a whole block: the reference runtime's last blocks are
     one slot wider than ours (it drafts a slot it can never commit), so their drafts differ."""
     generated, n = 1, 0  # the prefill's token comes first
@@ -178,7 +178,7 @@ def test_acceptance_lengths_equal_the_reference_runtime(monkeypatch, target, pro
         ours = trained.spec_generate(target, ids, NEW_TOKENS, return_stats=True)
         theirs = reference.dflash_generate(ref, target, ids, NEW_TOKENS, None, return_stats=True)
         assert torch.equal(ours.output_ids, theirs.output_ids)
-        n = _full_block_steps(ours.acceptance_lengths, NEW_TOKENS, BLOCK)
+        n = full_block_steps(ours.acceptance_lengths, NEW_TOKENS, BLOCK)
         assert ours.acceptance_lengths[:n] == theirs.acceptance_lengths[:n]
         ours_all += ours.acceptance_lengths
         compared += n

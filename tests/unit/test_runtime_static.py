@@ -22,9 +22,9 @@ from tests.unit.test_runtime_drafter import (  # noqa: F401 (fixtures)
     BLOCK,
     DRAFTERS,
     MASK_ID,
-    _drafter,
     prompts,
     target,
+    tiny_drafter,
     trained,
 )
 
@@ -74,7 +74,7 @@ def _record(monkeypatch, drafter):
 @pytest.mark.parametrize("new_tokens", [32, 13])
 def test_every_step_equals_the_dynamic_runtime(monkeypatch, target, prompts, trained,  # noqa: F811
                                                which, new_tokens):
-    drafter = trained if DRAFTERS[which] is None else _drafter(target, seed=6, **DRAFTERS[which])
+    drafter = trained if DRAFTERS[which] is None else tiny_drafter(target, seed=6, **DRAFTERS[which])
     lengths = []
     for prompt in prompts:
         ids = prompt[None]

@@ -46,7 +46,7 @@ from dflash_train.model.dflash import (
 )
 from dflash_train.model.io import load_drafter, save_drafter
 from tests.conftest import make_tiny_target
-from tests.unit.test_export import _copy_export
+from tests.unit.test_export import copy_export
 
 MASK_ID, BLOCK, WINDOW = 96, 4, 3  # a block size other than the readers' default 16
 DRAFTERS = {
@@ -210,7 +210,7 @@ def test_an_export_without_the_serving_keys_reads_the_same(export, tmp_path):
         for key in ("causal", "use_swa", "swa_window_size"):
             cfg["dflash_config"].pop(key, None)
 
-    old = _copy_export(out, tmp_path / "old", strip)
+    old = copy_export(out, tmp_path / "old", strip)
     assert isinstance(load_drafter(old), DFlashDraftModel)
     new_config, old_config = AutoConfig.from_pretrained(out), AutoConfig.from_pretrained(old)
     assert vllm_reads(old_config) == vllm_reads(new_config)
@@ -236,7 +236,7 @@ def test_an_export_without_the_serving_keys_reads_the_same(export, tmp_path):
 def test_a_config_that_serves_differently_is_refused(target, tmp_path, name, edit, message):
     _, _, out = _export(name, target, tmp_path)
     with pytest.raises(ValueError, match=message):
-        load_drafter(_copy_export(out, tmp_path / "bad", edit))
+        load_drafter(copy_export(out, tmp_path / "bad", edit))
 
 
 def test_a_sliding_drafter_without_a_window_is_not_exported(target, tmp_path):

@@ -11,21 +11,21 @@ from dflash_train.eval.acceptance import target_generate
 from dflash_train.eval.static_batched import plain_static_batch, slot_layout, speculate_static_batch
 from dflash_train.eval.speed import batches, format_speed_table, measure
 from dflash_train.model.dflash import Sampling
-from tests.unit.test_eval_cli import _cfg, _CharTokenizer, _items, chat_models  # noqa: F401 (fixture)
+from tests.unit.test_eval_cli import CharTokenizer, chat_items, chat_models, eval_cfg  # noqa: F401 (fixture)
 from tests.unit.test_runtime import (
     CHI2_CRIT_7DF,
     VOCAB,
-    _chi2,
-    _exact_marginals,
+    chi_square,
+    exact_marginals,
     models,  # noqa: F401  (fixture)
 )
 from tests.unit.test_runtime_drafter import (  # noqa: F401  (prompts, target, trained: fixtures)
     BLOCK,
     DRAFTERS,
     NEW_TOKENS,
-    _drafter,
     prompts,
     target,
+    tiny_drafter,
     trained,
 )
 
@@ -52,7 +52,7 @@ def test_slot_layout_puts_each_prompt_at_its_own_positions():
 
 @pytest.mark.parametrize("which", list(DRAFTERS))
 def test_each_row_is_its_batch_one_static_run(target, prompts, trained, which):  # noqa: F811
-    drafter = trained if DRAFTERS[which] is None else _drafter(target, seed=6, **DRAFTERS[which])
+    drafter = trained if DRAFTERS[which] is None else tiny_drafter(target, seed=6, **DRAFTERS[which])
     rows = _ragged_rows(target, prompts)
     singles = [drafter.spec_generate(target, torch.tensor([p]), NEW_TOKENS, return_stats=True, static=True)
                for p in rows]
@@ -102,21 +102,21 @@ def test_short_budgets_equal_plain_decoding(target, prompts, trained, new_tokens
 def test_batched_static_sampling_keeps_the_target_distribution(models):  # noqa: F811
     tiny, drafter = models
     prompt, new, temperature, rows, rounds = [1, 5, 2, 3], 4, 0.6, 250, 12
-    exact = _exact_marginals(tiny, torch.tensor([prompt]), temperature)
+    exact = exact_marginals(tiny, torch.tensor([prompt]), temperature)
     gen = torch.Generator().manual_seed(99)
     counts = torch.zeros(new, VOCAB)
     for _ in range(rounds):
         for out in speculate_static_batch(drafter, tiny, [prompt] * rows, new, Sampling(temperature), generator=gen):
             counts[torch.arange(new), out.output_ids[0, len(prompt):]] += 1
-    chi2 = [_chi2(counts[k], exact[k]) for k in range(new)]
+    chi2 = [chi_square(counts[k], exact[k]) for k in range(new)]
     assert max(chi2) < CHI2_CRIT_7DF, chi2
     # the same counts drawn at temperature 1 fail: the check has power
-    wrong = _exact_marginals(tiny, torch.tensor([prompt]), 1.0)
-    assert min(_chi2(counts[k], wrong[k]) for k in range(new)) > CHI2_CRIT_7DF
+    wrong = exact_marginals(tiny, torch.tensor([prompt]), 1.0)
+    assert min(chi_square(counts[k], wrong[k]) for k in range(new)) > CHI2_CRIT_7DF
 
 
 def test_batches_cycle_the_prompts_into_whole_batches(chat_models):  # noqa: F811
-    items = _items(_CharTokenizer())
+    items = chat_items(CharTokenizer())
     groups = batches(items, 2)
     assert [[pid for pid, _ in g] for g in groups] == [["chat/1", "chat/2"], ["chat/3", "chat/1#1"]]
     assert groups[1][1][1] == items[0][1][0].tolist()
@@ -125,8 +125,8 @@ def test_batches_cycle_the_prompts_into_whole_batches(chat_models):  # noqa: F81
 
 def test_speed_measures_batches_on_both_runtimes(chat_models):  # noqa: F811
     target, drafter = chat_models
-    items = _items(_CharTokenizer())
-    cfg = _cfg("drafter_path=random", "max_new_tokens=6", "batch_size=2", "runtime=auto")
+    items = chat_items(CharTokenizer())
+    cfg = eval_cfg("drafter_path=random", "max_new_tokens=6", "batch_size=2", "runtime=auto")
     summaries = measure(cfg, {"chat": ("chat", items)}, target, drafter, [], None)
     assert list(summaries) == ["dynamic", "static"]
     for s in summaries.values():  # 3 prompts in two batches of 2 rows: 4 rows of 6 tokens, all lossless

@@ -15,7 +15,7 @@ B = 4
 PINNED_LOSS = 69.9794006
 
 
-def _case(bias: bool, seed: int = 0):
+def loss_case(bias: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     head = torch.nn.Linear(8, 50, bias=bias)
     with torch.no_grad():
@@ -41,7 +41,7 @@ def _reference(head, hidden, labels, weights):
 @pytest.mark.parametrize("chunk", [1, 3, 1000])
 @pytest.mark.parametrize("bias", [False, True])
 def test_chunked_loss_and_grad_match_full_logits(chunk, bias):
-    head, hidden, labels = _case(bias)
+    head, hidden, labels = loss_case(bias)
     weights = contract.slot_weights(B, 2.0)
     out = dflash_loss(hidden, labels, head, weights, chunk)
     (grad,) = torch.autograd.grad(out.weighted_sum * 3.0, hidden)
@@ -59,7 +59,7 @@ def test_chunked_loss_and_grad_match_full_logits(chunk, bias):
 
 
 def test_loss_without_supervised_slots_is_zero_with_zero_grad():
-    head, hidden, labels = _case(False)
+    head, hidden, labels = loss_case(False)
     out = dflash_loss(hidden, torch.full_like(labels, IGNORE_INDEX), head, contract.slot_weights(B, 2.0), 4)
     out.weighted_sum.backward()
     assert out.weighted_sum == 0 and out.count.sum() == 0
@@ -67,13 +67,13 @@ def test_loss_without_supervised_slots_is_zero_with_zero_grad():
 
 
 def test_pinned_loss_value():
-    head, hidden, labels = _case(False, seed=3)
+    head, hidden, labels = loss_case(False, seed=3)
     out = dflash_loss(hidden, labels, head, contract.slot_weights(B, 2.0), 5)
     assert out.weighted_sum.item() == pytest.approx(PINNED_LOSS, rel=1e-5)
 
 
 
-# The fused walk (the CUDA default) runs here on CPU, eagerly and through torch.compile. _case
+# The fused walk (the CUDA default) runs here on CPU, eagerly and through torch.compile. loss_case
 # supervises M = 14 slots: chunk 7 divides M, chunks 3 and 1000 pad the last chunk. Each
 # compiled (chunk, dtype, grad) is one inductor build, a few seconds on CPU, so the compiled
 # cases stay few (and under dynamo's 8 recompiles of one function, past which it runs eagerly).
@@ -93,7 +93,7 @@ def _run(head, hidden, labels, chunk, **kwargs):
 @pytest.mark.parametrize(("chunk", "compiled"), FUSED)
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_loss_and_grad_match_full_logits_and_plain_chunks(chunk, compiled, bias):
-    head, hidden, labels = _case(bias)
+    head, hidden, labels = loss_case(bias)
     out, grad = _run(head, hidden, labels, chunk, fused=True, compiled=compiled)
     plain, plain_grad = _run(head, hidden, labels, chunk, fused=False)
     weights = contract.slot_weights(B, 2.0)
@@ -114,7 +114,7 @@ def test_fused_bf16_head_matches_plain_chunks_and_full_logits(chunk, compiled):
     # Every walk takes the same bf16 logits to float32, so the losses agree to float32
     # summation order. The gradient is rounded to bf16 (8 significant bits) before the
     # matmul by the head in each walk, so the hidden gradients agree to about 1%.
-    head, hidden, labels = _case(True)
+    head, hidden, labels = loss_case(True)
     head = head.to(torch.bfloat16)
     out, grad = _run(head, hidden, labels, chunk, fused=True, compiled=compiled)
     plain, plain_grad = _run(head, hidden, labels, chunk, fused=False)
@@ -129,7 +129,7 @@ def test_fused_bf16_head_matches_plain_chunks_and_full_logits(chunk, compiled):
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=NEEDS_CXX)])
 def test_fused_loss_without_grad_matches(compiled):
-    head, hidden, labels = _case(True)
+    head, hidden, labels = loss_case(True)
     weights = contract.slot_weights(B, 2.0)
     with torch.no_grad():
         out = dflash_loss(hidden, labels, head, weights, 3, fused=True, compiled=compiled)
@@ -139,7 +139,7 @@ def test_fused_loss_without_grad_matches(compiled):
 
 
 def test_fused_loss_without_supervised_slots_is_zero_with_zero_grad():
-    head, hidden, labels = _case(True)
+    head, hidden, labels = loss_case(True)
     out, grad = _run(head, hidden, torch.full_like(labels, IGNORE_INDEX), 4, fused=True, compiled=False)
     assert out.weighted_sum == 0 and out.weight_sum == 0 and out.count.sum() == 0 and out.correct.sum() == 0
     assert torch.count_nonzero(grad) == 0
@@ -147,7 +147,7 @@ def test_fused_loss_without_supervised_slots_is_zero_with_zero_grad():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_index_gives_the_same_results_as_masking(fused):
-    head, hidden, labels = _case(True)
+    head, hidden, labels = loss_case(True)
     # The caller's host-side index: flat positions of the supervised slots, ascending.
     index = torch.tensor([i for i, y in enumerate(labels.flatten().tolist()) if y != IGNORE_INDEX])
     out, grad = _run(head, hidden, labels, 3, fused=fused, compiled=False)
@@ -158,9 +158,9 @@ def test_index_gives_the_same_results_as_masking(fused):
 
 
 def cuda_case():
-    """``_case`` in bf16 on the GPU, with the supervised index computed on the host as the
+    """``loss_case`` in bf16 on the GPU, with the supervised index computed on the host as the
     trainer does."""
-    head, hidden, labels = _case(True)
+    head, hidden, labels = loss_case(True)
     index = (labels.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
     return head.to("cuda", torch.bfloat16), hidden.detach().cuda().requires_grad_(), labels.cuda(), index
 

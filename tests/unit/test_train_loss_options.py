@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from dflash_train import contract
 from dflash_train.contract import IGNORE_INDEX
 from dflash_train.training.loss import Distillation, dflash_loss, dpace_weights, soft_target_index
-from tests.unit.test_train_loss import NEEDS_CXX, B, _case, cuda_case
+from tests.unit.test_train_loss import NEEDS_CXX, B, cuda_case, loss_case
 
-# Each row of _case holds 3 blocks of 4 slots over T = 12 positions; slot k >= 1 of the block
+# Each row of loss_case holds 3 blocks of 4 slots over T = 12 positions; slot k >= 1 of the block
 # at anchor p reads the target's distribution after p + k - 1 <= 9 < T.
 ANCHORS = torch.tensor([[0, 3, 7], [1, 2, 6]])
 T = 12
@@ -82,7 +82,7 @@ def _check(out, grad, ref, hidden):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("a", [0.0, 0.5, 1.0])
 def test_distillation_matches_full_logits(a, bias, chunk):
-    head, hidden, labels = _case(bias)
+    head, hidden, labels = loss_case(bias)
     teacher = _teacher()
     out, grad = _run(head, hidden, labels, chunk, teacher, a)
     _check(out, grad, _reference(head, hidden, labels, contract.slot_weights(B, 2.0), teacher, a), hidden)
@@ -91,14 +91,14 @@ def test_distillation_matches_full_logits(a, bias, chunk):
 
 @pytest.mark.parametrize("t", [0.5, 2.0])
 def test_distillation_temperature_matches_full_logits(t):
-    head, hidden, labels = _case(True)
+    head, hidden, labels = loss_case(True)
     teacher = _teacher()
     out, grad = _run(head, hidden, labels, 3, teacher, 0.5, t)
     _check(out, grad, _reference(head, hidden, labels, contract.slot_weights(B, 2.0), teacher, 0.5, t), hidden)
 
 
 def test_distillation_weight_zero_is_the_hard_label_loss_bit_for_bit():
-    head, hidden, labels = _case(True)
+    head, hidden, labels = loss_case(True)
     hard, hard_grad = _run(head, hidden, labels, 3)
     zero, zero_grad = _run(head, hidden, labels, 3, _teacher(), 0.0)
     assert torch.equal(hard.weighted_sum, zero.weighted_sum) and torch.equal(hard_grad, zero_grad)
@@ -107,7 +107,7 @@ def test_distillation_weight_zero_is_the_hard_label_loss_bit_for_bit():
 def test_distilling_from_the_drafter_itself_costs_nothing():
     # Soft targets equal to the drafter's own distribution: KL 0, its gradient 0. Row 0's
     # blocks read disjoint positions (row 1's overlap), so only row 0 is supervised.
-    head, hidden, labels = _case(False)
+    head, hidden, labels = loss_case(False)
     labels[1] = IGNORE_INDEX
     teacher = torch.zeros(2, T, 8)
     for r in range(1):
@@ -133,12 +133,12 @@ def test_soft_target_index_points_at_the_position_before_the_label():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("a", [0.0, 0.5])
 def test_dpace_matches_plain_loop_reference(a, bias, chunk):
-    head, hidden, labels = _case(bias)
+    head, hidden, labels = loss_case(bias)
     teacher = _teacher() if a else None
     out, grad = _run(head, hidden, labels, chunk, teacher, a, dpace_alpha=0.5)
     ref = _reference(head, hidden, labels, None, teacher, a, dpace_alpha=0.5)
     _check(out, grad, ref, hidden)
-    # The normaliser: blocks with at least one supervised slot (_case leaves 5 of 6).
+    # The normaliser: blocks with at least one supervised slot (loss_case leaves 5 of 6).
     assert out.weight_sum == 5
 
 
@@ -163,7 +163,7 @@ FUSED = [pytest.param(3, False, id="chunk3-eager"), pytest.param(7, False, id="c
 
 @pytest.mark.parametrize(("chunk", "compiled"), FUSED)
 def test_fused_distillation_matches_full_logits_and_plain_walk(chunk, compiled):
-    head, hidden, labels = _case(True)
+    head, hidden, labels = loss_case(True)
     teacher = _teacher()
     out, grad = _run(head, hidden, labels, chunk, teacher, 0.5, fused=True, compiled=compiled)
     plain, plain_grad = _run(head, hidden, labels, chunk, teacher, 0.5, fused=False)
@@ -177,7 +177,7 @@ def test_fused_distillation_matches_full_logits_and_plain_walk(chunk, compiled):
 @pytest.mark.parametrize(("chunk", "compiled"), [(3, False), pytest.param(3, True, marks=NEEDS_CXX)])
 @pytest.mark.parametrize("a", [0.0, 0.5])
 def test_fused_dpace_matches_plain_loop_reference(a, chunk, compiled):
-    head, hidden, labels = _case(True)
+    head, hidden, labels = loss_case(True)
     teacher = _teacher() if a else None
     out, grad = _run(head, hidden, labels, chunk, teacher, a, fused=True, compiled=compiled, dpace_alpha=0.5)
     _check(out, grad, _reference(head, hidden, labels, None, teacher, a, dpace_alpha=0.5), hidden)
@@ -186,7 +186,7 @@ def test_fused_dpace_matches_plain_loop_reference(a, chunk, compiled):
 def test_fused_bf16_distillation_matches_plain_walk():
     # As for the hard-label loss: the same bf16 logits in both walks, the gradient rounded
     # to bf16 before the matmul back, so gradients agree to about 1%.
-    head, hidden, labels = _case(True)
+    head, hidden, labels = loss_case(True)
     head = head.to(torch.bfloat16)
     teacher = _teacher()
     out, grad = _run(head, hidden, labels, 3, teacher, 0.5, fused=True, compiled=False)
@@ -213,7 +213,7 @@ def test_cuda_distillation_and_dpace_never_wait_for_the_gpu():
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=NEEDS_CXX)])
 def test_fused_distillation_with_temperature_matches_full_logits(compiled):
-    head, hidden, labels = _case(True)
+    head, hidden, labels = loss_case(True)
     teacher = _teacher()
     out, grad = _run(head, hidden, labels, 3, teacher, 0.5, 2.0, fused=True, compiled=compiled)
     _check(out, grad, _reference(head, hidden, labels, contract.slot_weights(B, 2.0), teacher, 0.5, 2.0), hidden)
