@@ -25,7 +25,7 @@ from pathlib import Path
 from dflash_train.data.format import check_out_dir
 from dflash_train.errors import check_writable_dir, run_command
 from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY
-from dflash_train.recipe import load_command
+from dflash_train.recipe import compose_recipe, load_command
 from dflash_train.training.run_dir import check_output_dir
 
 DATA_DIR = "data/quickstart-smollm2"
@@ -91,6 +91,18 @@ def stage_overrides(extra: dict[str, list[str]], native_bf16: bool) -> dict[str,
     return {stage: ([] if native_bf16 else FLOAT32_OVERRIDES[stage]) + given for stage, given in extra.items()}
 
 
+def drafter_shape(recipe: str, train_overrides: list[str]) -> list[str]:
+    """dflash-eval settings for a fresh drafter of the shape ``recipe`` (with the training
+    stage's overrides) trains: the baseline is the same model, untrained."""
+    from dflash_train.config import TrainConfig
+
+    d = compose_recipe(TrainConfig, recipe, [f"data.path={DATA_DIR}", *train_overrides]).drafter
+    ids = "null" if d.target_layer_ids is None else "[" + ",".join(str(i) for i in d.target_layer_ids) + "]"
+    return [f"drafter.num_hidden_layers={d.num_hidden_layers}", f"drafter.block_size={d.block_size}",
+            f"drafter.num_features={'null' if d.num_features is None else d.num_features}",
+            f"drafter.target_layer_ids={ids}"]
+
+
 def _stages(run_dir: Path, extra: dict[str, list[str]], recipe: str = RECIPE) -> list[tuple[str, Path, list[str]]]:
     """(name, file that marks the stage done, command); ``recipe``: the training recipe."""
     export = run_dir / "export"
@@ -101,7 +113,8 @@ def _stages(run_dir: Path, extra: dict[str, list[str]], recipe: str = RECIPE) ->
          [_script("dflash-train"), "--config-name", recipe, f"output_dir={run_dir}",
           f"data.path={DATA_DIR}", *extra["train"]]),
         ("eval-fresh", run_dir / "eval_fresh" / "results.json",
-         [_script("dflash-eval"), "drafter_path=random", "drafter=cpu_small", f"output_dir={run_dir / 'eval_fresh'}",
+         [_script("dflash-eval"), "drafter_path=random", *drafter_shape(recipe, extra["train"]),
+          f"output_dir={run_dir / 'eval_fresh'}",
           *FRESH_EVAL_ARGS, *extra["eval"]]),
         ("eval-trained", run_dir / "eval" / "results.json",
          [_script("dflash-eval"), f"drafter_path={export}", f"output_dir={run_dir / 'eval'}", *EVAL_ARGS,

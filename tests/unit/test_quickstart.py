@@ -84,6 +84,13 @@ def test_fresh_drafter_answers_in_16_tokens_and_long_trains_with_its_own_recipe(
     # same prompts, turns and batch for both drafters: only the answer length differs
     assert [c for c in fresh if c.startswith(("datasets=", "limit=", "max_turns=", "batch_size="))] == \
         [c for c in trained if c.startswith(("datasets=", "limit=", "max_turns=", "batch_size="))]
+    # the fresh drafter has the shape of the one the training stage trains, overrides included
+    assert [c for c in fresh if c.startswith("drafter")] == [
+        "drafter_path=random", "drafter.num_hidden_layers=2", "drafter.block_size=4", "drafter.num_features=null",
+        "drafter.target_layer_ids=[2,6,10]"]
+    wider = {"datagen": [], "train": ["drafter.block_size=8", "drafter.target_layer_ids=[1,5]"], "eval": []}
+    fresh8 = {name: cmd for name, _, cmd in _stages(Path("runs/qs"), wider)}["eval-fresh"]
+    assert "drafter.block_size=8" in fresh8 and "drafter.target_layer_ids=[1,5]" in fresh8
     long = {name: (done, cmd) for name, done, cmd in _stages(Path("runs/qs-long"), none, "train_quickstart_long")}
     assert long["train"][1][1:4] == ["--config-name", "train_quickstart_long", "output_dir=runs/qs-long"]
     assert long["train"][0] == Path("runs/qs-long/export/model.safetensors")
@@ -94,12 +101,10 @@ def test_long_recipe_is_the_quickstart_trained_twice_as_long():
                    for name in ("train_quickstart", "train_quickstart_long"))
     gen = load_command(DatagenConfig, [], "datagen_quickstart", "", DatagenConfig.validate)
     rows = gen.num_prompts - short.data.val_rows  # the answers less the held-out ones: 496
-    passes = {c.optim.lr: c.epochs * rows for c in (short, long)}
-    assert passes == {1.5e-3: 4 * 496, 3.0e-3: 8 * 496}
-    assert (short.optim.grad_accum_steps, long.optim.grad_accum_steps) == (1, 4)
-    # the same data, drafter and dtype: only the optimisation differs
-    assert short.data.path == long.data.path and short.drafter == long.drafter
-    assert short.target == long.target and short.data.num_anchors == long.data.num_anchors
+    assert [c.epochs * rows // c.optim.micro_batch_size for c in (short, long)] == [4 * 496, 8 * 496]
+    # the same data, drafter, dtype and optimisation: only the number of epochs differs
+    assert (short.data, short.drafter, short.target, short.optim, short.loss) == \
+        (long.data, long.drafter, long.target, long.optim, long.loss)
     assert (short.output_dir, long.output_dir) == ("runs/quickstart-smollm2", "runs/quickstart-smollm2-long")
 
 
@@ -116,10 +121,10 @@ def test_recipe_defaults_long_and_stage_lists():
     assert plain.resolved_run_dir() == Path("runs/quickstart-smollm2")
     assert _quickstart("long=true").resolved_run_dir() == Path("runs/quickstart-smollm2-long")
     assert _quickstart("long=true", "run_dir=elsewhere").resolved_run_dir() == Path("elsewhere")
-    cfg = _quickstart('train=["optim.lr=1e-3", "+experiment=x"]', 'eval=["limit=2"]', 'datagen=["num_prompts=64"]')
+    cfg = _quickstart('train=["optim.lr=1e-3", "seed=1"]', 'eval=["limit=2"]', 'datagen=["num_prompts=64"]')
     extra = stage_overrides({"datagen": cfg.datagen, "train": cfg.train, "eval": cfg.eval}, native_bf16=True)
     commands = {name: cmd for name, _, cmd in _stages(cfg.resolved_run_dir(), extra)}
-    assert commands["train"][-2:] == ["optim.lr=1e-3", "+experiment=x"]
+    assert commands["train"][-2:] == ["optim.lr=1e-3", "seed=1"]
     assert commands["datagen"][-1] == "num_prompts=64" and commands["eval-trained"][-1] == "limit=2"
 
 
@@ -127,6 +132,8 @@ def test_recipe_defaults_long_and_stage_lists():
     (["long=maybe"], "wrong type for long='maybe': is not a valid bool (type str)"),
     (["--long"], "unknown option --long (options: --config-name, -cn; settings are key=value)"),
     (["lnog=true"], "unknown key lnog (did you mean long?)"),
+    # a training stage's setting is checked before data generation starts
+    (['train=["optim.lrr=1e-3"]'], "unknown key optim.lrr (did you mean optim.lr?)"),
     (["train=[optim.lr=1e-3]"], "cannot parse override 'train=[optim.lr=1e-3]': no viable alternative at input "
      f"'[optim.lr=' {QUOTE_HINT}"),
     (["train=optim.lr=1e-3"],
