@@ -209,7 +209,7 @@ def _host_stats(trainer: Trainer, first: int, steps: int) -> dict:
     """Totals of what the timed steps held (host-side counts; no device work)."""
     totals = dict.fromkeys(("rows", "conversations", "tokens", "blocks", "supervised"), 0)
     for step in range(first, first + steps):
-        for batch in trainer._host_batches(step):
+        for batch in trainer.host_batches(step):
             for k in totals:
                 totals[k] += getattr(batch.stats, k)
     return totals
@@ -235,6 +235,7 @@ def profile_table(trainer: Trainer, step: int, rows: int = 30) -> str:
 
 
 def run(trainer: Trainer, steps: int, warmup: int) -> dict:
+    trainer.check_can_train()
     dev = trainer.backend.device
     val = trainer.val_data is not None
     for s in range(warmup):  # compile, allocator growth, kernel autotuning

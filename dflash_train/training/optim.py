@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from dflash_train.config import OptimConfig
@@ -27,10 +28,14 @@ def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> l
 def optimizer_factory(cfg: OptimConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
     def build(params):
         groups = param_groups(params, cfg.weight_decay)
-        on_cuda = [p.is_cuda for group in groups for p in group["params"]]  # DTensors answer for their shards
-        # The fused CUDA kernel steps every parameter in one launch (25 ms -> a few ms for 1B
-        # parameters). CPU keeps torch's default so that CPU runs reproduce their numbers.
-        fused = True if on_cuda and all(on_cuda) else None
+        flat = [p for group in groups for p in group["params"]]
+        # The fused kernels step every parameter in one pass: on CUDA one launch (25 ms -> a
+        # few ms for 1B parameters), on a CPU 3.4x faster than the default for the quickstart's
+        # 8M parameters (25 ms of a 200 ms step), equal to it within a float32 ulp. Sharded
+        # (DTensor) parameters on a CPU keep the default, which handles them.
+        on_cuda = all(p.is_cuda for p in flat)  # DTensors answer for their shards
+        plain_cpu = all(p.device.type == "cpu" and not isinstance(p, DTensor) for p in flat)
+        fused = True if flat and (on_cuda or plain_cpu) else None
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
 
     return build

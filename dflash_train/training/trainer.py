@@ -215,7 +215,7 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------------ one step
-    def _host_batches(self, step: int) -> list[Batch]:
+    def host_batches(self, step: int) -> list[Batch]:
         """This process's micro-batches of global step ``step``, built on the host."""
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         order = self._orders.get(epoch)
@@ -238,7 +238,7 @@ class Trainer:
         """This process's micro-batches of global step ``step``, on the device: the ones
         ``prefetch(step)`` built on the host thread, or built now."""
         pending = self._prefetched.pop(step, None)
-        batches = pending.result() if pending is not None else self._host_batches(step)
+        batches = pending.result() if pending is not None else self.host_batches(step)
         for stale in self._prefetched.values():
             stale.cancel()
         self._prefetched = {}
@@ -250,7 +250,7 @@ class Trainer:
         is queued and it is about to wait for the GPU: the thread then has the interpreter
         to itself, instead of taking it from the thread that launches the kernels."""
         if step not in self._prefetched:
-            self._prefetched[step] = self._prefetcher.submit(self._host_batches, step)
+            self._prefetched[step] = self._prefetcher.submit(self.host_batches, step)
 
     @staticmethod
     def target_mask(batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -438,13 +438,17 @@ class Trainer:
         if self.backend.is_main:
             log.info("resumed from %s (step %d, %d samples seen)", path, self.state.step, self.state.samples_seen)
 
+    def check_can_train(self) -> None:
+        """Refuse, in one line, a trainer that can validate but not train. Not at construction:
+        a CPU trainer with flex masks still validates (forward only)."""
+        if self.cfg.drafter.attention == "flex" and self.backend.device.type == "cpu":
+            raise ValueError("drafter.attention=flex cannot train on the CPU (flex attention has no CPU backward): "
+                             "add drafter.attention=dense")
+
     def fit(self) -> Path | None:
         """Train to the end (resuming if possible), export; returns the export directory on rank 0."""
         cfg = self.cfg
-        # Here, not at construction: a CPU trainer with flex masks still validates (forward only).
-        if cfg.drafter.attention == "flex" and self.backend.device.type == "cpu":
-            raise ValueError("drafter.attention=flex cannot train on the CPU (flex attention has no CPU backward): "
-                             "add drafter.attention=dense")
+        self.check_can_train()
         self.resume()
         if self.backend.is_main:
             mark_output_dir(self.output_dir)  # before anything else is written there

@@ -94,3 +94,13 @@ def test_a_users_file_is_not_overwritten(tiny, tmp_path, capsys, key):
     profile = tmp_path / "profile.txt"
     profile.write_text(bench.PROFILE_HEADER + "kernels\n")
     assert bench._is_profile(profile) and not bench._is_profile(mine)
+
+
+def test_flex_attention_on_the_cpu_is_refused_before_any_step(tiny, monkeypatch):
+    # The trainer's own refusal (Trainer.check_can_train), not flex attention's traceback
+    # from the first backward.
+    target, data = tiny
+    monkeypatch.setattr(bench.Trainer, "train_step", lambda *a: pytest.fail("a step ran"))
+    with pytest.raises(ValueError, match=r"^drafter.attention=flex cannot train on the CPU .*add drafter.attention=dense$"):
+        bench.main([f"target.name={target}", f"data.path={data}", "target.num_layers=6", "target.mask_token_id=16",
+                    "drafter=cpu_small", "drafter.target_layer_ids=[1,3]", "drafter.attention=flex"])

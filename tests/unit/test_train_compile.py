@@ -39,7 +39,7 @@ def test_fixed_shapes_compile_once_for_training_and_validation(tmp_path):
     ref_feats, ref_noise, _ = eager.target_inputs(batch)
     torch.testing.assert_close(feats, ref_feats, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(noise, ref_noise, rtol=0, atol=0)
-    lengths = {int(b.stats.tokens) for s in range(4) for b in trainer._host_batches(s)}
+    lengths = {int(b.stats.tokens) for s in range(4) for b in trainer.host_batches(s)}
     assert len(lengths) > 1  # the rows really differ in length; only their padded shape is fixed
     trainer.train_step(0)
     trainer.validate()
