@@ -35,7 +35,8 @@ quickstart: setup
 	$(VENV)/bin/dflash-quickstart
 
 # Two workers, one per core of a CI machine; a test file stays on one worker (its module
-# fixtures are built once). Serially one core sat idle for most of the suite: 26 -> 18.5 min.
+# fixtures are built once). Serially one core sat idle for most of the suite: 26 -> 18.5 min;
+# one torch thread per worker (tests/conftest.py) then took it to 13.9 min (fresh clone, 1b0ca33).
 test: setup-test
 	$(PY) -m pytest -q -m "not gpu" -n 2 --dist loadfile --durations=15 tests
 
