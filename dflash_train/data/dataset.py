@@ -120,6 +120,7 @@ class TrainingData:
         all_lengths = row_lengths(ds)
         lengths = [all_lengths[i] for i in self.indices]
         self.num_truncated = sum(n > max_length for n in lengths)
+        self.num_tokens = sum(min(n, max_length) for n in lengths)  # of every row, after truncation
         # Packing is fixed once from the dataset order, so a row id names the same
         # conversations in every epoch and after a resume; epochs shuffle whole rows.
         if packing:

@@ -25,7 +25,7 @@ import torch
 from dflash_train import contract
 from dflash_train.config import TrainConfig, as_dict
 from dflash_train.data.collate import Batch, collate
-from dflash_train.data.dataset import StepSlice, TrainingData, row_lengths
+from dflash_train.data.dataset import StepSlice, TrainingData
 from dflash_train.data.format import check_rows, check_target, load_generated, read_manifest
 from dflash_train.data.packing import document_causal_mask
 from dflash_train.distributed.backend import Backend
@@ -199,10 +199,8 @@ class Trainer:
         # Compute dtype of the drafter's inputs: bf16 under the backend's mixed precision.
         self.input_dtype = self.backend.mixed_dtype or torch.float32
         self.feature_cache = FeatureCache() if cfg.data.cache_features else None
-        if self.feature_cache is not None and self.backend.is_main and self.data.ds is not None:
-            lengths = row_lengths(self.data.ds)
-            tokens = [min(lengths[i], self.data.max_length) for i in self.data.indices]
-            size = bytes_needed(tokens, self.drafter.fc.in_features, self.input_dtype)
+        if self.feature_cache is not None and self.backend.is_main:
+            size = bytes_needed(self.data.num_tokens, self.drafter.fc.in_features, self.input_dtype)
             log.info("data.cache_features: the target's features of %d training rows take %.2f GB on %s "
                      "once all are kept (the target runs on each row once)", len(self.data), size / 1e9,
                      self.backend.device)
