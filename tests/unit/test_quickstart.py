@@ -74,12 +74,12 @@ def test_stages_run_float32_without_bf16_instructions_and_the_user_still_wins():
     assert not any("float32" in c or "mixed_precision" in c for cmd in native.values() for c in cmd)
 
 
-def test_fresh_drafter_answers_in_16_tokens_and_long_trains_with_its_own_recipe():
+def test_fresh_drafter_answers_in_8_tokens_and_long_trains_with_its_own_recipe():
     none = {"datagen": [], "train": [], "eval": []}
     short = {name: cmd for name, _, cmd in _stages(Path("runs/qs"), none)}
     assert short["train"][1:3] == ["--config-name", "train_quickstart"]
     fresh, trained = short["eval-fresh"], short["eval-trained"]
-    assert [c for c in fresh if c.startswith("max_new_tokens=")] == ["max_new_tokens=16"]
+    assert [c for c in fresh if c.startswith("max_new_tokens=")] == ["max_new_tokens=8"]
     assert [c for c in trained if c.startswith("max_new_tokens=")] == ["max_new_tokens=64"]
     # same prompts, turns and batch for both drafters: only the answer length differs
     assert [c for c in fresh if c.startswith(("datasets=", "limit=", "max_turns=", "batch_size="))] == \
