@@ -150,7 +150,13 @@ def to_config(schema: type[T], raw: DictConfig | dict, validate: Callable[[T], N
     """
     _check_list_items(schema, OmegaConf.to_container(raw) if OmegaConf.is_config(raw) else raw, prefix)
     try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), raw)
+        # Merging ``???`` onto a field with a default keeps the default: a placeholder left
+        # unfilled (epochs=???) would run silently on a value nobody chose.
+        missing = sorted(OmegaConf.missing_keys(raw if OmegaConf.is_config(raw) else OmegaConf.create(raw)))
+        if missing:
+            raise ValueError(_missing(schema, missing[0], prefix))
+        cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ValueError(_describe(schema, err, prefix)) from None
     if validate is not None:
@@ -201,13 +207,18 @@ def _describe(schema: type, err: OmegaConfBaseException, prefix: str) -> str:
     if isinstance(err, ConfigKeyError):
         return _unknown_key(schema, key, prefix)
     if isinstance(err, MissingMandatoryValue):
-        field = _field(schema, key)
-        hint = field.metadata.get(HINT, "...") if field else "..."
-        return f"missing value for {shown}: add {shown}={hint} to the command"
+        return _missing(schema, key, prefix)
     if isinstance(err, ValidationError):
         reason = re.sub(r"^Value '.*?' (of type '\w+' )?", "", _first_line(err))
         return f"wrong type for {shown}={_value(err)!r}: {reason}"
     return f"{shown}: {_first_line(err)}" if shown else _first_line(err)
+
+
+def _missing(schema: type, key: str, prefix: str) -> str:
+    shown = ".".join(p for p in (prefix, key) if p)
+    field = _field(schema, key)
+    hint = field.metadata.get(HINT, "...") if field else "..."
+    return f"missing value for {shown}: add {shown}={hint} to the command"
 
 
 def _value(err: OmegaConfBaseException) -> Any:

@@ -30,6 +30,13 @@ def test_missing_required_value_is_named():
         to_train_config(OmegaConf.create({k: v for k, v in BASE.items() if k != "output_dir"}))
 
 
+@pytest.mark.parametrize("patch, key", [({"epochs": "???"}, "epochs"), ({"optim": {"lr": "???"}}, "optim.lr")])
+def test_a_placeholder_left_in_a_field_with_a_default_is_refused(patch, key):
+    # OmegaConf would give the field its default: the run would go on with a value nobody chose
+    with pytest.raises(ValueError, match=rf"^missing value for {key}: add {key}=\.\.\. to the command$"):
+        to_train_config(_cfg(**patch))
+
+
 @pytest.mark.parametrize(
     "patch, message",
     [
