@@ -142,6 +142,52 @@ class _Walk:
     keep_rows: bool  # also return per-row losses and CE (D-PACE reweights them afterwards)
 
 
+class _Scratch:
+    """Reusable (rows, vocab) buffers for the plain walk on a CPU, one per (role, dtype).
+
+    A chunk's logits are tens of megabytes (189 x 49,152 in float32 is 37 MB): glibc maps
+    blocks that large afresh on every allocation and unmaps them on free, so each new tensor
+    first takes a page fault per 4 KB written. On 2 cores converting the bf16 logits to a new
+    float32 tensor took 12 ms against 1.7 ms into a warm buffer; the two such conversions of
+    a quickstart step were 16 of its 207 ms. Kept for the process; grown, never shrunk.
+    """
+
+    def __init__(self):
+        self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, role: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self.buffers.get((role, dtype))
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols:
+            buf = self.buffers[(role, dtype)] = torch.empty(rows, cols, dtype=dtype)
+        return buf[:rows]  # the first rows of a row-major buffer: contiguous
+
+
+_CPU_SCRATCH = _Scratch()
+
+
+def _head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 (c, V) logits of ``h`` (c, H) through the head in its own dtype; on a CPU
+    written into reused buffers (``_Scratch``): the values of ``F.linear(...).float()``."""
+    if h.device.type != "cpu":
+        return F.linear(h, weight, bias).float()
+    rows, vocab = h.shape[0], weight.shape[0]
+    out = _CPU_SCRATCH.get("logits", rows, vocab, weight.dtype)
+    if bias is None:
+        torch.mm(h, weight.t(), out=out)
+    else:
+        torch.addmm(bias, h, weight.t(), out=out)
+    if weight.dtype == torch.float32:
+        return out
+    return _CPU_SCRATCH.get("logits32", rows, vocab, torch.float32).copy_(out)
+
+
+def _in_head_dtype(probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``probs.to(dtype)``; on a CPU into a reused buffer (``_Scratch``)."""
+    if probs.dtype == dtype or probs.device.type != "cpu":
+        return probs.to(dtype)
+    return _CPU_SCRATCH.get("grad", probs.shape[0], probs.shape[1], dtype).copy_(probs)
+
+
 def _plain_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
     m = hidden.shape[0]
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -150,8 +196,8 @@ def _plain_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
     rows = torch.empty(2, m, dtype=torch.float32, device=hidden.device) if walk.keep_rows else None  # loss, CE
     for start in range(0, m, walk.chunk_size):
         sl = slice(start, start + walk.chunk_size)
-        logits = F.linear(hidden[sl], weight, bias).float()  # (c, V): the only big tensor
         if walk.kernel is not None:  # distillation: the shared soft kernel, eagerly
+            logits = F.linear(hidden[sl], weight, bias).float()  # (c, V)
             teacher = F.linear(walk.teacher[sl], weight, bias).float()  # (c, V)
             loss, ce, hit, grad_logits = walk.kernel(logits, teacher, labels[sl], slot_w[sl], grad is not None)
             total += loss.sum()
@@ -161,6 +207,7 @@ def _plain_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
             if rows is not None:
                 rows[0, sl], rows[1, sl] = loss, ce
             continue
+        logits = _head_logits(hidden[sl], weight, bias)  # (c, V) float32: the only big tensor
         target = logits.gather(1, labels[sl, None]).squeeze(1)  # (c,)
         # logsumexp by hand: the exponentials are kept for the gradient, and on CPU this is
         # twice as fast as torch.logsumexp followed by a second exp pass.
@@ -177,7 +224,7 @@ def _plain_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
             probs /= norm[:, None]
             probs[torch.arange(probs.shape[0], device=probs.device), labels[sl]] -= 1
             probs *= slot_w[sl, None]
-            grad[sl] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+            grad[sl] = (_in_head_dtype(probs, weight.dtype) @ weight).to(hidden.dtype)
     return total, correct, grad, rows
 
 

@@ -216,3 +216,50 @@ def test_the_triton_chunk_kernel_equals_the_reference_on_a_qwen_sized_vocabulary
     assert torch.equal(hit[unique], ref_hit[unique])
     no_grad = ce_kernel.fused_ce(logits, None, labels, weights, False)
     assert no_grad[3] is None and torch.equal(no_grad[1], ce) and torch.equal(no_grad[2], hit)
+
+
+def _fresh_tensors_walk(monkeypatch):
+    """The plain walk as it was before its CPU buffers: a new tensor for every chunk."""
+    from dflash_train.training import loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "_head_logits", lambda h, w, b: F.linear(h, w, b).float())
+    monkeypatch.setattr(loss_mod, "_in_head_dtype", lambda probs, dtype: probs.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_cpu_walks_reused_buffers_change_no_bit(dtype, bias, monkeypatch):
+    # Cases of 7, 3 and then 7 supervised-slot chunks: a smaller chunk reads the first rows
+    # of buffers a larger one filled, a larger one grows them.
+    cases = []
+    for seed, chunk in ((1, 1000), (2, 3), (3, 1000)):
+        head, hidden, labels = loss_case(bias, seed)
+        cases.append((head.to(dtype), hidden, labels, chunk))
+
+    def run_all():
+        out = []
+        for head, hidden, labels, chunk in cases:
+            r = dflash_loss(hidden, labels, head, contract.slot_weights(B, 2.0), chunk)
+            (grad,) = torch.autograd.grad(r.weighted_sum, hidden)
+            out.append((r.weighted_sum, r.correct, grad))
+        return out
+
+    reused = run_all()
+    with monkeypatch.context() as m:
+        _fresh_tensors_walk(m)
+        fresh = run_all()
+    for a, b in zip(reused, fresh):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+def test_cpu_scratch_buffers_are_reused_and_grown():
+    from dflash_train.training.loss import _Scratch
+
+    scratch = _Scratch()
+    big = scratch.get("logits", 8, 50, torch.float32)
+    small = scratch.get("logits", 3, 50, torch.float32)
+    assert small.data_ptr() == big.data_ptr() and small.shape == (3, 50) and small.is_contiguous()
+    grown = scratch.get("logits", 9, 50, torch.float32)
+    assert grown.shape == (9, 50) and scratch.buffers[("logits", torch.float32)].shape == (9, 50)
+    assert scratch.get("logits", 2, 50, torch.bfloat16).dtype == torch.bfloat16  # one buffer per dtype
