@@ -98,9 +98,18 @@ class QualityRun:
         return [f"target={self.target_recipe}", *self.target_overrides]
 
 
+# The flags before dflash-quality took key=value settings: refused, naming what replaced each.
+RETIRED_FLAGS = {"--target": "target=NAME", "--data": "data.path=DIR", "--budget-min": "budget_min=MINUTES",
+                 "--run-dir": "run_dir=DIR", "--probe-steps": "probe_steps=N", "--warmup-steps": "warmup_steps=N",
+                 "--seconds-per-step": "seconds_per_step=S", "--startup-s": "startup_s=S",
+                 "--val-rows": "data.val_rows=N", "--datasets": "datasets=[a,b]", "--limit": "limit=N",
+                 "--max-new-tokens": "max_new_tokens=N", "--device": "device=DEVICE",
+                 "--set": "target.KEY=VALUE (both stages), train=[...] or eval=[...]", "--eval": "eval=[KEY=VALUE,...]"}
+
+
 def load(argv: list[str]) -> QualityRun:
     """The validated settings of a command line (``--config-name``, ``key=value``)."""
-    line = parse_command_line(argv, "quality", __doc__)
+    line = parse_command_line(argv, "quality", __doc__, retired=RETIRED_FLAGS)
     cfg = to_config(QualityConfig, compose_recipe(QualityConfig, line.config_name, line.overrides), validate)
     target_keys = [o for o in line.overrides if o.split("=", 1)[0].lstrip("+~").startswith("target.")]
     return QualityRun(cfg, recipe_choices(line.config_name, line.overrides)["target"], target_keys)

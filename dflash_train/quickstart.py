@@ -41,6 +41,8 @@ EVAL_ARGS = ["datasets=[mtbench,humaneval]", "limit=10", "max_new_tokens=64", "m
 # against 27 s at 16 tokens, most of the rest the process's start and the prompts' prefill.
 FRESH_EVAL_ARGS = [a if not a.startswith("max_new_tokens=") else "max_new_tokens=8" for a in EVAL_ARGS]
 RECIPE, LONG_RECIPE = "train_quickstart", "train_quickstart_long"
+# The flags before dflash-quickstart took key=value settings: refused, naming what replaced each.
+RETIRED_FLAGS = {"--long": "long=true", "--run-dir": "run_dir=DIR"}
 # The quickstart recipes run the target in bf16 and train under bf16 autocast: 2.4x faster
 # than float32 on a CPU with bf16 instructions, and about 10x slower on one without them
 # (data generation at 20 tok/s against 255 on two AMD EPYC cores of each kind). There the
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(argv: list[str] | None) -> None:
-    cfg = load_command(QuickstartConfig, argv, "quickstart", __doc__)
+    cfg = load_command(QuickstartConfig, argv, "quickstart", __doc__, retired=RETIRED_FLAGS)
     run_dir = cfg.resolved_run_dir()
     native_bf16 = cpu_has_native_bf16()
     if not native_bf16:

@@ -2,16 +2,18 @@
 a non-zero exit, and changes nothing of the user's: the real console commands, run as a user
 would, against bad inputs and a hostile machine."""
 
+import dataclasses
 import functools
 import json
 import os
 import time
+import typing
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dflash_train import bench
+from dflash_train import bench, quality, quickstart
 from dflash_train.errors import RunError, one_line, run_command
 from dflash_train.export import cli as export_cli
 from tests.cli_helpers import assert_one_line_error, full_disk, run_cli, snapshot
@@ -76,24 +78,38 @@ def test_every_command_names_a_bad_setting_in_one_line(prog, args, message, tmp_
     assert not any(tmp_path.iterdir())  # nothing written
 
 
-# The flags dflash-export and dflash-bench took before key=value settings, and the setting
-# each refusal names instead.
+# The flags each command took before key=value settings, and the setting each refusal names
+# instead.
 RETIRED_FLAGS = {
     "dflash-export": {"--out": "out=PATH", "--eval-results": "eval_results=FILE", "--push": "push=true",
                       "--repo-id": "repo_id=USER/NAME", "--private": "private=true", "--no-private": "private=false"},
     "dflash-bench": {"--steps": "bench.steps=N", "--warmup": "bench.warmup=N",
                      "--random-target": "bench.random_target=true", "--target-layers": "bench.target_layers=N",
                      "--json": "bench.json=FILE", "--profile": "bench.profile=FILE"},
+    "dflash-quality": {"--target": "target=NAME", "--data": "data.path=DIR", "--budget-min": "budget_min=MINUTES",
+                       "--run-dir": "run_dir=DIR", "--probe-steps": "probe_steps=N",
+                       "--warmup-steps": "warmup_steps=N", "--seconds-per-step": "seconds_per_step=S",
+                       "--startup-s": "startup_s=S", "--val-rows": "data.val_rows=N", "--datasets": "datasets=[a,b]",
+                       "--limit": "limit=N", "--max-new-tokens": "max_new_tokens=N", "--device": "device=DEVICE",
+                       "--set": "target.KEY=VALUE (both stages), train=[...] or eval=[...]",
+                       "--eval": "eval=[KEY=VALUE,...]"},
+    "dflash-quickstart": {"--long": "long=true", "--run-dir": "run_dir=DIR"},
 }
 RETIRED = [(prog, flag, setting) for prog, flags in RETIRED_FLAGS.items() for flag, setting in flags.items()]
 # A command line that is otherwise right, and the schema its settings go to.
 COMMANDS = {"dflash-export": (export_cli.main, ["runs/x"], export_cli.ExportConfig),
             "dflash-bench": (functools.partial(run_command, "dflash-bench", bench.main), ["bench.warmup=1"],
-                             bench.BenchConfig)}
+                             bench.BenchConfig),
+            "dflash-quality": (quality.main, ["data.path=DATA", "budget_min=1"], quality.QualityConfig),
+            "dflash-quickstart": (quickstart.main, [], quickstart.QuickstartConfig)}
+# A value for each placeholder the refusals name, where one value stands for all.
+VALUES = {"PATH": "exp", "FILE": "r.json", "USER/NAME": "me/drafter", "N": "3", "DIR": "runs/q", "S": "0.5",
+          "MINUTES": "2.5", "DEVICE": "cpu"}
 
 
 def test_the_commands_refuse_every_retired_flag():
-    assert {"dflash-export": export_cli.RETIRED_FLAGS, "dflash-bench": bench.RETIRED_FLAGS} == RETIRED_FLAGS
+    assert {"dflash-export": export_cli.RETIRED_FLAGS, "dflash-bench": bench.RETIRED_FLAGS,
+            "dflash-quality": quality.RETIRED_FLAGS, "dflash-quickstart": quickstart.RETIRED_FLAGS} == RETIRED_FLAGS
 
 
 @pytest.mark.parametrize("prog, flag, setting", RETIRED)
@@ -110,11 +126,16 @@ def test_a_retired_flag_is_refused_naming_its_setting(prog, flag, setting, tmp_p
 
 @pytest.mark.parametrize("prog, flag, setting", RETIRED)
 def test_the_setting_a_refusal_names_is_one_the_command_takes(prog, flag, setting):
-    key, _, placeholder = setting.partition("=")
-    value = {"PATH": "exp", "FILE": "r.json", "USER/NAME": "me/drafter", "N": "3"}.get(placeholder, placeholder)
+    key, _, placeholder = setting.split(" ")[0].partition("=")
     schema = COMMANDS[prog][2]
-    merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist([f"{key}={value}"]))
-    assert str(OmegaConf.select(merged, key)).lower() == value
+    node = schema
+    for part in key.replace("KEY", "name").split("."):  # target.KEY: any key of the target group
+        assert dataclasses.is_dataclass(node) and part in {f.name for f in dataclasses.fields(node)}, setting
+        node = typing.get_type_hints(node)[part]
+    value = VALUES.get(placeholder, placeholder)
+    if placeholder in VALUES or placeholder in ("true", "false"):  # a plain value: it merges as written
+        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist([f"{key}={value}"]))
+        assert str(OmegaConf.select(merged, key)).lower() == value
 
 
 @pytest.mark.parametrize("prog, args", [("dflash-export", ["runs/x", "--out", "exp"]),

@@ -183,8 +183,8 @@ def test_a_rerun_with_another_target_key_is_refused_by_name(tmp_path):
     (["budget_min=10", "train=[optim.lr=1e-3]"],
      "cannot parse override 'train=[optim.lr=1e-3]': no viable alternative at input '[optim.lr=' (quote a value "
      "holding '=', each item of a list of overrides: train='[\"optim.lr=1e-3\", \"seed=1\"]')"),
-    (["budget_min=10", "--budget-min", "3"],
-     "unknown option --budget-min (options: --config-name, -cn; settings are key=value)"),
+    (["budget_min=10", "--budget-min", "3"], "--budget-min is no longer accepted; use budget_min=MINUTES"),
+    (["budget_min=10", "--budget", "3"], "unknown option --budget (options: --config-name, -cn; settings are key=value)"),
 ])
 def test_bad_settings_are_refused_in_one_line(tmp_path, capsys, settings, message):
     with pytest.raises(SystemExit) as exit_info:

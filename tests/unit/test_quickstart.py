@@ -130,7 +130,8 @@ def test_recipe_defaults_long_and_stage_lists():
 
 @pytest.mark.parametrize("argv, message", [
     (["long=maybe"], "wrong type for long='maybe': is not a valid bool (type str)"),
-    (["--long"], "unknown option --long (options: --config-name, -cn; settings are key=value)"),
+    (["--long"], "--long is no longer accepted; use long=true"),
+    (["--lnog"], "unknown option --lnog (options: --config-name, -cn; settings are key=value)"),
     (["lnog=true"], "unknown key lnog (did you mean long?)"),
     # a training stage's setting is checked before data generation starts
     (['train=["optim.lrr=1e-3"]'], "unknown key optim.lrr (did you mean optim.lr?)"),
