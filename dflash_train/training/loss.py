@@ -143,7 +143,9 @@ class _Walk:
 
 
 class _Scratch:
-    """Reusable (rows, vocab) buffers for the plain walk on a CPU, one per (role, dtype).
+    """Reusable (rows, vocab) buffers for the plain walk on a CPU, one per (role, dtype): a
+    chunk's logits in the head's dtype (later its gradient, once the logits are float32) and,
+    for a bf16 head, their float32 copy.
 
     A chunk's logits are tens of megabytes (189 x 49,152 in float32 is 37 MB): glibc maps
     blocks that large afresh on every allocation and unmaps them on free, so each new tensor
@@ -171,21 +173,22 @@ def _head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if h.device.type != "cpu":
         return F.linear(h, weight, bias).float()
     rows, vocab = h.shape[0], weight.shape[0]
-    out = _CPU_SCRATCH.get("logits", rows, vocab, weight.dtype)
+    out = _CPU_SCRATCH.get("head", rows, vocab, weight.dtype)
     if bias is None:
         torch.mm(h, weight.t(), out=out)
     else:
         torch.addmm(bias, h, weight.t(), out=out)
     if weight.dtype == torch.float32:
         return out
-    return _CPU_SCRATCH.get("logits32", rows, vocab, torch.float32).copy_(out)
+    return _CPU_SCRATCH.get("float32", rows, vocab, torch.float32).copy_(out)
 
 
 def _in_head_dtype(probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``probs.to(dtype)``; on a CPU into a reused buffer (``_Scratch``)."""
+    """``probs.to(dtype)``; on a CPU into the head-dtype buffer (``_Scratch``), whose logits
+    were copied to float32 before ``probs`` was computed from them."""
     if probs.dtype == dtype or probs.device.type != "cpu":
         return probs.to(dtype)
-    return _CPU_SCRATCH.get("grad", probs.shape[0], probs.shape[1], dtype).copy_(probs)
+    return _CPU_SCRATCH.get("head", probs.shape[0], probs.shape[1], dtype).copy_(probs)
 
 
 def _plain_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):

@@ -257,9 +257,9 @@ def test_cpu_scratch_buffers_are_reused_and_grown():
     from dflash_train.training.loss import _Scratch
 
     scratch = _Scratch()
-    big = scratch.get("logits", 8, 50, torch.float32)
-    small = scratch.get("logits", 3, 50, torch.float32)
+    big = scratch.get("head", 8, 50, torch.float32)
+    small = scratch.get("head", 3, 50, torch.float32)
     assert small.data_ptr() == big.data_ptr() and small.shape == (3, 50) and small.is_contiguous()
-    grown = scratch.get("logits", 9, 50, torch.float32)
-    assert grown.shape == (9, 50) and scratch.buffers[("logits", torch.float32)].shape == (9, 50)
-    assert scratch.get("logits", 2, 50, torch.bfloat16).dtype == torch.bfloat16  # one buffer per dtype
+    grown = scratch.get("head", 9, 50, torch.float32)
+    assert grown.shape == (9, 50) and scratch.buffers[("head", torch.float32)].shape == (9, 50)
+    assert scratch.get("head", 2, 50, torch.bfloat16).dtype == torch.bfloat16  # one buffer per dtype
