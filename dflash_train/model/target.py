@@ -28,10 +28,11 @@ from dflash_train.model.dflash import EMBEDDING_OFFSET, target_features
 from dflash_train.resources import PKG_SCHEME, resolve_path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-# Inductor options of the compiled target layers. emulate_precision_casts: a fused chain of
-# low-precision ops rounds to the tensor's dtype where the eager ops would, instead of
-# carrying float32 through the fusion and rounding once at the end.
-COMPILE_OPTIONS = {"emulate_precision_casts": True}
+# Inductor options of the compiled target layers, by target.compile_rounding.
+# emulate_precision_casts: a fused chain of low-precision ops rounds to the tensor's dtype
+# where the eager ops would, instead of carrying float32 through the fusion and rounding
+# once at the end (inductor's default, "fused").
+COMPILE_OPTIONS = {"eager": {"emulate_precision_casts": True}, "fused": {}}
 HUB_PROBE_TIMEOUT_S = 5
 
 
@@ -243,14 +244,14 @@ class TargetModel:
         """The output projection; it is the embedding when ``tie_word_embeddings`` is set."""
         return self.model.get_output_embeddings()
 
-    def compile_layers(self, options: dict | None = None) -> None:
+    def compile_layers(self, rounding: str = "eager") -> None:
         """``torch.compile`` each decoder layer's forward, fusing what runs between the
         matmuls (RMSNorm in float32, rotary, SiLU-and-multiply, residual adds), which an
         eager forward runs as separate kernels over the whole row. Only ``forward`` is
         compiled, so the feature hooks stay outside the graph; the layers share one code
         object, so one graph serves them all (their weights are its inputs).
-        ``options``: inductor options, ``COMPILE_OPTIONS`` when None."""
-        options = COMPILE_OPTIONS if options is None else options
+        ``rounding``: a key of ``COMPILE_OPTIONS`` (target.compile_rounding)."""
+        options = COMPILE_OPTIONS[rounding]
         for layer in decoder_layers(self.model):
             layer.forward = torch.compile(layer.forward, options=options)
 

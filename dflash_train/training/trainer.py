@@ -182,7 +182,7 @@ class Trainer:
         # After the copy: a sharded target's weights are no longer plain tensors.
         target.model = self.backend.prepare_target(target.model)
         if cfg.target.compile:
-            target.compile_layers()
+            target.compile_layers(cfg.target.compile_rounding)
         self.drafter.activation_checkpointing = d.activation_checkpointing
         if d.flex_backend == "flash":
             for layer in self.drafter.layers:
