@@ -1,8 +1,11 @@
-"""The quality guard's verdict: tau may fall by at most 0.01 at any pinned step, the median
-step may slow by at most 3%, and step times are compared on the pinned device only."""
+"""The quality guard's verdict: the mean over seeds of (measured - reference) of the same seed
+may fall by at most 2 * sd * sqrt(2 / n) at each pinned step (sd: the pinned seed-to-seed
+standard deviation of that step), the median step may slow by at most 3%, and step times are
+compared only on the pinned device for runs that had the GPU to themselves."""
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -30,8 +33,17 @@ def metric_lines(step_s: float, taus: dict[int, float], slow_val_s: float = 9.0)
     return lines
 
 
-PINNED = {"val_expected_tau": {"150": 1.132, "300": 1.287, "450": 1.354, "600": 1.393},
-          "median_step_s": 0.2, "device": "H100", "commit": "abc"}
+SD = {"150": 0.03, "300": 0.02, "450": 0.02, "600": 0.01}
+PINNED = {"seeds": {"0": {"150": 1.10, "300": 1.26, "450": 1.34, "600": 1.37},
+                    "1": {"150": 1.11, "300": 1.23, "450": 1.30, "600": 1.32},
+                    "2": {"150": 1.08, "300": 1.23, "450": 1.32, "600": 1.35}},
+          "seed_sd": SD, "median_step_s": 0.2, "parallel": 1, "device": "H100", "commit": "abc"}
+
+
+def runs(shift: dict[str, float], seeds=("0",), step_s: float = 0.2) -> dict[int, list[dict]]:
+    """Metric lines of each seed: the pinned taus moved by ``shift`` (step -> change)."""
+    return {int(s): metric_lines(step_s, {int(k): v + shift.get(k, 0.0) for k, v in PINNED["seeds"][s].items()})
+            for s in seeds}
 
 
 def test_median_step_ignores_validations_and_warmup(guard):
@@ -41,35 +53,81 @@ def test_median_step_ignores_validations_and_warmup(guard):
     assert guard.held_out_tau(lines) == {150: 1.1, 300: 1.2, 450: 1.3, 600: 1.4}
 
 
-@pytest.mark.parametrize("taus, step_s, device, ok", [
-    ({150: 1.132, 300: 1.287, 450: 1.354, 600: 1.393}, 0.2, "H100", True),   # identical
-    ({150: 1.123, 300: 1.287, 450: 1.354, 600: 1.400}, 0.205, "H100", True),  # -0.009 and +2.5%: within
-    ({150: 1.132, 300: 1.287, 450: 1.343, 600: 1.393}, 0.2, "H100", False),   # -0.011 at 450
-    ({150: 1.132, 300: 1.287, 450: 1.354, 600: 1.393}, 0.207, "H100", False),  # 3.5% slower
-    ({150: 1.132, 300: 1.287, 450: 1.354, 600: 1.393}, 0.3, "H200", True),    # other device: time not compared
-    ({150: 1.132, 300: 1.287, 450: 1.354}, 0.2, "H100", False),               # a pinned step missing
+def test_threshold_shrinks_with_seeds(guard):
+    assert guard.threshold(0.01, 1) == pytest.approx(2 * 0.01 * math.sqrt(2))
+    assert guard.threshold(0.01, 3) == pytest.approx(2 * 0.01 * math.sqrt(2 / 3))
+
+
+@pytest.mark.parametrize("shift, seeds, step_s, device, ok", [
+    ({}, ("0",), 0.2, "H100", True),                                   # the pin itself
+    ({"600": -0.028}, ("0",), 0.205, "H100", True),                     # within 2 * 0.01 * sqrt(2) = 0.0283
+    ({"600": -0.029}, ("0",), 0.2, "H100", False),                      # beyond it
+    ({"600": -0.020}, ("0", "1", "2"), 0.2, "H100", False),             # 3 seeds: 0.0163 is the limit
+    ({"150": -0.080}, ("0",), 0.2, "H100", True),                       # step 150 is noisier (sd 0.03)
+    ({}, ("0",), 0.207, "H100", False),                                  # 3.5% slower
+    ({}, ("0",), 0.3, "H200", True),                                     # other device: time not compared
 ])
-def test_verdict(guard, taus, step_s, device, ok):
-    measured = guard.measure(metric_lines(step_s, taus), device, "def")
-    rows, verdict = guard.judge(measured, PINNED)
+def test_verdict(guard, shift, seeds, step_s, device, ok):
+    measured = guard.measure(runs(shift, seeds, step_s), device, "def")
+    rows, verdict = guard.judge(measured, PINNED, SD)
     assert verdict is ok
     assert len(rows) == 5
     assert sum("FAIL" in r for r in rows) == (0 if ok else 1)
 
 
-def test_judges_a_finished_run_from_the_command_line(guard, tmp_path, capsys):
-    metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("\n".join(json.dumps(m) for m in metric_lines(0.2, {150: 1.0, 300: 1.287, 450: 1.354,
-                                                                        600: 1.393})))
+def test_a_missing_step_or_seed_fails(guard):
+    lines = runs({})
+    lines[0] = [m for m in lines[0] if m.get("val_expected_tau") is None or m["step"] != 450]
+    rows, ok = guard.judge(guard.measure(lines, "H100", "def"), PINNED, SD)
+    assert not ok and "| held-out tau @ 450 | - | missing |" in rows[2]
+    other = {"seeds": {"7": PINNED["seeds"]["0"]}, "median_step_s": 0.2, "device": "H100"}
+    assert guard.judge(other, PINNED, SD)[1] is False
+
+
+def test_runs_sharing_the_gpu_are_not_timed(guard):
+    rows, ok = guard.judge(guard.measure(runs({}, step_s=0.5), "H100", "def", parallel=3), PINNED, SD)
+    assert ok and "not compared: runs shared the GPU" in rows[-1]
+
+
+def test_pooled_sd_removes_each_arms_mean(guard):
+    # Two arms, far apart in mean, each with a spread of sd 0.01 at step 600.
+    a = {"0": {"600": 1.30}, "1": {"600": 1.31}, "2": {"600": 1.32}}
+    b = {"0": {"600": 1.40}, "1": {"600": 1.41}, "2": {"600": 1.42}}
+    assert guard.pooled_sd([a, b]) == {"600": 0.01}
+
+
+def write_seed_runs(folder: Path, seed_runs: dict[int, list[dict]]) -> None:
+    for seed, lines in seed_runs.items():
+        (folder / f"seed-{seed}").mkdir(parents=True)
+        (folder / f"seed-{seed}" / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in lines))
+
+
+def test_judges_finished_runs_from_the_command_line(guard, tmp_path, capsys):
+    write_seed_runs(tmp_path / "new", runs({"150": -0.2}, ("0", "1")))
     pinned = tmp_path / "pinned.json"
     pinned.write_text(json.dumps(PINNED))
     written = tmp_path / "new.json"
-    assert guard.main(["--metrics", str(metrics), "--pinned", str(pinned), "--write-pinned", str(written)]) == 1
+    assert guard.main(["--metrics", str(tmp_path / "new"), "--pinned", str(pinned),
+                       "--write-pinned", str(written)]) == 1
     out = capsys.readouterr().out
-    assert "| held-out tau @ 150 | 1.132 | 1.000 | -0.132 | FAIL |" in out and out.rstrip().endswith("FAIL")
-    assert json.loads(written.read_text())["val_expected_tau"]["150"] == 1.0
+    assert "| held-out tau @ 150 | 1.105 | 0.905 | -0.200 | -0.060 | FAIL |" in out and out.rstrip().endswith("FAIL")
+    assert json.loads(written.read_text())["seeds"]["1"]["150"] == pytest.approx(0.91)
+
+
+def test_a_paired_ab_against_a_baseline(guard, tmp_path, capsys):
+    """--baseline: the reference is another finished set, seed by seed (here 0.05 above the pin)."""
+    write_seed_runs(tmp_path / "base", runs({"600": 0.05}, ("0", "1", "2")))
+    write_seed_runs(tmp_path / "new", runs({}, ("0", "1", "2")))
+    pinned = tmp_path / "pinned.json"
+    pinned.write_text(json.dumps(PINNED))
+    args = ["--metrics", str(tmp_path / "new"), "--pinned", str(pinned)]
+    assert guard.main(args) == 0
+    assert guard.main([*args, "--baseline", str(tmp_path / "base")]) == 1
+    assert "| held-out tau @ 600 | 1.397 | 1.347 | -0.050 | -0.016 | FAIL |" in capsys.readouterr().out
 
 
 def test_the_pinned_figures_cover_the_arm(guard):
     pinned = json.loads(guard.PINNED.read_text())
-    assert sorted(map(int, pinned["val_expected_tau"])) == [150, 300, 450, 600]
+    assert sorted(pinned["seeds"]) == ["0", "1", "2"]
+    assert all(sorted(map(int, taus)) == [150, 300, 450, 600] for taus in pinned["seeds"].values())
+    assert sorted(map(int, pinned["seed_sd"])) == [150, 300, 450, 600]
