@@ -27,9 +27,12 @@ COMMANDS = {
     "datagen": (DatagenConfig, DatagenConfig.validate, ["out_dir=/nonexistent/data"]),
     "eval": (EvalConfig, validate_eval, ["drafter_path=random"]),
     "export": (ExportConfig, None, ["path=/nonexistent/run"]),
-    "quality": (QualityConfig, validate_quality, ["target=smollm2_135m", "data.path=/nonexistent/data", "budget_min=1"]),
+    "quality": (QualityConfig, validate_quality, ["target=smollm2_135m", "budget_min=1"]),
     "quickstart": (QuickstartConfig, None, []),
 }
+# What a user adds to a recipe of its own beyond its command's: the data a quality run trains on
+# (quality_generate makes it).
+RECIPE_REQUIRED = {"quality": ["data.path=/nonexistent/data"]}
 # The commands that compose each config group.
 GROUP_USERS = {"target": ["train", "datagen", "eval", "quality"], "drafter": ["train", "eval"], "data": ["train"],
                "optim": ["train"], "backend": ["train"], "experiment": ["train"]}
@@ -37,7 +40,7 @@ GROUP_USERS = {"target": ["train", "datagen", "eval", "quality"], "drafter": ["t
 
 def _load(primary: str, *overrides: str):
     schema, check, required = COMMANDS[primary.split("_")[0]]
-    return load_command(schema, [*required, *overrides], primary, "", check)
+    return load_command(schema, [*required, *RECIPE_REQUIRED.get(primary, []), *overrides], primary, "", check)
 
 
 def _cases():
