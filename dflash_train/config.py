@@ -20,7 +20,7 @@ from dflash_train.recipe import HINT, to_config
 
 ATTENTION_KINDS = ("flex", "dense")
 FLEX_BACKENDS = ("triton", "flash")
-SCHEDULES = ("cosine", "constant")
+SCHEDULES = ("cosine", "constant", "wsd")
 WANDB_MODES = ("offline", "online", "disabled")
 RESUME_CHOICES = (True, False, "force")
 POSITION_WEIGHTINGS = ("decay", "dpace")
@@ -92,6 +92,9 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_ratio: float = 0.04
     schedule: str = "cosine"
+    # wsd (warmup-stable-decay): the peak lr until the last decay_ratio of the steps, then a
+    # 1-sqrt decay to 0; a run cut short still trained at the peak (cosine had decayed).
+    decay_ratio: float = 0.2
     # Steps the warmup + decay schedule spans; None: every step of all epochs. A budgeted run
     # sets it to its max_steps so that the schedule ends where training does.
     schedule_steps: int | None = None
@@ -263,6 +266,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"loss.distill_temperature={cfg.loss.distill_temperature} must be positive")
     if not 0 < cfg.loss.dpace_alpha <= 1:
         raise ValueError(f"loss.dpace_alpha={cfg.loss.dpace_alpha} must be in (0, 1]")
+    if not 0 < o.decay_ratio <= 1 or (o.schedule == "wsd" and o.warmup_ratio + o.decay_ratio > 1):
+        raise ValueError(f"optim.decay_ratio={o.decay_ratio} must be in (0, 1], and with optim.warmup_ratio="
+                         f"{o.warmup_ratio} at most 1 for schedule=wsd")
     if o.schedule_steps is not None and o.schedule_steps <= 0:
         raise ValueError(f"optim.schedule_steps={o.schedule_steps} must be positive or null")
     bpr = cfg.data.blocks_per_row

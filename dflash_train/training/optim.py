@@ -1,4 +1,4 @@
-"""AdamW and the warmup + cosine schedule, as factories the distributed backend calls.
+"""AdamW and the learning-rate schedules, as factories the distributed backend calls.
 
 The backend builds the optimizer after it has wrapped or sharded the model, so the trainer
 hands it functions rather than objects.
@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
-from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, get_wsd_schedule
 
 from dflash_train.config import OptimConfig
 
@@ -46,12 +46,16 @@ def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
 
 
 def scheduler_factory(cfg: OptimConfig, total_steps: int) -> Callable[[torch.optim.Optimizer], object]:
-    """Linear warmup over ``warmup_ratio`` of the run, then cosine decay to 0 (or constant)."""
+    """Linear warmup over ``warmup_ratio`` of the run, then cosine decay to 0, constant, or
+    (wsd) constant until the last ``decay_ratio`` of the run and a 1-sqrt decay to 0."""
     warmup = warmup_steps(cfg, total_steps)
 
     def build(optimizer):
         if cfg.schedule == "constant":
             return get_constant_schedule_with_warmup(optimizer, warmup)
+        if cfg.schedule == "wsd":
+            decay = min(math.ceil(cfg.decay_ratio * total_steps), total_steps - warmup)
+            return get_wsd_schedule(optimizer, warmup, decay, num_training_steps=total_steps, decay_type="1-sqrt")
         return get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
 
     return build

@@ -1,5 +1,6 @@
 """The optimizer factory takes torch's fused AdamW kernels for CUDA parameters and plain CPU ones."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -60,3 +61,40 @@ def test_cuda_parameters_take_the_fused_adamw():
     assert opt.defaults["fused"] is True
     params[0].grad, params[1].grad = torch.ones_like(params[0]), torch.ones_like(params[1])
     opt.step()
+
+
+
+def _lrs(steps: int, **settings) -> list[float]:
+    """The lr at each of ``steps`` steps of a schedule planned for ``steps``."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    schedule = optim.scheduler_factory(OptimConfig(lr=1.0, **settings), steps)(opt)
+    out = []
+    for _ in range(steps):
+        out.append(schedule.get_last_lr()[0])
+        opt.step()
+        schedule.step()
+    return out
+
+
+def test_warmup_stable_decay_holds_the_peak_then_decays_the_last_fifth():
+    lrs = _lrs(100, warmup_ratio=0.04, schedule="wsd", decay_ratio=0.2)
+    assert lrs[:5] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])  # linear warmup over 4 steps
+    assert lrs[4:80] == [1.0] * 76  # the peak until the last 20 steps
+    assert lrs[80:] == pytest.approx([1 - math.sqrt(k / 20) for k in range(20)])  # 1-sqrt decay
+    cosine = _lrs(100, warmup_ratio=0.04)
+    assert cosine[50] == pytest.approx(0.5 * (1 + math.cos(math.pi * 46 / 96)))
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["optim.schedule=wsd", "optim.decay_ratio=0"], "optim.decay_ratio=0.0 must be in (0, 1], and with "
+                                                    "optim.warmup_ratio=0.04 at most 1 for schedule=wsd"),
+    (["optim.schedule=wsd", "optim.decay_ratio=0.97"], "optim.decay_ratio=0.97 must be in (0, 1], and with "
+                                                       "optim.warmup_ratio=0.04 at most 1 for schedule=wsd"),
+])
+def test_bad_decay_ratios_are_refused(settings, message):
+    from dflash_train.config import TrainConfig, validate
+    from dflash_train.recipe import load_command
+
+    with pytest.raises(ValueError) as err:
+        load_command(TrainConfig, ["data.path=d", "output_dir=o", *settings], "train", "", validate)
+    assert str(err.value) == message
