@@ -40,7 +40,10 @@ def format_summary(result: RunResult) -> str:
     for reason, n in sorted(c["skipped"].items()):
         example = c["skipped_examples"].get(reason, [""])[0]
         lines.append(f"    {reason:<26}{n:>10}  {example}"[:160])
-    if not result.complete:
+    if result.budget_reached:
+        lines.append(f"  stopped by the budget (budget_min): {result.unstarted} prompts not answered; the dataset "
+                     "holds the conversations begun")
+    elif not result.complete:
         lines.append("  INCOMPLETE: some shards are not committed; rerun the same command to finish")
     return "\n".join(lines)
 
@@ -54,7 +57,7 @@ def generate(cfg: DatagenConfig, **run_kwargs) -> int:
               "(committed shards are kept)", file=sys.stderr)
         return 1
     print(format_summary(result))
-    if not result.complete or result.counts["rows"] == 0:
+    if not (result.complete or result.budget_reached) or result.counts["rows"] == 0:
         print("dflash-datagen: no usable dataset was produced", file=sys.stderr)
         return 1
     return 0

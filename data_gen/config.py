@@ -7,6 +7,7 @@ types are one-line errors naming the key) and runs the checks below, which name 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,6 +194,11 @@ class DatagenConfig:
     # Prompts per committed shard: the unit of resumption and of data parallelism.
     shard_size: int = 64
     cache_dir: str | None = None
+    # Minutes of answer generation (None: until every prompt is answered): counted from the
+    # first answer, after loading the target and writing magpie prompts, summed over attempts
+    # (<out_dir>/budget.json). When they run out no new prompt starts, answers in flight
+    # finish, and the dataset is written from the shards begun.
+    budget_min: float | None = None
 
     def validate(self) -> None:
         if not self.out_dir:
@@ -211,6 +217,8 @@ class DatagenConfig:
         self.backend.validate()
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"num_prompts={self.num_prompts}: must be >= 1 or null (all)")
+        if self.budget_min is not None and not 0 < self.budget_min < math.inf:  # NaN fails it too
+            raise ValueError(f"budget_min={self.budget_min:g}: must be a positive number of minutes or null")
         if self.max_prompt_len < 1 or self.shard_size < 1:
             raise ValueError(f"max_prompt_len={self.max_prompt_len} and shard_size={self.shard_size} must be >= 1")
 

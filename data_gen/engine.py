@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from data_gen.config import BackendConfig, SamplingConfig
-from data_gen.generators import Completion
+from data_gen.generators import Completion, past
 from data_gen.sampling import sample_tokens, uniform_stream
 from dflash_train.model.target import TargetModel, decoder_layers
 
@@ -154,6 +154,7 @@ class GenerationEngine:
         # Off CUDA the host waits for every step anyway: it reads the slots after each.
         self.sync_steps = sync_steps or (STEPS_PER_SYNC if self.device.type == "cuda" else 1)
         self.queue: deque = deque()
+        self.deadline: float | None = None  # drain's: no prompt is admitted after it
         # The host's view of the slots: the request in each, its position as of the last
         # snapshot read, and the first snapshot that shows it.
         self.slot_key: list[Hashable | None] = [None] * batch_size
@@ -270,6 +271,8 @@ class GenerationEngine:
 
     def _admit(self) -> None:
         """Queued prompts into the free slots (prefill and slot state, queued on the device)."""
+        if past(self.deadline):
+            return
         free = [slot for slot, key in enumerate(self.slot_key) if key is None]
         admitted = []
         for slot in free[:len(self.queue)]:
@@ -328,8 +331,11 @@ class GenerationEngine:
                 yield key, Completion(ids, "stop" if ids[-1] in stop_ids else "length")
 
     @torch.inference_mode()
-    def drain(self) -> Iterator[tuple[Hashable, Completion]]:
-        """Generate until the queue and the slots are empty, yielding answers as they end."""
+    def drain(self, deadline: float | None = None) -> Iterator[tuple[Hashable, Completion]]:
+        """Generate until the queue and the slots are empty, yielding answers as they end;
+        after ``deadline`` (time.monotonic()) until the slots are: the prompts still queued
+        stay in the queue."""
+        self.deadline = deadline
         # The engine's GPU is current while it runs (graphs replay on the current device's
         # stream; under torchrun nothing else makes the rank's GPU current).
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
@@ -382,7 +388,8 @@ class EngineGenerator:
         return cls(load_target(spec, dtype=dtype, device=device, cache_dir=cache_dir), cfg, sampling, stop_ids,
                    max_prompt_len)
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], seeds: list[int],
+                 deadline: float | None = None) -> list[Completion | None]:
         for i, p in enumerate(prompts):  # all of them before any is queued
             self.engine.check(i, p)
         # Longest first, as the hf generator: long prompts start early, and the prefill
@@ -390,6 +397,7 @@ class EngineGenerator:
         for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
             self.engine.submit(i, prompts[i], seeds[i])
         results: list[Completion | None] = [None] * len(prompts)
-        for i, completion in self.engine.drain():
+        for i, completion in self.engine.drain(deadline):
             results[i] = completion
+        self.engine.queue.clear()  # what the deadline left unstarted stays None
         return results

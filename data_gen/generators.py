@@ -10,6 +10,7 @@ defaults (a repetition penalty, a default temperature) never leak into the data 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,10 +52,18 @@ class GeneratorUnavailable(RuntimeError):
 
 
 class Generator(Protocol):
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion | Failure]:
+    def generate(self, prompts: list[list[int]], seeds: list[int],
+                 deadline: float | None = None) -> list[Completion | Failure | None]:
         """Responses for `prompts`, in order. `seeds[i]` is prompt i's own sampling seed (63-bit):
         a sampled answer depends on it and the prompt only, never on the other prompts of
-        the call (data_gen/sampling.py draws the numbers; greedy ignores the seeds)."""
+        the call (data_gen/sampling.py draws the numbers; greedy ignores the seeds).
+        `deadline` (a time.monotonic() value, the run's budget): no prompt starts after it, and
+        each prompt that did not start is None; answers already started finish."""
+
+
+def past(deadline: float | None) -> bool:
+    """Whether the run's budget has run out."""
+    return deadline is not None and time.monotonic() >= deadline
 
 
 def prompts_per_call(cfg: BackendConfig, varied_lengths: bool = True) -> int:

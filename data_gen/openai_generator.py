@@ -17,7 +17,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from data_gen.config import BackendConfig, SamplingConfig
-from data_gen.generators import Completion, Failure, GeneratorUnavailable
+from data_gen.generators import Completion, Failure, GeneratorUnavailable, past
 from dflash_train.errors import RunError
 
 RETRYABLE_HTTP = (408, 429, 500, 502, 503, 504)
@@ -143,7 +143,11 @@ class OpenAIGenerator:
             ids.append(self.stop_ids[0])
         return Completion(ids, reason, exact_ids=exact)
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion | Failure]:
+    def generate(self, prompts: list[list[int]], seeds: list[int],
+                 deadline: float | None = None) -> list[Completion | Failure | None]:
+        def one(prompt: list[int], seed: int) -> Completion | Failure | None:
+            return None if past(deadline) else self._one(prompt, seed)  # a request not sent in time
+
         # Servers take int32 seeds; a server's own sampler decides how far a seed pins the answer.
         with ThreadPoolExecutor(max_workers=self.cfg.max_concurrency) as pool:
-            return list(pool.map(self._one, prompts, [s & 0x7FFFFFFF for s in seeds]))
+            return list(pool.map(one, prompts, [s & 0x7FFFFFFF for s in seeds]))

@@ -31,6 +31,7 @@ from data_gen.template import ChatShaper
 from data_gen.turns import generate_shards
 from dflash_train.data import format as data_format
 from dflash_train.distributed.launch import launch_env
+from dflash_train.atomic import atomic_write_text
 from dflash_train.errors import check_writable_dir
 from dflash_train.model.target import (
     load_tokenizer,
@@ -46,6 +47,9 @@ from dflash_train.model.target import (
 BARRIER_TIMEOUT = timedelta(hours=24)
 
 
+BUDGET_FILE = "budget.json"  # the seconds of answering a budgeted run has spent, over attempts
+
+
 @dataclass
 class RunResult:
     out_dir: str
@@ -54,6 +58,33 @@ class RunResult:
     generated_tokens: int
     elapsed_s: float
     complete: bool
+    # The budget ran out first: the dataset holds the shards begun (manifest "budget").
+    budget_reached: bool = False
+    unstarted: int = 0  # prompts never answered because of the budget
+
+
+class Budget:
+    """budget_min of answering over every attempt: the seconds spent are kept in
+    <out_dir>/budget.json (rank 0 writes it; every rank reads it at start)."""
+
+    def __init__(self, out: Path, minutes: float, rank: int):
+        self.path, self.rank = out / BUDGET_FILE, rank
+        self.minutes = minutes
+        self.spent = json.loads(self.path.read_text())["seconds"] if self.path.exists() else 0.0
+        self.started = time.monotonic()
+
+    @property
+    def left(self) -> float:
+        return self.minutes * 60 - self.spent
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.left
+
+    def save(self) -> None:
+        if self.rank == 0:
+            seconds = self.spent + time.monotonic() - self.started
+            atomic_write_text(self.path, json.dumps({"seconds": round(seconds, 3), "minutes": self.minutes}))
 
 
 def _dist():
@@ -193,36 +224,68 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
     if rank != 0:
         data_format.check_run(out, fingerprint)
     num_shards = math.ceil(len(prompts) / cfg.shard_size)
+    finished = (out / "manifest.json").exists()  # a dataset written: nothing more to generate
     mine = {k: prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size] for k in range(rank, num_shards, world)
-            if data_format.read_shard_meta(out, k) is None}
+            if not finished and data_format.read_shard_meta(out, k) is None}
+    budget = Budget(out, cfg.budget_min, rank) if cfg.budget_min is not None and not finished else None
+    _barrier(world)  # every rank has read budget.json before rank 0 writes it again
     started, generated = time.perf_counter(), 0
-    if mine:
-        generator = generators.build(cfg.sampling, shaper)
-        started = time.perf_counter()
-        bar = tqdm(total=sum(map(len, mine.values())), unit="prompt", disable=not progress or rank != 0,
-                   desc=f"rank {rank}")
-        try:
-            for k, rows, meta in generate_shards(cfg, shaper, generator, mine, prompts_per_call(cfg.backend)):
-                data_format.write_shard(out, k, rows, {**meta, "rank": rank})
-                generated += meta["generated_tokens"]
-                bar.update(len(mine[k]))
-                bar.set_postfix_str(f"{generated / (time.perf_counter() - started):.1f} tok/s")
-        finally:
-            bar.close()  # ends the bar's line, so an error message starts on its own
+    if mine and (budget is None or budget.left > 0):
+        generated = _generate(cfg, shaper, generators, mine, out, rank, budget, progress)
     elapsed = time.perf_counter() - started
     _barrier(world)
     metas = [data_format.read_shard_meta(out, k) for k in range(num_shards)]
     counts = _counts(prompts, load_skips, [m for m in metas if m is not None])
     complete = all(m is not None for m in metas)
-    if rank == 0 and complete and counts["rows"] and not (out / "manifest.json").exists():
+    committed = [k for k, m in enumerate(metas) if m is not None]
+    unstarted = sum(len(prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]) for k, m in enumerate(metas)
+                    if m is None) + counts["skipped"].get("budget", 0)
+    # Here with shards left (every rank is past the barrier, none failed), a budgeted run
+    # stopped because its budget ran out, on this rank or another; or it cut turns of
+    # shards that were all open.
+    reached = budget is not None and (not complete or any("budget_cut" in m for m in metas if m is not None))
+    if rank == 0 and (complete or reached) and counts["rows"] and not finished:
         manifest = {"format_version": data_format.FORMAT_VERSION, "target": identity, **tok_ident,
                     "template": fingerprint["template"], "sampling": asdict(cfg.sampling),
                     "max_prompt_len": cfg.max_prompt_len, "sources": [asdict(s) for s in cfg.sources],
                     "exclude_eval": cfg.exclude_eval, "backend": _backend_settings(cfg),
                     "num_shards": num_shards, "counts": counts}
-        data_format.consolidate(out, num_shards, manifest)
+        if budget is not None:
+            manifest["budget"] = {"minutes": cfg.budget_min, "reached": reached, "shards": len(committed),
+                                  "of": num_shards, "prompts_unstarted": unstarted}
+        data_format.consolidate(out, committed, manifest)
+    if finished:
+        recorded = data_format.read_manifest(out).get("budget", {})
+        reached, unstarted = recorded.get("reached", False), recorded.get("prompts_unstarted", 0)
     _barrier(world)
-    return RunResult(str(out), counts, generated / elapsed if elapsed > 0 else 0.0, generated, elapsed, complete)
+    return RunResult(str(out), counts, generated / elapsed if elapsed > 0 else 0.0, generated, elapsed, complete,
+                     reached, unstarted if reached else 0)
+
+
+def _generate(cfg: DatagenConfig, shaper: ChatShaper, generators: Generators, mine: dict, out: Path, rank: int,
+              budget: Budget | None, progress: bool) -> int:
+    """Answer this rank's shards, committing each as it completes (or as the budget ends
+    it); the generated token count."""
+    generator = generators.build(cfg.sampling, shaper)
+    if budget is not None:  # answering starts now: loading the target is not the budget's
+        budget.started = time.monotonic()
+    started, generated = time.perf_counter(), 0
+    bar = tqdm(total=sum(map(len, mine.values())), unit="prompt", disable=not progress or rank != 0,
+               desc=f"rank {rank}")
+    try:
+        for k, rows, meta in generate_shards(cfg, shaper, generator, mine, prompts_per_call(cfg.backend),
+                                             None if budget is None else budget.deadline):
+            if budget is not None:  # first: a kill between the two then counts the seconds
+                budget.save()
+            data_format.write_shard(out, k, rows, {**meta, "rank": rank})
+            generated += meta["generated_tokens"]
+            bar.update(len(mine[k]))
+            bar.set_postfix_str(f"{generated / (time.perf_counter() - started):.1f} tok/s")
+    finally:
+        bar.close()  # ends the bar's line, so an error message starts on its own
+        if budget is not None:
+            budget.save()
+    return generated
 
 
 def _backend_settings(cfg: DatagenConfig) -> dict:

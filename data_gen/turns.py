@@ -7,6 +7,11 @@ turn 3 of one conversation shares a call with turn 1 of others and no call waits
 shard to finish a turn. A shard is returned (and then committed by the caller) once all its
 conversations have ended; its rows depend only on its prompts and the settings, because
 every prompt samples from its own seed (run seed, prompt id, turn), whatever call it lands in.
+
+A budget (a deadline) ends the schedule early: after it no shard opens and no turn is asked,
+the answers of the call in flight finish, and every open shard in which some conversation
+has begun is returned, each conversation ending at its last answer. Such a shard holds
+fewer turns than its prompts would give; its metadata counts them (`budget_cut`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from data_gen.config import DatagenConfig
-from data_gen.generators import SEED_DIGEST, Failure, GeneratorUnavailable
+from data_gen.generators import SEED_DIGEST, Failure, GeneratorUnavailable, past
 from data_gen.sources import SkipLog, SourcePrompt
 from data_gen.template import ChatShaper
 from dflash_train.contract import derive_seed
@@ -42,6 +47,7 @@ class _Shard:
     skips: SkipLog = field(default_factory=SkipLog)  # conversations without a single answer
     ended: SkipLog = field(default_factory=SkipLog)  # conversations that stopped before their last turn
     open: int = 0
+    cut: int = 0  # conversations the budget ended (or kept from starting)
 
 
 def turn_seed(seed: int, prompt: SourcePrompt, turn: int) -> int:
@@ -80,6 +86,17 @@ def _record(shard: _Shard, c: _Conversation, result) -> None:
     c.row = (ids, mask, result.ids, result.finish_reason)
 
 
+def _cut(shard: _Shard, c: _Conversation) -> None:
+    """The budget ran out before the conversation's next turn started: it ends at its last
+    answer, or is no row at all without one."""
+    c.pending = None
+    shard.cut += 1
+    if c.row is None:
+        shard.skips.add("budget", f"{c.prompt.prompt_id}: not started before the budget ran out")
+    else:
+        shard.ended.add("budget")
+
+
 def _row(c: _Conversation) -> dict:
     """The training row of a conversation: its last prompt (the earlier answers inside it are
     learned too, template.py) plus the target's last answer."""
@@ -97,18 +114,24 @@ def _finish(shard: _Shard) -> tuple[list[dict], dict]:
             "skipped_examples": shard.skips.examples, "ended_early": dict(shard.ended.counts),
             "finish_reasons": dict(Counter(r["finish_reason"] for r in rows)), "rows": len(rows),
             "tokens": sum(r["num_tokens"] for r in rows), "response_tokens": sum(r["response_len"] for r in rows)}
+    if shard.cut:
+        meta["budget_cut"] = shard.cut
     return rows, meta
 
 
 def generate_shards(cfg: DatagenConfig, shaper: ChatShaper, generator, shards: dict[int, list[SourcePrompt]],
-                    call_size: int) -> Iterator[tuple[int, list[dict], dict]]:
-    """(index, rows, metadata) of each shard of `shards` (index -> prompts) as it completes.
+                    call_size: int, deadline: float | None = None) -> Iterator[tuple[int, list[dict], dict]]:
+    """(index, rows, metadata) of each shard of `shards` (index -> prompts) as it completes,
+    or as the budget ends it (``deadline``, a time.monotonic() value; the module says how).
 
     Raises GeneratorUnavailable on a retryable failure: the open shards stay uncommitted."""
     waiting = sorted(shards)
     active: dict[int, _Shard] = {}
     ready: list[tuple[int, int]] = []  # heap of (shard, position): the oldest shard's turns go first
     while waiting or active:
+        if past(deadline):
+            yield from _end_by_budget(active, ready)
+            return
         while waiting and len(ready) < call_size:
             k = waiting.pop(0)
             shard = active[k] = _Shard(k, [_Conversation(p) for p in shards[k]])
@@ -120,17 +143,37 @@ def generate_shards(cfg: DatagenConfig, shaper: ChatShaper, generator, shards: d
         convs = [(active[k], active[k].convs[pos]) for k, pos in calls]
         if convs:
             results = generator.generate([c.pending[0] for _, c in convs],
-                                         [turn_seed(cfg.sampling.seed, c.prompt, len(c.answers)) for _, c in convs])
+                                         [turn_seed(cfg.sampling.seed, c.prompt, len(c.answers)) for _, c in convs],
+                                         deadline=deadline)
             retry = [(k, r.detail) for (k, _), r in zip(calls, results) if isinstance(r, Failure) and r.retryable]
             if retry:
                 where = ", ".join(str(k) for k in sorted({k for k, _ in retry}))
                 raise GeneratorUnavailable(f"shard {where}: {len(retry)} prompts failed, e.g. {retry[0][1]}")
             for (shard, c), (k, pos), r in zip(convs, calls, results):
+                if r is None:  # not started: the budget ran out during the call
+                    _cut(shard, c)
+                    shard.open -= 1
+                    continue
                 _record(shard, c, r)
                 # A cut-off answer is not a history the target would continue from.
                 if c.pending is not None and r.finish_reason == "stop" and _next_turn(cfg, shaper, shard, c):
                     heapq.heappush(ready, (k, pos))
                 else:
                     shard.open -= 1
-        for k in [k for k, s in active.items() if s.open == 0]:
-            yield k, *_finish(active.pop(k))
+        yield from _done(active, [k for k, s in active.items() if s.open == 0])
+
+
+def _done(active: dict[int, _Shard], ended: list[int]) -> Iterator[tuple[int, list[dict], dict]]:
+    """The ended shards, out of ``active``; one the budget ended before any of its
+    conversations began is left unwritten, for a later run."""
+    for k in ended:
+        shard = active.pop(k)
+        if not shard.cut or any(c.row is not None for c in shard.convs):
+            yield k, *_finish(shard)
+
+
+def _end_by_budget(active: dict[int, _Shard], ready: list[tuple[int, int]]) -> Iterator[tuple[int, list[dict], dict]]:
+    """Every open shard, its waiting turns cut."""
+    for k, pos in ready:
+        _cut(active[k], active[k].convs[pos])
+    yield from _done(active, sorted(active))

@@ -69,7 +69,7 @@ def read_shard_meta(out_dir: Path, index: int) -> dict | None:
 
 # What dflash-datagen writes into out_dir (errors.check_own_folder's patterns): the run's
 # fingerprint, shards and their temporary names, what datasets.save_to_disk writes, the manifest.
-OWN_FILES = ("run.json", "manifest.json", "shards/", "shards/shard-[0-9][0-9][0-9][0-9][0-9].parquet",
+OWN_FILES = ("run.json", "manifest.json", "budget.json", "shards/", "shards/shard-[0-9][0-9][0-9][0-9][0-9].parquet",
              "shards/.shard-[0-9][0-9][0-9][0-9][0-9].parquet.tmp-*", "data/", "data/state.json",
              "data/dataset_info.json", "data/data-[0-9]*-of-[0-9]*.arrow",
              # prompts written by the target (data_gen/magpie.py), kept for a restart
@@ -108,12 +108,14 @@ def check_run(out_dir: Path, fingerprint: dict) -> None:
                              f"{key}={fingerprint.get(key)!r}: use a new out_dir or the original settings")
 
 
-def consolidate(out_dir: Path, num_shards: int, manifest: dict) -> None:
-    """Join the committed shards in order into <out>/data, then write the manifest."""
+def consolidate(out_dir: Path, shards: int | list[int], manifest: dict) -> None:
+    """Join the committed shards (0..shards-1, or those listed: a run its budget ended has
+    some) in order into <out>/data, then write the manifest."""
     import datasets
 
     out_dir = Path(out_dir)
-    tables = [_read_shard(shard_path(out_dir, i)) for i in range(num_shards)]
+    indices = range(shards) if isinstance(shards, int) else sorted(shards)
+    tables = [_read_shard(shard_path(out_dir, i)) for i in indices]
     table = pa.concat_tables(tables).replace_schema_metadata(None)
 
     def write(tmp: Path) -> None:

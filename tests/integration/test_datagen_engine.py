@@ -139,3 +139,50 @@ def test_benchmark_table_on_cpu(tmp_path, capsys):
     assert [r[0] for r in rows] == ["hf", "engine", "engine-eager"]
     assert len({r[1] for r in rows}) == 1 and 4 <= int(rows[0][1]) <= 16, "the same tokens, at most 4 each"
     assert all(float(r[4]) > 0 and r[6] == "n/a" and r[7] == "4/4" for r in rows), rows
+
+
+class Clock:
+    """time.monotonic for data_gen.generators.past: moved by the test, not by the machine."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("kind", ["engine", "hf"])
+def test_no_prompt_starts_after_the_deadline(smollm2, prompts, monkeypatch, kind):
+    """The deadline passes once the first 4 prompts have started: those are answered as
+    without one (the 4 longest: both generators start the longest first), the rest are
+    None; a deadline already past starts nothing."""
+    import types
+
+    import data_gen.engine
+    import data_gen.generators
+
+    clock = Clock()
+    monkeypatch.setattr(data_gen.generators, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    some = prompts[:12]
+    cfg, s = BackendConfig(kind=kind, batch_size=4), SamplingConfig(max_new_tokens=MAX_NEW)
+    gen = (EngineGenerator(smollm2, cfg, s, [IM_END], max_prompt_len=256) if kind == "engine"
+           else HFGenerator(smollm2, cfg, s, [IM_END], IM_END))
+    assert gen.generate(some, list(range(12)), deadline=clock.now) == [None] * 12
+    # The clock passes the deadline as soon as the first group of prompts has started.
+    cls, name = (data_gen.engine.GenerationEngine, "_admit") if kind == "engine" else (HFGenerator, "_batch")
+    started = getattr(cls, name)
+
+    def then_late(self, *args):
+        out = started(self, *args)
+        clock.now += 3600
+        return out
+
+    monkeypatch.setattr(cls, name, then_late)
+    results = gen.generate(some, list(range(12)), deadline=clock.now + 60)
+    longest = sorted(range(12), key=lambda i: -len(some[i]))[:4]
+    assert [i for i, r in enumerate(results) if r is not None] == sorted(longest)
+    monkeypatch.setattr(cls, name, started)
+    full = generate(kind, smollm2, [some[i] for i in sorted(longest)], batch_size=4)
+    assert [results[i].ids for i in sorted(longest)] == [c.ids for c in full]
+    if kind == "engine":
+        assert not gen.engine.queue, "the prompts the deadline kept out are not left queued"

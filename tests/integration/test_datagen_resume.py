@@ -2,6 +2,7 @@
 result holds every prompt exactly once and equals an uninterrupted run; with every turn of
 multi-turn conversations regenerated, each conversation is one row, once."""
 
+import json
 import re
 import subprocess
 
@@ -60,3 +61,15 @@ def test_kill_9_then_rerun_equals_uninterrupted(tmp_path, smollm2, smollm2_token
     answered = [(row.count(IM_START) - 1) // 2 for row in got["input_ids"]]
     # (conversation 2's first answer, and 5's second, run past 8 tokens: those end there)
     assert answered == ([1] * num_prompts if turns == "one" else [1, 2, 1, 1, 2, 2])
+
+
+def test_a_budget_counts_the_seconds_of_earlier_attempts(tmp_path):
+    """budget.json keeps what a killed attempt spent: a rerun has only the rest."""
+    from data_gen.pipeline import Budget
+
+    (tmp_path / "budget.json").write_text(json.dumps({"seconds": 50.0, "minutes": 1.0}))
+    budget = Budget(tmp_path, 1.0, rank=0)
+    assert budget.left == pytest.approx(10.0) and budget.deadline == pytest.approx(budget.started + 10.0)
+    assert Budget(tmp_path / "new", 2.0, rank=0).left == pytest.approx(120.0)
+    budget.save()
+    assert json.loads((tmp_path / "budget.json").read_text())["seconds"] == pytest.approx(50.0, abs=1.0)

@@ -113,14 +113,14 @@ class Recorder:
     def __init__(self, inner, tokenizer):
         self.inner, self.tokenizer, self.calls = inner, tokenizer, []
 
-    def generate(self, prompts, seeds):
+    def generate(self, prompts, seeds, deadline=None):
         # SmolLM2's template: turn t of a conversation holds 2t + 3 <|im_start|> (system, users,
         # answers, the generation header); the first user turn names the conversation.
         turns = [(p.count(IM_START) - 3) // 2 for p in prompts]
         firsts = [self.tokenizer.decode(p).split("<|im_start|>user\n")[1].split("<|im_end|>")[0] for p in prompts]
         self.calls.append([(CONVERSATIONS.index(next(c for c in CONVERSATIONS if c[0] == f)), t)
                            for f, t in zip(firsts, turns)])
-        return self.inner.generate(prompts, seeds)
+        return self.inner.generate(prompts, seeds, deadline)
 
 
 def test_next_turn_joins_the_next_call(turns_run, smollm2, smollm2_tokenizer):
@@ -149,3 +149,50 @@ def test_a_turn_past_max_prompt_len_ends_the_conversation_and_keeps_the_row(tmp_
     row = load_generated(cfg.out_dir)[0]
     assert len(answers) == 2 and row["input_ids"] == ids + answers[-1]
     assert read_manifest(cfg.out_dir)["counts"]["ended_early"] == {"too_long": 1}
+
+
+def test_a_budget_ends_each_conversation_at_its_last_answer(tmp_path, smollm2, smollm2_tokenizer, turns_run,
+                                                           monkeypatch):
+    """budget_min runs out after the first batch of the first call (2 prompts of 5 first turns):
+    their conversations end after one answer, each row equal to the unbudgeted run's first
+    turn; the shards begun are written, the last (not begun) is not; a rerun adds nothing."""
+    import time
+    import types
+
+    import data_gen.generators
+    import data_gen.pipeline
+    from data_gen.hf_generator import HFGenerator
+
+    now = [1000.0]
+    monkeypatch.setattr(data_gen.generators, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(data_gen.pipeline, "time", types.SimpleNamespace(monotonic=lambda: now[0],
+                                                                         perf_counter=time.perf_counter))
+    first_batch = HFGenerator._batch
+
+    def then_late(self, prompts, seeds):
+        out = first_batch(self, prompts, seeds)
+        now[0] += 3600
+        return out
+
+    monkeypatch.setattr(HFGenerator, "_batch", then_late)
+    cfg = config(tmp_path, "budget", budget_min=1.0)
+    result = run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
+    _, shaper, prompts, refs, _ = turns_run
+    # Shards of 2: {0, 1}, {2, 3}, {4}. The longest first prompts (0 and 3) made the first batch.
+    manifest = read_manifest(cfg.out_dir)
+    assert manifest["budget"] == {"minutes": 1.0, "reached": True, "shards": 2, "of": 3, "prompts_unstarted": 3}
+    assert result.budget_reached and result.unstarted == 3 and not result.complete
+    data = load_generated(cfg.out_dir)
+    assert data["prompt_id"] == [prompts[0].prompt_id, prompts[3].prompt_id]
+    for i, row in zip((0, 3), data):
+        ids, mask = shaper.prompt(prompts[i].system, prompts[i].user_turns, [])
+        assert row["input_ids"] == ids + refs[i][0][0] and row["loss_mask"] == mask + [1] * len(refs[i][0][0])
+    counts = manifest["counts"]
+    assert counts["rows"] == 2 and counts["ended_early"] == {"budget": 2} and counts["skipped"] == {"budget": 2}
+    assert json.loads((tmp_path / "budget" / "budget.json").read_text())["seconds"] == pytest.approx(3600.0)
+    # The same command again: the dataset is final, nothing is generated.
+    monkeypatch.setattr(HFGenerator, "_batch", first_batch)
+    before = {p: p.read_bytes() for p in (tmp_path / "budget").rglob("*") if p.is_file()}
+    again = run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
+    assert again.budget_reached and again.generated_tokens == 0
+    assert {p: p.read_bytes() for p in (tmp_path / "budget").rglob("*") if p.is_file()} == before

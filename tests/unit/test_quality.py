@@ -120,7 +120,7 @@ def test_quality_run_generates_its_data_first(tmp_path, capsys):
     quality.main(argv)
     manifest = json.loads((run / "data" / "manifest.json").read_text())
     assert manifest["counts"]["rows"] == 12 and manifest["exclude_eval"] == ["mtbench", "humaneval"]
-    assert manifest["budget"] == {"minutes": 5.0, "reached": False, "shards": 3, "of": 3}
+    assert manifest["budget"] == {"minutes": 5.0, "reached": False, "shards": 3, "of": 3, "prompts_unstarted": 0}
     out = json.loads((run / "quality.json").read_text())
     assert {k: out["datagen"][k] for k in ("conversations", "tokens", "answer_tokens", "budget_reached")} == {
         "conversations": 12, "tokens": manifest["counts"]["tokens"],
