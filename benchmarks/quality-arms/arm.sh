@@ -16,6 +16,7 @@ case $ARM in
   b-first-turns) ARGS=(--config-name quality_generate "${COMMON[@]}" datagen_recipe=datagen
       'datagen=["backend.batch_size=512","sampling.max_new_tokens=512","max_prompt_len=3072"]' "train=[$TRAIN]") ;;
   c-all-turns-magpie) ARGS=(--config-name quality_generate "${COMMON[@]}" "train=[$TRAIN]") ;;
+  c-short) ARGS=(--config-name quality_generate "${COMMON[@]}" datagen_budget_min=2.5 budget_min=5.5 "train=[$TRAIN]") ;;
   f-cache-wsd) ARGS=(--config-name quality_generate "${COMMON[@]}"
       "train=[$TRAIN,\"data.cache_features=true\",\"optim.schedule=wsd\"]") ;;
   *) echo "arm.sh: unknown arm '$ARM'"; exit 2 ;;
