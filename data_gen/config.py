@@ -43,6 +43,10 @@ class SourceConfig:
     top_p: float = 1.0
     max_tokens: int = 256
     max_candidates: int | None = None
+    # magpie only: the system prompt the target writes its prompts under, steering their
+    # domain (a coder target: one that says users ask coding questions); None: the run's
+    # template's. The answers are made under the run's template either way.
+    system_prompt: str | None = None
 
     def validate(self, where: str) -> None:
         if self.kind not in SOURCE_KINDS:
@@ -62,7 +66,8 @@ class SourceConfig:
                                  f"prompt_column={self.prompt_column!r}, messages_column={self.messages_column!r})")
         elif self.prompt_column is not None or self.messages_column is not None:
             raise ValueError(f"{where}: prompt_column/messages_column apply only to kind 'hf', not {self.kind!r}")
-        magpie_only = {k: getattr(self, k) for k in ("temperature", "top_p", "max_tokens", "max_candidates")
+        magpie_only = {k: getattr(self, k) for k in ("temperature", "top_p", "max_tokens", "max_candidates",
+                                                     "system_prompt")
                        if getattr(self, k) != getattr(SourceConfig, k)}
         if magpie_only:
             raise ValueError(f"{where}: {magpie_only} apply only to kind 'magpie', not {self.kind!r}")

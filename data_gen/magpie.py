@@ -1,8 +1,9 @@
 """Prompts written by the target itself (the Magpie method), for targets without a corpus.
 
 The chat template is rendered up to the point where a user's message begins (system prompt
-included, the configured one or the template's default), and the target continues from
-there: what it writes until its end-of-turn token is a user prompt in the style of its own
+included: the source's `system_prompt`, which steers the prompts' domain as Magpie's domain
+variants do, else the configured one or the template's default), and the target continues
+from there: what it writes until its end-of-turn token is a user prompt in the style of its own
 training chats. Each candidate i is sampled from its own seed (run seed, source name, i),
 so the prompts are the same whatever the batch or the number of ranks.
 
@@ -33,9 +34,13 @@ PROMPTS_DIR = "prompts"
 MAX_CHUNK = 4096
 
 
-def user_prefix(shaper: ChatShaper) -> str:
-    """The template's text up to the start of a user message's content."""
-    text = shaper.render(shaper.messages(None, [SENTINELS[0]], []), add_generation_prompt=False)
+def user_prefix(shaper: ChatShaper, system_prompt: str | None = None) -> str:
+    """The template's text up to the start of a user message's content, under
+    ``system_prompt`` when given (else the run's or the template's own)."""
+    messages = shaper.messages(None, [SENTINELS[0]], [])
+    if system_prompt is not None:
+        messages = [{"role": "system", "content": system_prompt}, *(m for m in messages if m["role"] != "system")]
+    text = shaper.render(messages, add_generation_prompt=False)
     if text.count(SENTINELS[0]) != 1:
         raise ValueError("chat template: cannot find where a user message starts, so the target cannot "
                          "write prompts (magpie source)")
@@ -49,11 +54,14 @@ class MagpieWriter:
                  generator: Callable[[SamplingConfig], object] | None, chunk: int):
         self.src, self.shaper, self.seed = src, shaper, seed
         self.folder = Path(out_dir) / PROMPTS_DIR / src.name
-        self.prefix = user_prefix(shaper)
+        self.prefix = user_prefix(shaper, src.system_prompt)
         self.prefix_ids = shaper.tokenizer(self.prefix, add_special_tokens=False)["input_ids"]
         # None: only read what another rank wrote (every chunk it needed exists by then).
         self.generator, self.chunk = generator, chunk
-        self.settings = {"source": asdict(src), "seed": seed, "prefix": self.prefix,
+        source = asdict(src)
+        if source["system_prompt"] is None:  # as stored before the key existed: a restart reads them back
+            del source["system_prompt"]
+        self.settings = {"source": source, "seed": seed, "prefix": self.prefix,
                          "target_weights": identity["weights"], "stop_token_ids": shaper.stop_ids}
         self._sampler = None
 

@@ -17,6 +17,8 @@ case $ARM in
       'datagen=["backend.batch_size=512","sampling.max_new_tokens=512","max_prompt_len=3072"]' "train=[$TRAIN]") ;;
   c-all-turns-magpie) ARGS=(--config-name quality_generate "${COMMON[@]}" "train=[$TRAIN]") ;;
   c-short) ARGS=(--config-name quality_generate "${COMMON[@]}" datagen_budget_min=2.5 budget_min=5.5 "train=[$TRAIN]") ;;
+  d-magpie-code) ARGS=(--config-name quality_generate "${COMMON[@]}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}]\"]" "train=[$TRAIN]") ;;
+  e-temperature) ARGS=(--config-name quality_generate "${COMMON[@]}" "datagen=[\"backend.batch_size=512\",\"sampling.temperature=0.7\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256}]\"]" "train=[$TRAIN]") ;;
   f-cache-wsd) ARGS=(--config-name quality_generate "${COMMON[@]}"
       "train=[$TRAIN,\"data.cache_features=true\",\"optim.schedule=wsd\"]") ;;
   *) echo "arm.sh: unknown arm '$ARM'"; exit 2 ;;

@@ -49,3 +49,20 @@ def test_target_writes_prompts_and_a_restart_reads_them_back(tmp_path, smollm2, 
     run(resumed, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
     assert load_generated(resumed.out_dir)[:] == data[:]
     assert len(list(partial.iterdir())) == 2 + 3  # candidates 4..9, two per file
+
+
+def test_a_system_prompt_steers_the_prompts_not_the_answers(tmp_path, smollm2, smollm2_tokenizer):
+    """A magpie source's system_prompt: the target writes its prompts under it (other prompts
+    than the unsteered run's), and answers them under the run's template (its default system
+    prompt), as a served target would be asked."""
+    steer = "You are a Python expert. Users ask you to write Python functions."
+    cfg = to_datagen_config({
+        "target": {"name": SMOLLM2}, "out_dir": str(tmp_path / "steered"), "shard_size": 2,
+        "sources": [{"kind": "magpie", "num_prompts": 2, "max_tokens": 64, "system_prompt": steer}],
+        "sampling": {"max_new_tokens": 4}, "backend": {"kind": "hf", "batch_size": 4, "cpu_threads": 1}})
+    run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
+    texts = [smollm2_tokenizer.decode(r["input_ids"][: r["prompt_len"]]) for r in load_generated(cfg.out_dir)]
+    assert len(texts) == 2 and all(steer not in t and "named SmolLM" in t for t in texts)
+    assert not any(FIRST in t for t in texts)
+    settings = (tmp_path / "steered" / "prompts" / "magpie" / "settings.json").read_text()
+    assert steer in settings

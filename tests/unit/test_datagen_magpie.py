@@ -23,6 +23,11 @@ def test_prefix_keeps_the_system_prompt_and_stops_at_the_user_content(smollm2_to
     assert user_prefix(ChatShaper(tok, [2])) == SMOL_SYSTEM + "<|im_start|>user\n"
     assert user_prefix(ChatShaper(tok, [2], system_prompt="Ask about cooking.")) == \
         "<|im_start|>system\nAsk about cooking.<|im_end|>\n<|im_start|>user\n"
+    # A source's own system prompt steers what the target writes, whatever the run's is.
+    steered = "<|im_start|>system\nUsers ask you coding questions.<|im_end|>\n<|im_start|>user\n"
+    assert user_prefix(ChatShaper(tok, [2]), "Users ask you coding questions.") == steered
+    assert user_prefix(ChatShaper(tok, [2], system_prompt="Ask about cooking."), "Users ask you coding questions.") \
+        == steered
     # Qwen3's thinking switch shapes the answers' prompts, not the user turn the target writes.
     qwen3 = ChatShaper(tok, [2], enable_thinking=False, chat_template=str(TEMPLATES / "qwen3.jinja"))
     assert user_prefix(qwen3) == "<|im_start|>user\n"

@@ -136,6 +136,8 @@ def base_config(**overrides):
     ({"sources": [{"kind": "magpie", "num_prompts": 4, "max_candidates": 3}]}, r"max_candidates=3: must be >= num"),
     ({"sources": [{"kind": "jsonl", "path": "a", "num_prompts": 0}]}, r"sources\[0\].num_prompts=0"),
     ({"sources": [{"kind": "jsonl", "path": "a", "max_tokens": 9}]}, r"\{'max_tokens': 9\} apply only to kind 'magpie'"),
+    ({"sources": [{"kind": "jsonl", "path": "a", "system_prompt": "x"}]},
+     r"\{'system_prompt': 'x'\} apply only to kind 'magpie'"),
 ])
 def test_config_errors_name_the_value(overrides, message):
     with pytest.raises(ValueError, match=message):
