@@ -154,7 +154,6 @@ class GenerationEngine:
         # Off CUDA the host waits for every step anyway: it reads the slots after each.
         self.sync_steps = sync_steps or (STEPS_PER_SYNC if self.device.type == "cuda" else 1)
         self.queue: deque = deque()
-        self.deadline: float | None = None  # drain's: no prompt is admitted after it
         # The host's view of the slots: the request in each, its position as of the last
         # snapshot read, and the first snapshot that shows it.
         self.slot_key: list[Hashable | None] = [None] * batch_size
@@ -269,9 +268,10 @@ class GenerationEngine:
             positions = torch.arange(width, device=self.device).expand(len(group), width)
             self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **{STEP_KWARG: step})
 
-    def _admit(self) -> None:
-        """Queued prompts into the free slots (prefill and slot state, queued on the device)."""
-        if past(self.deadline):
+    def _admit(self, deadline: float | None) -> None:
+        """Queued prompts into the free slots (prefill and slot state, queued on the device);
+        none once ``deadline`` has passed."""
+        if past(deadline):
             return
         free = [slot for slot, key in enumerate(self.slot_key) if key is None]
         admitted = []
@@ -335,15 +335,14 @@ class GenerationEngine:
         """Generate until the queue and the slots are empty, yielding answers as they end;
         after ``deadline`` (time.monotonic()) until the slots are: the prompts still queued
         stay in the queue."""
-        self.deadline = deadline
         # The engine's GPU is current while it runs (graphs replay on the current device's
         # stream; under torchrun nothing else makes the rank's GPU current).
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             if self.graphs == {}:
                 self._capture_all()
-            yield from self._loop()
+            yield from self._loop(deadline)
 
-    def _loop(self) -> Iterator[tuple[Hashable, Completion]]:
+    def _loop(self, deadline: float | None) -> Iterator[tuple[Hashable, Completion]]:
         """Each round queues a chunk of steps and a snapshot after it, then reads the previous
         round's snapshot while the device runs the new chunk, and refills the slots it shows
         free (their prefill queued behind the chunk). The host's work hides behind the
@@ -360,7 +359,7 @@ class GenerationEngine:
                 pending, snapshot = snapshot, None
             if pending is not None:
                 yield from self._harvest(pending, stop_ids)
-            self._admit()
+            self._admit(deadline)
             if snapshot is None and all(key is None for key in self.slot_key):
                 return
             pending = snapshot

@@ -225,7 +225,11 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
         data_format.check_run(out, fingerprint)
     num_shards = math.ceil(len(prompts) / cfg.shard_size)
     finished = (out / "manifest.json").exists()  # a dataset written: nothing more to generate
-    mine = {k: prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size] for k in range(rank, num_shards, world)
+
+    def shard(k: int) -> list[SourcePrompt]:
+        return prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]
+
+    mine = {k: shard(k) for k in range(rank, num_shards, world)
             if not finished and data_format.read_shard_meta(out, k) is None}
     budget = Budget(out, cfg.budget_min, rank) if cfg.budget_min is not None and not finished else None
     _barrier(world)  # every rank has read budget.json before rank 0 writes it again
@@ -238,8 +242,7 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
     counts = _counts(prompts, load_skips, [m for m in metas if m is not None])
     complete = all(m is not None for m in metas)
     committed = [k for k, m in enumerate(metas) if m is not None]
-    unstarted = sum(len(prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]) for k, m in enumerate(metas)
-                    if m is None) + counts["skipped"].get("budget", 0)
+    unstarted = sum(len(shard(k)) for k, m in enumerate(metas) if m is None) + counts["skipped"].get("budget", 0)
     # Here with shards left (every rank is past the barrier, none failed), a budgeted run
     # stopped because its budget ran out, on this rank or another; or it cut turns of
     # shards that were all open.

@@ -52,7 +52,7 @@ def write_datagen_dir(out_dir: Path, target_spec: str, tokenizer, repeat: int = 
     data_format.check_run(out_dir, {})  # as dflash-datagen does first: the folder is a run of its own
     if rows:
         data_format.write_shard(out_dir, 0, rows, {})
-        data_format.consolidate(out_dir, 1, manifest)
+        data_format.consolidate(out_dir, range(1), manifest)
     else:  # consolidate cannot save an empty table (datasets needs num_shards=1 for that)
         import datasets
         import pyarrow as pa

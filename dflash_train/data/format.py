@@ -18,6 +18,7 @@ metadata), so a restart skips committed shards and reports the same counts.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import pyarrow as pa
@@ -108,14 +109,13 @@ def check_run(out_dir: Path, fingerprint: dict) -> None:
                              f"{key}={fingerprint.get(key)!r}: use a new out_dir or the original settings")
 
 
-def consolidate(out_dir: Path, shards: int | list[int], manifest: dict) -> None:
-    """Join the committed shards (0..shards-1, or those listed: a run its budget ended has
-    some) in order into <out>/data, then write the manifest."""
+def consolidate(out_dir: Path, shards: Iterable[int], manifest: dict) -> None:
+    """Join the committed shards of these indices (all of a run's, or those a budget let it
+    begin) in order into <out>/data, then write the manifest."""
     import datasets
 
     out_dir = Path(out_dir)
-    indices = range(shards) if isinstance(shards, int) else sorted(shards)
-    tables = [_read_shard(shard_path(out_dir, i)) for i in indices]
+    tables = [_read_shard(shard_path(out_dir, i)) for i in sorted(shards)]
     table = pa.concat_tables(tables).replace_schema_metadata(None)
 
     def write(tmp: Path) -> None:

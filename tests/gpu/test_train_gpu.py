@@ -43,7 +43,7 @@ def _random_conversations(out_dir, vocab: int, count: int = 24):
                      "loss_mask": [0] * p + [1] * (n - p), "prompt_id": f"p{i}", "source": "test",
                      "finish_reason": "stop", "prompt_len": p, "response_len": n - p, "num_tokens": n})
     data_format.write_shard(out_dir, 0, rows, {})
-    data_format.consolidate(out_dir, 1, {"format_version": data_format.FORMAT_VERSION, "counts": {"rows": count}})
+    data_format.consolidate(out_dir, range(1), {"format_version": data_format.FORMAT_VERSION, "counts": {"rows": count}})
     return out_dir
 
 

@@ -26,7 +26,7 @@ def test_shards_consolidate_in_order(tmp_path):
     assert data_format.read_shard_meta(tmp_path, 1) == {"shard": 1}
     assert data_format.read_shard_meta(tmp_path, 2) is None
     assert not list((tmp_path / "shards").glob(".*")), "no temporary files left behind"
-    data_format.consolidate(tmp_path, 2, manifest(3))
+    data_format.consolidate(tmp_path, range(2), manifest(3))
     data = data_format.load_generated(tmp_path)
     assert data["prompt_id"] == ["a", "b", "c"]
     assert data[0] == row("a", 3, 2)
