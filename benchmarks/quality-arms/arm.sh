@@ -1,40 +1,68 @@
-# Issue 36's arms, each one dflash-quality run on one H100 within a 30-minute lease: at most 6
-# minutes of generation (recipes/quality_generate.yaml), 14 of training (the lease also holds the
-# machine's start and the GGUF's transfer and conversion), the export evaluated on MT-Bench,
-# HumanEval and the 40 ShareGPT held-out prompts (40 each, 256 tokens, greedy).
-#   bash benchmarks/quality-arms/arm.sh WAIT_S ARM
+# Issue 36's arms, each one dflash-quality run on one GPU: generation for GEN_MIN minutes (the
+# recipe's 4 when unset; recipes/quality_generate.yaml), training for TRAIN_MIN (default 14), the
+# export evaluated on MT-Bench, HumanEval and the 40 ShareGPT held-out prompts (40 each, 256
+# tokens, greedy, one batch of 120).
+#   bash benchmarks/quality-arms/arm.sh WAIT_S QUEUE [QUEUE ...]
+# QUEUE k runs on GPU k-1: one arm, or several separated by commas, one after another (on a
+# 2-GPU machine `arm.sh 540 a-shared,guard0 c-all-turns-magpie` runs arms a and c side by side
+# on one host, then the quality guard's seed 0 alone on the first GPU).
 # Run by every call of a lease's chain (benchmarks/gpu/setup.sh carries the GGUF over in parts):
-# the first call with the GGUF whole starts the arm in its own session, every call follows it for
-# up to WAIT_S seconds and copies what it has to $OUT/ARM.
+# the first call with the GGUF whole starts the queues, each in its own session; every call
+# follows them for up to WAIT_S seconds and copies what they have to $OUT/ARM.
 source benchmarks/gpu/setup.sh
-ARM=$2 R=/tmp/arm-$2
+WAIT=$1; shift
 TRAIN='"+experiment=qwen25_coder_05b_1xh100","logging.wandb=disabled","logging.progress_bar=false","data.val_every=500"'
-COMMON=(target=qwen25_coder_05b target.name=/tmp/qwen25coder05b.gguf run_dir=$R budget_min=14 seconds_per_step=0.195
-  startup_s=70 "datasets=[mtbench,humaneval,benchmarks/quality-h100-2026-11-24/sharegpt-heldout.jsonl]")
-case $ARM in
-  a-shared) ARGS=("${COMMON[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$TRAIN]") ;;
-  b-first-turns) ARGS=(--config-name quality_generate "${COMMON[@]}" datagen_recipe=datagen
-      'datagen=["backend.batch_size=512","sampling.max_new_tokens=512","max_prompt_len=3072"]' "train=[$TRAIN]") ;;
-  c-all-turns-magpie) ARGS=(--config-name quality_generate "${COMMON[@]}" "train=[$TRAIN]") ;;
-  c-short) ARGS=(--config-name quality_generate "${COMMON[@]}" datagen_budget_min=2.5 budget_min=5.5 "train=[$TRAIN]") ;;
-  d-magpie-code) ARGS=(--config-name quality_generate "${COMMON[@]}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}]\"]" "train=[$TRAIN]") ;;
-  e-temperature) ARGS=(--config-name quality_generate "${COMMON[@]}" "datagen=[\"backend.batch_size=512\",\"sampling.temperature=0.7\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256}]\"]" "train=[$TRAIN]") ;;
-  f-cache-wsd) ARGS=(--config-name quality_generate "${COMMON[@]}"
-      "train=[$TRAIN,\"data.cache_features=true\",\"optim.schedule=wsd\"]") ;;
-  *) echo "arm.sh: unknown arm '$ARM'"; exit 2 ;;
-esac
-if [ -f /tmp/qwen25coder05b.gguf ] && [ ! -f $R.started ]; then
-  touch $R.started; date +%s > $R.t0
-  printf '%q ' python3 -m dflash_train.quality "${ARGS[@]}" > $R.cmd; cat $R.cmd > $R.log; echo >> $R.log
-  setsid nohup bash -c "bash $R.cmd; echo EXIT \$?; date +%s > $R.t1" >> $R.log 2>&1 < /dev/null &
+GEN=(); [ -n "$GEN_MIN" ] && GEN=(datagen_budget_min=$GEN_MIN)
+arm_args() {  # the dflash-quality arguments of arm $1 (run folder /tmp/arm-$1)
+  local C=(target=qwen25_coder_05b target.name=/tmp/qwen25coder05b.gguf run_dir=/tmp/arm-$1
+    budget_min=${TRAIN_MIN:-14} seconds_per_step=0.195 startup_s=70 'eval=["batch_size=120"]'
+    "datasets=[mtbench,humaneval,benchmarks/quality-h100-2026-11-24/sharegpt-heldout.jsonl]")
+  local Q=(--config-name quality_generate "${C[@]}" "${GEN[@]}")
+  case $1 in
+    a-shared) ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$TRAIN]") ;;
+    b-first-turns) ARGS=("${Q[@]}" datagen_recipe=datagen
+        'datagen=["backend.batch_size=512","sampling.max_new_tokens=512","max_prompt_len=3072"]' "train=[$TRAIN]") ;;
+    c-all-turns-magpie) ARGS=("${Q[@]}" "train=[$TRAIN]") ;;
+    d-magpie-code) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}]\"]" "train=[$TRAIN]") ;;
+    e-temperature) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sampling.temperature=0.7\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256}]\"]" "train=[$TRAIN]") ;;
+    f-cache-wsd) ARGS=("${Q[@]}" "train=[$TRAIN,\"data.cache_features=true\",\"optim.schedule=wsd\"]") ;;
+    *) echo "arm.sh: unknown arm '$1'"; return 2 ;;
+  esac
+}
+queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one after another
+  local arm
+  for arm in ${1//,/ }; do
+    if [ "$arm" = guard0 ]; then
+      echo "date +%s > /tmp/arm-guard0.t0; python3 -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf --data /tmp/data/sharegpt-qwen25-coder-05b --out /tmp/arm-guard0 --seeds 0 > /tmp/arm-guard0.log 2>&1; echo EXIT \$? >> /tmp/arm-guard0.log; date +%s > /tmp/arm-guard0.t1"
+    else
+      arm_args $arm || exit 2
+      printf '%q ' python3 -m dflash_train.quality "${ARGS[@]}" > /tmp/arm-$arm.cmd
+      echo "date +%s > /tmp/arm-$arm.t0; { cat /tmp/arm-$arm.cmd; echo; bash /tmp/arm-$arm.cmd; echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
+    fi
+  done
+}
+ARMS=$(echo "$@" | tr ', ' '\n\n')
+if [ -f /tmp/qwen25coder05b.gguf ] && [ ! -f /tmp/arms.started ]; then
+  touch /tmp/arms.started; gpu=0
+  for q in "$@"; do
+    queue_cmd "$q" > /tmp/queue-$gpu.sh || exit 2
+    CUDA_VISIBLE_DEVICES=$gpu setsid nohup bash /tmp/queue-$gpu.sh > /tmp/queue-$gpu.out 2>&1 < /dev/null &
+    gpu=$((gpu + 1))
+  done
 fi
-end=$(( $(date +%s) + ${1:-540} ))
-while [ $(date +%s) -lt $end ] && [ ! -f $R.t1 ]; do sleep 10; done
-echo "elapsed $(( $(date +%s) - $(cat $R.t0 2>/dev/null || date +%s) )) s"
-grep -E "^\[|EXIT|quality run|^\||summary|budget|tok/s|rows written|finish_reason|skipped|conversation ended|error" $R.log | tail -40
-[ -f $R/train/metrics.jsonl ] && tail -1 $R/train/metrics.jsonl | cut -c1-300
-echo "recompilations: $(grep -ciE 'recompil' $R.log)"
-mkdir -p $OUT/$ARM; cp $R.log $OUT/$ARM/ 2>/dev/null
-cp $R/quality.json $R/plan.json $R/datagen_seconds.json $R/train_seconds.json $R/data/manifest.json $OUT/$ARM/ 2>/dev/null
-cp $R/train/metrics.jsonl $OUT/$ARM/train_metrics.jsonl 2>/dev/null; cp $R/eval/results.json $OUT/$ARM/eval_results.json 2>/dev/null
-nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+done_all() { for a in $ARMS; do [ -f /tmp/arm-$a.t1 ] || return 1; done; }
+end=$(( $(date +%s) + WAIT ))
+while [ $(date +%s) -lt $end ] && ! done_all; do sleep 10; done
+for a in $ARMS; do
+  R=/tmp/arm-$a
+  [ -f $R.t0 ] || { echo "== $a: not started"; continue; }
+  echo "== $a: $(( $(cat $R.t1 2>/dev/null || date +%s) - $(cat $R.t0) )) s$([ -f $R.t1 ] && echo ', finished')"
+  grep -E "^\[|EXIT|quality run|^\||summary|budget|tok/s|rows written|skipped|error|Error|PASS|FAIL|median" $R.log | cut -c1-240 | tail -30
+  [ -f $R/train/metrics.jsonl ] && tail -1 $R/train/metrics.jsonl | cut -c1-240
+  echo "recompilations: $(grep -ciE 'recompil' $R.log)"
+  mkdir -p $OUT/$a; cp $R.log $OUT/$a/ 2>/dev/null
+  cp $R/quality.json $R/plan.json $R/datagen_seconds.json $R/train_seconds.json $R/data/manifest.json $OUT/$a/ 2>/dev/null
+  cp $R/train/metrics.jsonl $OUT/$a/train_metrics.jsonl 2>/dev/null; cp $R/eval/results.json $OUT/$a/eval_results.json 2>/dev/null
+  cp $R/seed-0/metrics.jsonl $OUT/$a/seed0_metrics.jsonl 2>/dev/null
+done
+nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
