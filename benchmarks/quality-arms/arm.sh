@@ -1,14 +1,16 @@
 # Issue 36's arms, each one dflash-quality run on one GPU: generation for GEN_MIN minutes (the
 # recipe's 4 when unset; recipes/quality_generate.yaml), training for TRAIN_MIN (default 14), the
 # export evaluated on MT-Bench, HumanEval and the 40 ShareGPT held-out prompts (40 each, 256
-# tokens, greedy, one batch of 120).
+# tokens, greedy, one batch of 120). DATA=DIR: arms c and f train on DIR (a set an earlier lease
+# brought back) instead of generating theirs.
 #   bash benchmarks/quality-arms/arm.sh WAIT_S QUEUE [QUEUE ...]
 # QUEUE k runs on GPU k-1: one arm, or several separated by commas, one after another (on a
 # 2-GPU machine `arm.sh 540 a-shared,guard0 c-all-turns-magpie` runs arms a and c side by side
 # on one host, then the quality guard's seed 0 alone on the first GPU).
 # Run by every call of a lease's chain (benchmarks/gpu/setup.sh carries the GGUF over in parts):
 # the first call with the GGUF whole starts the queues, each in its own session; every call
-# follows them for up to WAIT_S seconds and copies what they have to $OUT/ARM.
+# follows them for up to WAIT_S seconds and brings back what they have ($OUT/results.tgz, one
+# folder per arm) and each finished arm's generated data ($OUT/ARM-data.tgz.N).
 source benchmarks/gpu/setup.sh
 WAIT=$1; shift
 TRAIN='"+experiment=qwen25_coder_05b_1xh100","logging.wandb=disabled","logging.progress_bar=false","data.val_every=500"'
@@ -18,6 +20,8 @@ arm_args() {  # the dflash-quality arguments of arm $1 (run folder /tmp/arm-$1)
     budget_min=${TRAIN_MIN:-14} seconds_per_step=0.195 startup_s=70 'eval=["batch_size=120"]'
     "datasets=[mtbench,humaneval,benchmarks/quality-h100-2026-11-24/sharegpt-heldout.jsonl]")
   local Q=(--config-name quality_generate "${C[@]}" "${GEN[@]}")
+  # DATA=DIR: the generated-data arms train on a data set an earlier lease brought back instead
+  [ -n "$DATA" ] && Q=("${C[@]}" data.path=$DATA)
   case $1 in
     a-shared) ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$TRAIN]") ;;
     b-first-turns) ARGS=("${Q[@]}" datagen_recipe=datagen
@@ -60,9 +64,16 @@ for a in $ARMS; do
   grep -E "^\[|EXIT|quality run|^\||summary|budget|tok/s|rows written|skipped|error|Error|PASS|FAIL|median" $R.log | cut -c1-240 | tail -30
   [ -f $R/train/metrics.jsonl ] && tail -1 $R/train/metrics.jsonl | cut -c1-240
   echo "recompilations: $(grep -ciE 'recompil' $R.log)"
-  mkdir -p $OUT/$a; cp $R.log $OUT/$a/ 2>/dev/null
-  cp $R/quality.json $R/plan.json $R/datagen_seconds.json $R/train_seconds.json $R/data/manifest.json $OUT/$a/ 2>/dev/null
-  cp $R/train/metrics.jsonl $OUT/$a/train_metrics.jsonl 2>/dev/null; cp $R/eval/results.json $OUT/$a/eval_results.json 2>/dev/null
-  cp $R/seed-0/metrics.jsonl $OUT/$a/seed0_metrics.jsonl 2>/dev/null
+  K=/tmp/keep/$a; mkdir -p $K; cp $R.log $K/ 2>/dev/null
+  cp $R/quality.json $R/plan.json $R/datagen_seconds.json $R/train_seconds.json $R/data/manifest.json $K/ 2>/dev/null
+  cp $R/train/metrics.jsonl $K/train_metrics.jsonl 2>/dev/null; cp $R/eval/results.json $K/eval_results.json 2>/dev/null
+  cp $R/seed-0/metrics.jsonl $K/seed0_metrics.jsonl 2>/dev/null
+  # A generated data set comes back too (gzipped tar in parts of 15 MB), once its arm has finished,
+  # so that later leases can train on it without generating it again (carry it as .gpu/data).
+  if [ -f $R.t1 ] && [ -f $R/data/manifest.json ] && [ ! -f $R.data-sent ]; then
+    tar -C $R -czf /tmp/$a-data.tgz data && split -b 15000000 -d -a 1 /tmp/$a-data.tgz $OUT/$a-data.tgz.
+    md5sum /tmp/$a-data.tgz | tee $OUT/$a-data.md5; touch $R.data-sent
+  fi
 done
+[ -d /tmp/keep ] && tar -C /tmp/keep -czf $OUT/results.tgz .  # one file: a call brings back at most 8
 nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
