@@ -6,10 +6,12 @@
 #
 #   launch/deepspeed.sh --gpus 8 -- backend=zero3 +experiment=qwen3_8b_8xh100 data.path=... output_dir=...
 #   launch/deepspeed.sh --hostfile hosts --node-rank 1 --master node0:29500 -- backend=zero2 ...
+#   launch/deepspeed.sh --gpus 2 --bench -- backend=zero3 +experiment=... bench.steps=20   # dflash-bench
 set -euo pipefail
 
-usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 python=${PYTHON:-python}
+module=dflash_train.train  # --bench: dflash-bench (the same recipe and overrides, timed steps)
 gpus="" hostfile="" node_rank=0 master="localhost:29500"
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -17,6 +19,7 @@ while [[ $# -gt 0 ]]; do
     --hostfile) hostfile=$2; shift 2 ;;
     --node-rank) node_rank=$2; shift 2 ;;
     --master) master=$2; shift 2 ;;
+    --bench) module=dflash_train.bench; shift ;;
     --) shift; break ;;
     *) echo "deepspeed.sh: unknown option '$1'" >&2; usage ;;
   esac
@@ -35,4 +38,4 @@ else
 fi
 # --no_local_rank: the rank arrives as LOCAL_RANK in the environment, not as a
 # --local_rank argument that Hydra would reject.
-exec "$python" -m deepspeed.launcher.runner "${topology[@]}" --no_local_rank --module dflash_train.train "$@"
+exec "$python" -m deepspeed.launcher.runner "${topology[@]}" --no_local_rank --module "$module" "$@"
