@@ -497,7 +497,11 @@ class Trainer:
         latest = latest_checkpoint(self.output_dir)
         if latest is not None and latest.name == step_dir_name(self.state.step) and checkpoint_problem(latest) is None:
             return latest  # resumed at the very end: nothing new to write
-        return save_checkpoint(self.backend, self.output_dir, self.state, self.cfg, self.cfg.checkpoint.keep_last)
+        started = time.perf_counter()
+        path = save_checkpoint(self.backend, self.output_dir, self.state, self.cfg, self.cfg.checkpoint.keep_last)
+        if self.backend.is_main:
+            log.info("checkpoint %s written in %.1f s", path.name, time.perf_counter() - started)
+        return path
 
     def export(self, out_dir: Path) -> Path | None:
         """Collective: the drafter in the contract format, with recipe and data manifest beside."""

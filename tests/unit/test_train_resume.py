@@ -239,3 +239,11 @@ def test_metrics_hold_one_run_only(tiny, tmp_path):
     Trainer(_cfg(tiny, out, max_steps=3, checkpoint={"every": 1})).fit()
     lines = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3] and lines[-1]["loss"] != -1.0
+
+
+def test_each_checkpoint_write_is_logged_with_its_seconds(tiny, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="dflash_train.training.trainer"):
+        names = [p.name for p in _two_checkpoints(tiny, tmp_path / "run")]
+    written = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint ")]
+    assert [w.split()[1] for w in written] == names
+    assert all(w.split(" written in ")[1].endswith(" s") and float(w.split()[-2]) >= 0 for w in written)
