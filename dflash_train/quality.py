@@ -5,8 +5,9 @@
 
 Four stages, each the project's own command, after an optional fifth that makes the data:
   0. datagen dflash-datagen (datagen_recipe, default datagen_all_turns) into <run_dir>/data for
-             datagen_budget_min minutes of answers, when data.path is not given: the target
-             writes its own training set; the eval datasets are excluded from its prompts
+             datagen_budget_min minutes after loading the target (magpie prompts, answers), when
+             data.path is not given: the target writes its own training set; the eval datasets
+             are excluded from its prompts
   1. probe   dflash-train for a few steps (a metric line per step, no export): seconds per
              step after the warm-up steps (compilation) and the start-up time before them
   2. plan    max_steps = (budget - start-up) / seconds per step; the warmup + cosine schedule

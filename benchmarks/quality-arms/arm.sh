@@ -1,5 +1,5 @@
 # Issue 36's arms, each one dflash-quality run on one GPU: generation for GEN_MIN minutes (the
-# recipe's 4 when unset; recipes/quality_generate.yaml), training for TRAIN_MIN (default 14), the
+# recipe's 6 when unset, magpie prompts included; recipes/quality_generate.yaml), training for TRAIN_MIN (default 14), the
 # export evaluated on MT-Bench, HumanEval and the 40 ShareGPT held-out prompts (40 each, 256
 # tokens, greedy, one batch of 120). DATA=DIR: arms c and f train on DIR (a set an earlier lease
 # brought back) instead of generating theirs.
