@@ -24,9 +24,8 @@ from pathlib import Path
 
 from dflash_train.data.format import check_out_dir
 from dflash_train.errors import check_writable_dir, run_command
-from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY
 from dflash_train.recipe import compose_recipe, load_command
-from dflash_train.training.run_dir import check_output_dir
+from dflash_train.training.run_dir import EXPORT_DIR, MANIFEST_COPY, check_output_dir
 
 DATA_DIR = "data/quickstart-smollm2"
 RUN_DIR = "runs/quickstart-smollm2"

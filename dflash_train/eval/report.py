@@ -1,10 +1,13 @@
 """The table ``dflash-eval`` prints, from the per-dataset summaries of eval/acceptance.py.
 
-It lives apart from the command so that the model card (export/hub.py) rebuilds it from a
-results.json without importing the eval command.
+It lives apart from the command so that the model card (model/card.py, written by the trainer
+and dflash-export) gets it from a results.json without importing the eval command.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from dflash_train.eval.acceptance import NEAR_TIE_ULPS
 
@@ -28,6 +31,15 @@ def cpu_speedup_note(measured: dict[str, tuple[float, float]], batch_size: int =
 def on_cpu(summaries: dict[str, dict]) -> bool:
     """Every dataset was decoded on a CPU (results without a device, from before, count as not)."""
     return all(str(s.get("device", "")).startswith("cpu") for s in summaries.values())
+
+
+def results_table(results_path: str | Path | None) -> str | None:
+    """The table dflash-eval printed, rebuilt from its results.json (None: no results given)."""
+    if not results_path:
+        return None
+    report = json.loads(Path(results_path).read_text())
+    summaries = {label: {k: v for k, v in d.items() if k != "prompts"} for label, d in report["datasets"].items()}
+    return format_table(summaries)
 
 
 def format_table(summaries: dict[str, dict]) -> str:

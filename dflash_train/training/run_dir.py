@@ -4,7 +4,8 @@
                                  else: it tells a rerun that the files beside it are ours
     checkpoints/ metrics.jsonl   (checkpoint.py, logging.py)
     wandb/                       wandb's own folder when logging.wandb is not disabled
-    and what the trainer adds    (export/, data_manifest.json: export/hub.py names them)
+    export/ data_manifest.json   the final export and the data manifest (EXPORT_DIR, MANIFEST_COPY):
+                                 dflash-export finds them here again for the model card
 
 A folder holding anything else, or these names without run.json (or a checkpoint, which
 runs of older versions left without run.json), is the user's: errors.check_own_folder
@@ -23,6 +24,8 @@ from dflash_train.training.checkpoint import checkpoint_root, list_checkpoints
 from dflash_train.training.logging import METRICS_FILE
 
 RUN_FILE = "run.json"
+EXPORT_DIR = "export"
+MANIFEST_COPY = "data_manifest.json"
 WRITTEN_BY = "dflash-train"
 OWN_FILES = (RUN_FILE, METRICS_FILE, f"{checkpoint_root('').name}/*", "wandb/*")
 

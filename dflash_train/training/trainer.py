@@ -31,7 +31,8 @@ from dflash_train.data.packing import document_causal_mask
 from dflash_train.distributed.backend import Backend
 from dflash_train.distributed.build import build_backend
 from dflash_train.errors import RunError, check_writable_dir
-from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY, model_card_files
+from dflash_train.eval.report import results_table
+from dflash_train.model.card import model_card_files
 from dflash_train.model.dflash import DFlashDraftModel
 from dflash_train.model.init import drafter_config, init_from_checkpoint, init_from_target
 from dflash_train.model.io import check_export_destination, save_drafter
@@ -63,7 +64,7 @@ from dflash_train.training.feature_cache import FeatureCache, bytes_needed
 from dflash_train.training.logging import MetricsLogger, MetricWindow, check_sinks, position_accuracy
 from dflash_train.training.loss import Distillation, LossOutput, dflash_loss, supervised_blocks
 from dflash_train.training.optim import optimizer_factory, scheduler_factory
-from dflash_train.training.run_dir import check_output_dir, mark_output_dir
+from dflash_train.training.run_dir import EXPORT_DIR, MANIFEST_COPY, check_output_dir, mark_output_dir
 
 log = logging.getLogger(__name__)
 
@@ -508,7 +509,7 @@ class Trainer:
         state = self.backend.full_state_dict()
         path = None
         if self.backend.is_main:
-            extra = model_card_files(as_dict(self.cfg), self.manifest, eval_results=self.cfg.hub.eval_results)
+            extra = model_card_files(as_dict(self.cfg), self.manifest, results_table(self.cfg.hub.eval_results))
             path = save_drafter(self.drafter, out_dir, extra_files=extra, state_dict=state,
                                 target_weights=self.target_weights, prog="dflash-train")
         self.backend.barrier()
