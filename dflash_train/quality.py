@@ -44,6 +44,7 @@ from pathlib import Path
 from omegaconf import MISSING
 
 from dflash_train.config import TargetConfig
+from dflash_train.console import command_lines
 from dflash_train.errors import check_own_folder, check_writable_dir, run_command
 from dflash_train.recipe import HINT, compose_recipe, parse_command_line, recipe_choices, to_config
 from dflash_train.training.logging import METRICS_FILE
@@ -195,7 +196,7 @@ def table(s: dict) -> str:
 
 
 def _run_stage(name: str, command: list[str]) -> float:
-    print(f"[{name}] {' '.join(command[2:])}", flush=True)
+    print(command_lines(f"[{name}]", command[2:]), flush=True)
     start = time.perf_counter()
     if subprocess.run(command).returncode != 0:
         raise SystemExit(f"dflash-quality: stage {name} failed; fix the error above and run again "

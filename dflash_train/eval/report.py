@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_train.console import note_lines
 from dflash_train.eval.acceptance import NEAR_TIE_ULPS
 
 # The GPU figure a CPU's speedup is shown beside: README, "4. Evaluate acceptance" (each graph
@@ -60,15 +61,15 @@ def format_table(summaries: dict[str, dict]) -> str:
                     f"{s['plain_tok_s']:>12.1f}" + ("" if cpu else f" {s['speedup']:>7.2f}x"))
     if cpu:
         batch = max(s.get("batch_size", 1) for s in summaries.values())
-        rows.append(cpu_speedup_note({label: (s["tau"], s["speedup"]) for label, s in summaries.items()}, batch))
+        rows += note_lines(cpu_speedup_note({label: (s["tau"], s["speedup"]) for label, s in summaries.items()}, batch))
     rows += _footnotes(summaries)
     for label, s in summaries.items():
         diverged, ties = s.get("divergent_prompts"), s.get("near_tie_divergences")
         if diverged:
             verdict = "rounding (bf16 ties), not a bug" if ties == diverged else \
                 f"{diverged - ties} not (a clear gap or a length difference): a lossless runtime never does that"
-            rows.append(f"{label}: {diverged} prompt(s) diverged from plain decoding, {ties} at a near-tie "
-                        f"(top-2 gap <= {NEAR_TIE_ULPS:g} rounding steps): {verdict}")
+            rows += note_lines(f"{label}: {diverged} prompt(s) diverged from plain decoding, {ties} at a near-tie "
+                               f"(top-2 gap <= {NEAR_TIE_ULPS:g} rounding steps): {verdict}")
     return "\n".join(rows)
 
 
@@ -79,18 +80,18 @@ def _footnotes(summaries: dict[str, dict]) -> list[str]:
         if len(by_turn) > 1:
             rows.append(f"{label}: tau by turn " + ", ".join(f"{t}: {v:.2f}" for t, v in by_turn.items()))
         if s["greedy_agreement"] is None:
-            rows.append(f"{label}: sampled (temperature {s.get('temperature', '>0')}): tau is acceptance under "
-                        "rejection sampling; agreement with plain decoding does not apply (two draws of the "
-                        "same distribution differ)")
+            rows += note_lines(f"{label}: sampled (temperature {s.get('temperature', '>0')}): tau is acceptance "
+                               "under rejection sampling; agreement with plain decoding does not apply (two draws "
+                               "of the same distribution differ)")
     runtimes = sorted({s["runtime"] for s in summaries.values() if "runtime" in s})
     if runtimes:
-        rows.append(f"runtime: {', '.join(runtimes)} (both runs; static: preallocated caches, captured CUDA graphs "
-                    "on a GPU)")
+        rows += note_lines(f"runtime: {', '.join(runtimes)} (both runs; static: preallocated caches, captured "
+                           "CUDA graphs on a GPU)")
     batched = {s.get("batch_size", 1) for s in summaries.values()} - {1}
     if batched:
-        rows.append(f"batch_size={max(batched)}: tok/s is the batches' throughput (new tokens over the batches' "
-                    "wall time, a batch's time split evenly over its rows, which may mix datasets); batch_size=1 gives "
-                    "the per-prompt latency numbers")
+        rows += note_lines(f"batch_size={max(batched)}: tok/s is the batches' throughput (new tokens over the "
+                           "batches' wall time, a batch's time split evenly over its rows, which may mix datasets); "
+                           "batch_size=1 gives the per-prompt latency numbers")
     timed = {label: s["step_times"]["ms_per_step"] for label, s in summaries.items() if s.get("step_times")}
     if timed:
         w = max(7, *(len(label) for label in timed))
