@@ -185,7 +185,7 @@ def summarise(lines: list[dict], train_seconds: float, evals: dict, eval_seconds
 
 
 def table(s: dict) -> str:
-    """A Markdown table, pasteable into the README."""
+    """A Markdown table, pasteable into a record under benchmarks/."""
     names = list(s["tau"])
     head = ["training min", "steps", "conversations", "held-out expected tau"] + [
         f"tau {n} ({s['prompts'][n]})" for n in names] + ["eval min"]

@@ -12,10 +12,10 @@ from pathlib import Path
 from dflash_train.console import note_lines
 from dflash_train.eval.acceptance import NEAR_TIE_ULPS
 
-# The GPU figure a CPU's speedup is shown beside: README, "4. Evaluate acceptance" (each graph
+# The GPU figure a CPU's speedup is shown beside: benchmarks/runtime-h100-2026-11-25 (each graph
 # of the static runtime timed on one H100, Qwen2.5-Coder-0.5B in bf16, commit fc18e9f; the
 # measured speedup at commit d7893bb).
-GPU_FIGURE = ("on one H100 (Qwen2.5-Coder-0.5B in bf16, batch 1, static runtime; README section 4, commit "
+GPU_FIGURE = ("on one H100 (Qwen2.5-Coder-0.5B in bf16, batch 1, static runtime; benchmarks/runtime-h100-2026-11-25, commit "
               "fc18e9f) a speculative step costs 1.74 plain steps, 1.51 with compile_drafter=true, so the "
               "speedup there is about 0.66 x tau (0.69x measured at tau 1.27 without it)")
 
