@@ -45,6 +45,7 @@ from pathlib import Path
 from omegaconf import MISSING
 
 from dflash_train.config import TargetConfig
+from dflash_train.console import command_lines
 from dflash_train.errors import check_own_folder, check_writable_dir, run_command
 from dflash_train.recipe import HINT, compose_recipe, parse_command_line, recipe_choices, to_config
 from dflash_train.training.logging import METRICS_FILE
@@ -185,7 +186,7 @@ def summarise(lines: list[dict], train_seconds: float, evals: dict, eval_seconds
 
 
 def table(s: dict) -> str:
-    """A Markdown table, pasteable into the README."""
+    """A Markdown table, pasteable into a record under benchmarks/."""
     names = list(s["tau"])
     head = ["training min", "steps", "conversations", "held-out expected tau"] + [
         f"tau {n} ({s['prompts'][n]})" for n in names] + ["eval min"]
@@ -196,7 +197,7 @@ def table(s: dict) -> str:
 
 
 def _run_stage(name: str, command: list[str]) -> float:
-    print(f"[{name}] {' '.join(command[2:])}", flush=True)
+    print(command_lines(f"[{name}]", command[2:]), flush=True)
     start = time.perf_counter()
     if subprocess.run(command).returncode != 0:
         raise SystemExit(f"dflash-quality: stage {name} failed; fix the error above and run again "

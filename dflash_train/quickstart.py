@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_train.console import command_lines, note_lines
 from dflash_train.data.format import check_out_dir
 from dflash_train.errors import check_writable_dir, run_command
-from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY
 from dflash_train.recipe import compose_recipe, load_command
-from dflash_train.training.run_dir import check_output_dir
+from dflash_train.training.run_dir import EXPORT_DIR, MANIFEST_COPY, check_output_dir
 
 DATA_DIR = "data/quickstart-smollm2"
 RUN_DIR = "runs/quickstart-smollm2"
@@ -138,7 +138,7 @@ def _table(run_dir: Path) -> str:
         rows.append(f"{name:<10} {t['num_prompts']:>7} {fresh[name]['tau']:>9.2f} {t['tau']:>11.2f} "
                     f"{'-' if agree is None else f'{100 * agree:.0f}%':>9}")
     batch = max(t.get("batch_size", 1) for t in trained.values())
-    rows.append(cpu_speedup_note({name: (t["tau"], t["speedup"]) for name, t in trained.items()}, batch))
+    rows += note_lines(cpu_speedup_note({name: (t["tau"], t["speedup"]) for name, t in trained.items()}, batch))
     return "\n".join(rows)
 
 
@@ -178,8 +178,7 @@ def _run(argv: list[str] | None) -> None:
         if done.exists():
             print(f"[{i}/4] {name}: done already ({done}), reused", flush=True)
             continue
-        print(f"[{i}/4] {name}: {' '.join(Path(command[0]).name if j == 0 else c for j, c in enumerate(command))}",
-              flush=True)
+        print(command_lines(f"[{i}/4] {name}:", [Path(command[0]).name, *command[1:]]), flush=True)
         t0 = time.perf_counter()
         if subprocess.run(command).returncode != 0:
             raise SystemExit(f"dflash-quickstart: stage {name} failed; fix the error above and run again "

@@ -24,7 +24,9 @@ from omegaconf import MISSING, OmegaConf
 
 from dflash_train.config import as_dict, to_train_config
 from dflash_train.errors import RunError, one_line, run_command
-from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY, model_card_files, push_to_hub
+from dflash_train.eval.report import results_table
+from dflash_train.export.hub import push_to_hub
+from dflash_train.model.card import model_card_files
 from dflash_train.model.dflash import DFlashDraftModel
 from dflash_train.model.init import drafter_config
 from dflash_train.model.io import check_export_destination, save_drafter
@@ -39,6 +41,7 @@ from dflash_train.training.checkpoint import (
     read_state,
     unverified,
 )
+from dflash_train.training.run_dir import EXPORT_DIR, MANIFEST_COPY
 from dflash_train.training.state_files import SHARDED_DIR, STATE_FILES, is_sharded, read_model_state
 
 
@@ -71,7 +74,7 @@ def export_checkpoint(ckpt: Path, out: Path, eval_results: str | None = None) ->
     run_dir = ckpt.parent.parent
     manifest_file = run_dir / MANIFEST_COPY
     manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else None
-    extra = model_card_files(as_dict(cfg), manifest, eval_results or cfg.hub.eval_results)
+    extra = model_card_files(as_dict(cfg), manifest, results_table(eval_results or cfg.hub.eval_results))
     # The digest the run recorded; checkpoints of older versions: the recipe's target now.
     digest = read_state(ckpt).get("target_weights") or weights_digest(cfg.target.name)
     return save_drafter(shell, out, extra_files=extra, state_dict=state, target_weights=digest), as_dict(cfg)

@@ -3,8 +3,10 @@
     <output_dir>/run.json        {"written_by": "dflash-train"}, written before anything
                                  else: it tells a rerun that the files beside it are ours
     checkpoints/ metrics.jsonl   (checkpoint.py, logging.py)
+    init_from_target.json        {drafter weight: target weight} of drafter.init_from_target
     wandb/                       wandb's own folder when logging.wandb is not disabled
-    and what the trainer adds    (export/, data_manifest.json: export/hub.py names them)
+    export/ data_manifest.json   the final export and the data manifest (EXPORT_DIR, MANIFEST_COPY):
+                                 dflash-export finds them here again for the model card
 
 A folder holding anything else, or these names without run.json (or a checkpoint, which
 runs of older versions left without run.json), is the user's: errors.check_own_folder
@@ -23,8 +25,11 @@ from dflash_train.training.checkpoint import checkpoint_root, list_checkpoints
 from dflash_train.training.logging import METRICS_FILE
 
 RUN_FILE = "run.json"
+EXPORT_DIR = "export"
+MANIFEST_COPY = "data_manifest.json"
+INIT_MAP_FILE = "init_from_target.json"
 WRITTEN_BY = "dflash-train"
-OWN_FILES = (RUN_FILE, METRICS_FILE, f"{checkpoint_root('').name}/*", "wandb/*")
+OWN_FILES = (RUN_FILE, METRICS_FILE, INIT_MAP_FILE, f"{checkpoint_root('').name}/*", "wandb/*")
 
 
 def _ours(output_dir: Path) -> bool:
