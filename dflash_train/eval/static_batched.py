@@ -135,7 +135,7 @@ def speculate_static_batch(drafter, target, prompts: list[list[int]], max_new_to
             rows.record(i, drafts[:n] + [tok])
         # the next draft step writes these k+1 features' context K/V; its mask shows the committed ones
         rt.ctx_feats.copy_(step_feats)
-        rt.ctx_pos.copy_(rt.block_pos[:, :checked])
+        rt.ctx_pos.copy_(rt.verified_pos)
         start += torch.where(active, accepted + 1, 0)[:, None]  # finished rows stay where they are
         anchor = torch.where(active, bonus, anchor)
         if rows.done != finished:

@@ -295,8 +295,9 @@ class StaticSpeculator:
         self.end = torch.zeros(rows, 1, dtype=torch.long, device=device)  # per row: first position never committed
         self.ctx_feats = torch.zeros(rows, width, drafter.fc.in_features, dtype=dtype, device=device)
         self.ctx_pos = torch.zeros(rows, width, dtype=torch.long, device=device)
-        self.verify_step = Replayable(lambda: self.verifier.forward(self.block[:, :width], self.block_pos[:, :width]),
-                                      device, graphs)
+        # views of the block's first k+1 slots, made once (the buffers never move)
+        self.verified, self.verified_pos = self.block[:, :width], self.block_pos[:, :width]  # (b, k+1)
+        self.verify_step = Replayable(lambda: self.verifier.forward(self.verified, self.verified_pos), device, graphs)
         # `drafter.compile_static_draft` (eval's compile_drafter): the fixed-shape draft step
         # compiled by torch.compile inside the captured graphs, fewer and fused kernels; its
         # drafts may differ from eager's by rounding, the committed tokens stay the target's.
@@ -383,7 +384,7 @@ class StaticSpeculator:
         slot = self.offsets[:, :width]  # (1, k+1)
         self.set_block(self.anchor, self.start, self.mask_id)
         self.block[:, 1:width] = draft()[:, : width - 1].argmax(-1)
-        logits, feats = self.verifier.forward(self.block[:, :width], self.block_pos[:, :width])
+        logits, feats = self.verifier.forward(self.verified, self.verified_pos)
         best = logits.argmax(-1)  # (b, k+1): the target's token after each verified slot
         usable = (self.end - self.start).clamp(max=width) - 1  # (b, 1) drafts the budget can commit
         count = greedy_accepted(self.block[:, 1:width], best, usable)[:, None] + 1  # (b, 1) accepted + the target's
@@ -398,7 +399,7 @@ class StaticSpeculator:
         self.start += count
         self.done |= stop.any(1, keepdim=True) | (self.start >= self.end)
         self.ctx_feats.copy_(feats)
-        self.ctx_pos.copy_(self.block_pos[:, :width])
+        self.ctx_pos.copy_(self.verified_pos)
 
     def run_greedy(self, first_ctx) -> None:
         """Steps until every row has finished: the first drafts from ``first_ctx`` (the
@@ -529,7 +530,7 @@ def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_to
         lengths.append(len(committed))
         # the next draft step writes these k+1 features' context K/V; its mask shows the committed ones
         rt.ctx_feats.copy_(step_feats)
-        rt.ctx_pos.copy_(rt.block_pos[:, :checked])
+        rt.ctx_pos.copy_(rt.verified_pos)
         anchor = bonus.view(1)
         clock.lap("bookkeeping")
     return SpecOutput.of_run(tokens, lengths, prompt_len, (t0, t1, device_clock(device)), clock, device)
