@@ -20,7 +20,7 @@ import torch
 
 from dflash_train.errors import run_command
 from dflash_train.eval.cli import EvalConfig, setup, validate
-from dflash_train.model.dflash import StaticSpeculator, TargetSlots
+from dflash_train.model.runtime import StaticSpeculator, TargetSlots
 from dflash_train.recipe import load_command
 
 PROMPT_LEN = 200

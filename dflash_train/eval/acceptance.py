@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from dflash_train.model.dflash import TargetSlots, device_clock, static_runtime
+from dflash_train.model.dflash import device_clock
+from dflash_train.model.runtime import TargetSlots, spec_generate, static_runtime
 
 NEAR_TIE_ULPS = 4.0  # a divergence at a top-2 gap of at most this many rounding steps is numerics
 
@@ -271,21 +272,23 @@ def timed(fn, device: torch.device):
 
 def compare_prompt(drafter, model, prompt_id: str, input_ids: torch.Tensor, max_new_tokens: int,
                    stop_token_ids: list[int], temperature: float = 0.0, seed: int = 0, turn: int = 1,
-                   time_steps: bool = False, static: bool = False) -> PromptResult:
+                   time_steps: bool = False, static: bool = False, verify_tokens: int | None = None) -> PromptResult:
     """Decode one prompt speculatively and plainly, each timed end to end (prefill included).
 
     Both runs start from the same RNG seed so sampled runs are reproducible. ``time_steps``
     also splits the speculative decode steps into draft, verify and bookkeeping time (on a
     GPU that synchronises at each boundary, which slows the speculative run a little).
     ``static``: both runs use the static runtime (slot caches, CUDA graphs on a GPU). The
-    plain run's top-2 gaps are read from the device after its timer stops.
+    plain run's top-2 gaps are read from the device after its timer stops. ``verify_tokens``:
+    drafts the target verifies per step (None: the whole block).
     """
     device = input_ids.device
     prompt_len = input_ids.shape[1]
     torch.manual_seed(seed)
-    stats, spec_s = timed(lambda: drafter.spec_generate(
-        target=model, input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-        stop_token_ids=stop_token_ids, return_stats=True, time_steps=time_steps, static=static), device)
+    stats, spec_s = timed(lambda: spec_generate(
+        drafter, target=model, input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+        stop_token_ids=stop_token_ids, return_stats=True, time_steps=time_steps, static=static,
+        verify_tokens=verify_tokens), device)
     torch.manual_seed(seed)
     top2: list[torch.Tensor] = []
     plain, plain_s = timed(lambda: plain_decode(model, input_ids, max_new_tokens, stop_token_ids, temperature,

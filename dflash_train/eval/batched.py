@@ -15,8 +15,10 @@ A row that has finished (stop token or budget) keeps decoding with the others un
 whole batch has finished; nothing more is recorded for it. Every block is B slots wide;
 the batch-1 runtime narrows its last blocks to the remaining budget, so the acceptance
 lengths of a row's last steps can differ from its batch-1 run (its output cannot).
+``verify_tokens`` (k, default B-1): the target verifies each block's anchor and first k
+drafts, so both caches grow by k+1 slots a step.
 
-Shapes: b rows, P longest prompt, B block size, L cache length, V vocabulary.
+Shapes: b rows, P longest prompt, B block size, k verified drafts, L cache length, V vocabulary.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dflash_train.model.dflash import (
     ContextCache,
     Sampling,
     SpecOutput,
+    check_verify_tokens,
     device_clock,
     target_features,
     verify_drafts,
@@ -100,9 +103,10 @@ class Rows:
 
 
 def _accept(block, draft_probs, logits, sampling, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accepted draft counts (b,) and the tokens that follow them (b,), row by row as batch 1."""
+    """Accepted draft counts (b,) and the tokens that follow them (b,), row by row as batch 1.
+    block (b, k+1): the anchor and the verified drafts; logits (b, k+1, V)."""
     if sampling.greedy:
-        target_tokens = logits.argmax(-1)  # (b, B)
+        target_tokens = logits.argmax(-1)  # (b, k+1)
         accepted = (block[:, 1:] == target_tokens[:, :-1]).long().cumprod(1).sum(1)  # (b,)
         return accepted, target_tokens.gather(1, accepted[:, None])[:, 0]
     pairs = [verify_drafts(block[i, 1:], draft_probs[i], logits[i], sampling, generator) for i in range(len(block))]
@@ -134,7 +138,8 @@ def _compactable(cache) -> bool:
 
 @torch.inference_mode()
 def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                        stop_token_ids=None, generator=None, clock=NO_CLOCK) -> list[SpecOutput]:
+                        stop_token_ids=None, generator=None, clock=NO_CLOCK,
+                        verify_tokens: int | None = None) -> list[SpecOutput]:
     """Speculative decoding of several prompts together; one `SpecOutput` per prompt.
 
     prefill_s and decode_s are the batch's (the same for every row); step_times, when
@@ -143,6 +148,7 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
     from transformers import DynamicCache
 
     mask_id, width = drafter.mask_token_id, drafter.block_size
+    checked = check_verify_tokens(verify_tokens, width) + 1  # the anchor and the verified drafts
     device = target.device
     t0 = device_clock(device)
     ids, valid, positions = left_pad(prompts, device)
@@ -177,7 +183,8 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
             draft_cache.keys = [_gather_slots(k, idx) for k in draft_cache.keys]
             draft_cache.values = [_gather_slots(v, idx) for v in draft_cache.values]
             ctx_valid, ctx_pos = ctx_valid.gather(1, idx), ctx_pos.gather(1, idx)
-        logits = head(hidden[:, 1:])  # (b, B-1, V)
+        logits = head(hidden[:, 1:checked])  # (b, k, V)
+        block, block_pos = block[:, :checked], block_pos[:, :checked]  # what the target verifies
         draft_probs = None
         if sampling.greedy:
             block[:, 1:] = logits.argmax(-1)
@@ -185,7 +192,7 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
             draft_probs = sampling.probs(logits)
             block[:, 1:] = torch.multinomial(draft_probs.flatten(0, 1), 1, generator=generator).view(len(block), -1)
         clock.lap("draft")
-        mask = torch.cat([key_valid, key_valid.new_ones(block.shape)], 1).long()  # (b, L + B)
+        mask = torch.cat([key_valid, key_valid.new_ones(block.shape)], 1).long()  # (b, L + k+1)
         out = target(block, attention_mask=mask, position_ids=block_pos, past_key_values=cache, use_cache=True,
                      output_hidden_states=True)
         accepted, bonus = _accept(block, draft_probs, out.logits, sampling, generator)
@@ -194,7 +201,7 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
             rows.record(i, block[i, 1 : n + 1].tolist() + [tok])
             committed[i] += n + 1
         # the anchor and the accepted drafts are committed; their features are the next context
-        new_valid = slot[None] <= accepted[:, None]  # (b, B)
+        new_valid = slot[None, :checked] <= accepted[:, None]  # (b, k+1)
         key_valid = torch.cat([key_valid, new_valid], 1)
         idx = _compaction(key_valid, max(committed)) if compact else None
         if idx is not None:
@@ -247,7 +254,7 @@ def target_generate_batch(model, prompts: list[list[int]], max_new_tokens: int, 
 
 def compare_batch(drafter, model, prompt_ids: list[str], prompts: list[list[int]], max_new_tokens: int,
                   stop_token_ids: list[int], temperature: float = 0.0, seed: int = 0, turn: int = 1,
-                  time_steps: bool = False):
+                  time_steps: bool = False, verify_tokens: int | None = None):
     """`compare_prompt` for several prompts decoded together, each run timed as a whole.
 
     Each row's spec_s / plain_s is its share of the batch's wall time (the time split
@@ -260,7 +267,8 @@ def compare_batch(drafter, model, prompt_ids: list[str], prompts: list[list[int]
     clock = StepClock(device) if time_steps else NO_CLOCK
     torch.manual_seed(seed)
     spec, spec_s = timed(lambda: spec_generate_batch(drafter, model, prompts, max_new_tokens, Sampling(temperature),
-                                                      stop_token_ids, clock=clock), device)
+                                                      stop_token_ids, clock=clock, verify_tokens=verify_tokens),
+                         device)
     torch.manual_seed(seed)
     gaps = [[] for _ in prompts]
     plain, plain_s = timed(lambda: target_generate_batch(model, prompts, max_new_tokens, stop_token_ids,

@@ -30,7 +30,8 @@ import torch
 from torch.autograd import DeviceType
 
 from dflash_train.eval.acceptance import plain_decode, timed
-from dflash_train.model.dflash import Sampling, speculate_static
+from dflash_train.model.dflash import NO_CLOCK, Sampling
+from dflash_train.model.runtime import speculate_static
 
 PARTS = ("draft", "verify", "accept", "host", "bookkeeping")
 # CUDA runtime and driver calls that put work on the device (names may carry a version suffix)
@@ -107,7 +108,7 @@ def part_counts(events, ranges: list[str | None]) -> tuple[dict, int]:
     return counts, kernels
 
 
-def _profiled_counts(drafter, target, input_ids, max_new_tokens: int) -> dict:
+def _profiled_counts(drafter, target, input_ids, max_new_tokens: int, verify_tokens: int | None) -> dict:
     """One decode under torch.profiler: per-step counts of each part."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -115,7 +116,8 @@ def _profiled_counts(drafter, target, input_ids, max_new_tokens: int) -> dict:
     clock = PartClock(device, profiling=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        speculate_static(drafter, target, input_ids, max_new_tokens, Sampling(), [], None, None, clock)
+        speculate_static(drafter, target, input_ids, max_new_tokens, Sampling(), [], None, None, clock,
+                         verify_tokens=verify_tokens)
         clock.close()
     counts, kernels = part_counts(prof.events(), clock.ranges)
     per_step = {part: {k: v / clock.steps for k, v in c.items()} for part, c in counts.items()}
@@ -133,25 +135,31 @@ def plain_step_s(target, prompts: list[torch.Tensor], max_new_tokens: int) -> fl
 
 
 @torch.inference_mode()
-def step_breakdown(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int) -> dict:
-    """The static runtime's per-step cost over ``prompts``, greedy, no stop tokens.
+def step_breakdown(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,
+                   verify_tokens: int | None = None) -> dict:
+    """The static runtime's per-step cost over ``prompts``, greedy, no stop tokens, the
+    target verifying ``verify_tokens`` drafts a step (None: the whole block).
 
     The first prompt is decoded once untimed first (cache sizing, graph capture).
     """
+    def spec(ids, clock=NO_CLOCK):
+        return speculate_static(drafter, target, ids, max_new_tokens, Sampling(), [], None, None, clock,
+                                verify_tokens=verify_tokens)
+
     device = prompts[0].device
-    speculate_static(drafter, target, prompts[0], max_new_tokens, Sampling(), [], None, None)
+    spec(prompts[0])
     plain_decode(target, prompts[0], max_new_tokens, [], 0.0, None, True)
     clock = PartClock(device)
     lengths = []
     for ids in prompts:
-        out = speculate_static(drafter, target, ids, max_new_tokens, Sampling(), [], None, None, clock)
+        out = spec(ids, clock)
         lengths += out.acceptance_lengths
     timing = clock.result()
     loop_s = loop_steps = 0  # the same decodes untimed: the device loop (`StaticSpeculator.advance`)
     for ids in prompts:
-        out = speculate_static(drafter, target, ids, max_new_tokens, Sampling(), [], None, None)
+        out = spec(ids)
         loop_s, loop_steps = loop_s + out.decode_s, loop_steps + len(out.acceptance_lengths)
-    counts = _profiled_counts(drafter, target, prompts[0], max_new_tokens)
+    counts = _profiled_counts(drafter, target, prompts[0], max_new_tokens, verify_tokens)
     steps = timing["steps"]
     parts = {}
     for part in PARTS:

@@ -11,6 +11,8 @@ is new tokens over the wall time of whole generations (prefill included), summed
 dataset's prompts; speedup is the ratio of the two rates. ``batch_size=N`` decodes N
 prompts at once in both runs (throughput; 1, the default, gives latency numbers).
 ``runtime=static|dynamic|auto`` picks the decode loops of both runs (auto: static on a GPU).
+``verify_tokens=k`` has the target verify only the first k drafts of each block (1 to
+block size - 1; null, the default: all of them), as serving engines' shorter verify does.
 ``step_timing=true`` adds the speculative steps' draft / verify / bookkeeping time per step.
 A drafter exported for other target weights than ``target.name``'s is refused (it would
 reject nearly every draft); ``allow_other_target=true`` evaluates it anyway.
@@ -37,7 +39,7 @@ from dflash_train.eval.acceptance import PromptResult, compare_prompt, summarize
 from dflash_train.eval.batched import compare_batch
 from dflash_train.eval.plot import model_name, plot_acceptance
 from dflash_train.eval.report import format_table
-from dflash_train.model.dflash import check_sampling
+from dflash_train.model.dflash import check_sampling, check_verify_tokens
 from dflash_train.recipe import HINT, load_command, log_to_stdout
 
 RANDOM_DRAFTER = "random"
@@ -61,6 +63,7 @@ class EvalConfig:
     max_turns: int | None = None
     batch_size: int = 1
     runtime: str = "auto"  # auto | static | dynamic (auto: static on a GPU at batch_size=1)
+    verify_tokens: int | None = None  # drafts verified per step, 1..block_size-1; None: the whole block
     step_timing: bool = False
     compile_drafter: bool = False  # static runtime on a GPU: the draft step compiled inside its graphs
     enable_thinking: bool = False
@@ -84,6 +87,9 @@ def validate(cfg: EvalConfig, static_batches: bool = False) -> None:
         raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
     if cfg.max_turns is not None and cfg.max_turns < 1:
         raise ValueError(f"max_turns must be >= 1 or null (every turn), got {cfg.max_turns}")
+    if cfg.verify_tokens is not None and (isinstance(cfg.verify_tokens, bool) or cfg.verify_tokens < 1):
+        raise ValueError(f"verify_tokens={cfg.verify_tokens}: must be >= 1 (and below the drafter's block size), "
+                         "or null for the whole block")
     if cfg.runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {cfg.runtime!r}")
     if cfg.runtime == "static" and cfg.batch_size != 1 and not static_batches:
@@ -191,7 +197,7 @@ def _previous_results(out: Path) -> bool:
 
 def resolve_runtime(cfg: EvalConfig, target) -> bool:
     """Whether both runs use the static runtime (``runtime``: auto, static or dynamic)."""
-    from dflash_train.model.dflash import use_static
+    from dflash_train.model.runtime import use_static
 
     if cfg.runtime == "dynamic" or (cfg.runtime == "auto" and cfg.batch_size != 1):
         return False
@@ -212,6 +218,7 @@ def setup(cfg: EvalConfig):
     tokenizer = load_tokenizer(cfg.target.name)
     drafter = _setup_drafter(cfg, target)
     drafter.compile_static_draft = cfg.compile_drafter
+    check_verify_tokens(cfg.verify_tokens, drafter.block_size)  # the bound is the drafter's block size
     resolve_runtime(cfg, target)  # runtime=static on a target it cannot serve fails here
     datasets = {}
     for label, (name, items) in prompts.items():
@@ -227,10 +234,11 @@ def _compare(cfg: EvalConfig, drafter, target, prompt_ids: list[str], prompts: l
     if cfg.batch_size == 1:
         static = resolve_runtime(cfg, target)
         return [compare_prompt(drafter, target.model, pid, torch.tensor([ids], device=target.device), max_new_tokens,
-                               stops, cfg.temperature, seed, turn=turn, time_steps=cfg.step_timing, static=static)
+                               stops, cfg.temperature, seed, turn=turn, time_steps=cfg.step_timing, static=static,
+                               verify_tokens=cfg.verify_tokens)
                 for pid, ids in zip(prompt_ids, prompts)]
     return compare_batch(drafter, target.model, prompt_ids, prompts, max_new_tokens, stops, cfg.temperature, seed,
-                         turn=turn, time_steps=cfg.step_timing)
+                         turn=turn, time_steps=cfg.step_timing, verify_tokens=cfg.verify_tokens)
 
 
 def decode_conversations(cfg: EvalConfig, drafter, target, tokenizer, items: list[tuple[BenchmarkPrompt, torch.Tensor]],
@@ -295,8 +303,9 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
              cfg.seed)
 
     runtime = "static" if resolve_runtime(cfg, target) else "dynamic"
+    verify_tokens = check_verify_tokens(cfg.verify_tokens, block_size)
     report = {"target": cfg.target.name, "drafter": cfg.drafter_path, "block_size": block_size, "runtime": runtime,
-              "config": asdict(cfg), "datasets": {}}
+              "verify_tokens": verify_tokens, "config": asdict(cfg), "datasets": {}}
     summaries = {}
     bar = tqdm(total=sum(len(items) for _, items in datasets.values()), desc=",".join(datasets), unit="prompt",
                file=sys.stderr)

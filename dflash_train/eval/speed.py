@@ -17,6 +17,9 @@ runtime first decodes one batch untimed, which sizes its caches and captures its
 graphs. A random drafter (tau near 1) measures the runtime's overhead: its speedup is the
 floor a trained drafter's acceptance multiplies.
 
+``verify_tokens=k`` (as in ``dflash-eval``): every runtime's target verifies the first k
+drafts of each block.
+
 ``step_timing=true`` then prints where a speculative step of the static runtime spends its
 time over the same prompts: draft, verify, acceptance, the host's wait for the device and
 bookkeeping, in host and (CUDA events) device milliseconds, with the ops, kernels and
@@ -35,7 +38,8 @@ from dflash_train.eval.batched import compare_batch
 from dflash_train.eval.breakdown import format_breakdown, step_breakdown
 from dflash_train.eval.cli import EvalConfig, setup, validate
 from dflash_train.eval.static_batched import compare_static_batch
-from dflash_train.model.dflash import static_unsupported
+from dflash_train.model.dflash import check_verify_tokens
+from dflash_train.model.runtime import static_unsupported
 from dflash_train.recipe import load_command
 
 
@@ -56,11 +60,12 @@ def _decoder(cfg: EvalConfig, drafter, model, runtime: str):
     static = runtime == "static"
     if cfg.batch_size == 1:
         return lambda batch: [compare_prompt(drafter, model, pid, torch.tensor([ids], device=model.device),
-                                             cfg.max_new_tokens, [], cfg.temperature, cfg.seed, static=static)
+                                             cfg.max_new_tokens, [], cfg.temperature, cfg.seed, static=static,
+                                             verify_tokens=cfg.verify_tokens)
                               for pid, ids in batch]
     compare = compare_static_batch if static else compare_batch
     return lambda batch: compare(drafter, model, [pid for pid, _ in batch], [ids for _, ids in batch],
-                                 cfg.max_new_tokens, [], cfg.temperature, cfg.seed)
+                                 cfg.max_new_tokens, [], cfg.temperature, cfg.seed, verify_tokens=cfg.verify_tokens)
 
 
 def measure(cfg: EvalConfig, datasets, target, drafter, stops, tokenizer) -> dict[str, dict]:
@@ -100,8 +105,10 @@ def run(argv: list[str] | None = None) -> dict[str, dict]:
     cfg = load_command(EvalConfig, argv, "eval", __doc__, validate_speed)
     loaded = setup(cfg)
     summaries = measure(cfg, *loaded)
+    verify = check_verify_tokens(cfg.verify_tokens, loaded[2].block_size)
     print("\n".join(note_lines(f"{cfg.target.name} on {cfg.device} ({cfg.dtype}), batch {cfg.batch_size}, "
-                               f"{cfg.max_new_tokens} new tokens, drafter {cfg.drafter_path}")))
+                               f"{cfg.max_new_tokens} new tokens, drafter {cfg.drafter_path}, "
+                               f"{verify} drafts verified per step")))
     print(format_speed_table(summaries))
     if cfg.step_timing:
         print(breakdown_report(cfg, *loaded))
@@ -114,7 +121,8 @@ def breakdown_report(cfg: EvalConfig, datasets, target, drafter, stops, tokenize
     if reason is not None:
         return f"no step breakdown: the static runtime cannot serve this target ({reason})"
     _, items = next(iter(datasets.values()))
-    return format_breakdown(step_breakdown(drafter, target.model, [ids for _, ids in items], cfg.max_new_tokens))
+    return format_breakdown(step_breakdown(drafter, target.model, [ids for _, ids in items], cfg.max_new_tokens,
+                                           cfg.verify_tokens))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,8 @@ alone, and its acceptance lengths are its batch-1 static run's
 verify, acceptance, commit) is decided on the device, one captured graph on a GPU, and the
 host reads the rows' state only between runs of steps (`StaticSpeculator.run_greedy`).
 Sampling: the draft and the verify are captured graphs, acceptance runs row by row and each
-step copies one small (b, B + 1) tensor to the host.
+step copies one small (b, k + 2) tensor to the host. ``verify_tokens`` (k, default B-1):
+the drafts each row's verify checks, as in the batch-1 runtime.
 
 Prefill: prompts are left-padded into one (b, P) forward. Row i's prompt sits at positions
 0..n_i-1; its padding gets positions n_i, n_i+1, ...: slots past the prompt, which only a
@@ -21,7 +22,7 @@ A row that has finished (budget or stop token) stays in the batch, its block fro
 last position, until every row has finished; nothing more is recorded for it. Shapes stay
 fixed, so the graphs never change; the finished rows' share of each step is wasted work.
 
-Shapes: b rows, P longest prompt, B block size, V vocabulary.
+Shapes: b rows, P longest prompt, B block size, k verified drafts, V vocabulary.
 """
 
 from __future__ import annotations
@@ -30,13 +31,11 @@ import torch
 
 from dflash_train.eval.acceptance import next_token, timed
 from dflash_train.eval.batched import Rows, batch_results, first_tokens, left_pad
-from dflash_train.model.dflash import (
+from dflash_train.model.dflash import Sampling, SpecOutput, check_verify_tokens, device_clock
+from dflash_train.model.runtime import (
     MAX_STOP_IDS,
-    Sampling,
-    SpecOutput,
     StaticSpeculator,
     TargetSlots,
-    device_clock,
     greedy_accepted,
     static_runtime,
     verify_drafts_on_device,
@@ -56,7 +55,7 @@ def accept_rows(drafts, draft_probs, logits, sampling: Sampling, generator, usab
     """Each row's accepted draft count (b,) and next token (b,): `verify_drafts_on_device` row
     by row.
 
-    drafts (b, B-1), logits (b, B, V), usable (b, 1): the drafts a row's budget can commit.
+    drafts (b, k), logits (b, k+1, V), usable (b, 1): the drafts a row's budget can commit.
     Greedy runs as one batched rule on the device. Sampling calls the batch-1 rule per
     active row (finished rows draw nothing: accepted 0, token 0, never recorded).
     """
@@ -70,33 +69,38 @@ def accept_rows(drafts, draft_probs, logits, sampling: Sampling, generator, usab
     return torch.stack([a for a, _ in pairs]), torch.stack([t for _, t in pairs])
 
 
-def _runtime(drafter, target, prompts: list[list[int]], max_new_tokens: int, graphs: bool) -> StaticSpeculator:
+def _runtime(drafter, target, prompts: list[list[int]], max_new_tokens: int, graphs: bool,
+             verify_tokens: int | None) -> StaticSpeculator:
     rows, width = len(prompts), drafter.block_size
     return static_runtime(drafter, max(map(len, prompts)) + max_new_tokens + width,
-                          lambda rt, size: rt.fits(drafter, target, size, graphs, rows),
-                          lambda size: StaticSpeculator(drafter, target, size, graphs, rows))
+                          lambda rt, size: rt.fits(drafter, target, size, graphs, rows, verify_tokens),
+                          lambda size: StaticSpeculator(drafter, target, size, graphs, rows, verify_tokens))
 
 
 def _draft(rt: StaticSpeculator, first_ctx, sampling: Sampling, generator) -> torch.Tensor | None:
-    """Fill the block's slots 1..B-1 with drafts; their probabilities (b, B-1, V) when sampling."""
-    logits = rt.draft(*first_ctx) if first_ctx else rt.draft_step()  # (b, B-1, V)
+    """Fill the block's slots 1..k with drafts; their probabilities (b, k, V) when sampling."""
+    checked = rt.verify_width
+    logits = (rt.draft(*first_ctx) if first_ctx else rt.draft_step())[:, : checked - 1]  # (b, k, V)
     if sampling.greedy:
-        rt.block[:, 1:] = logits.argmax(-1)
+        rt.block[:, 1:checked] = logits.argmax(-1)
         return None
     probs = sampling.probs(logits)
-    rt.block[:, 1:] = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(len(probs), -1)
+    rt.block[:, 1:checked] = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(len(probs), -1)
     return probs
 
 
 @torch.inference_mode()
 def speculate_static_batch(drafter, target, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                           stop_token_ids=None, generator=None, graphs: bool = True) -> list[SpecOutput]:
+                           stop_token_ids=None, generator=None, graphs: bool = True,
+                           verify_tokens: int | None = None) -> list[SpecOutput]:
     """Speculative decoding of ``prompts`` together on the static runtime: one `SpecOutput`
     per prompt (prefill_s and decode_s are the batch's)."""
     if drafter.mask_token_id is None:
         raise ValueError("no mask_token_id: set dflash_config.mask_token_id in the drafter config")
+    check_verify_tokens(verify_tokens, drafter.block_size)
     device = target.get_input_embeddings().weight.device
-    rt = _runtime(drafter, target, prompts, max_new_tokens, graphs)
+    rt = _runtime(drafter, target, prompts, max_new_tokens, graphs, verify_tokens)
+    checked = rt.verify_width  # the anchor and the verified drafts
     t0 = device_clock(device)
     ids, positions, lengths = slot_layout(prompts, device)
     logits, feats = rt.verifier.forward(ids, positions, logits_to_keep=1)
@@ -119,19 +123,19 @@ def speculate_static_batch(drafter, target, prompts: list[list[int]], max_new_to
     t1 = device_clock(device)
     while not all(rows.done):
         rt.set_block(anchor, start, drafter.mask_token_id)
-        usable = (rt.end - start).clamp(max=drafter.block_size) - 1  # (b, 1) the batch-1 runtime's width - 1
+        usable = (rt.end - start).clamp(max=checked) - 1  # (b, 1) the batch-1 runtime's usable drafts
         draft_probs = _draft(rt, first_ctx, sampling, generator)
         first_ctx = None
-        logits, step_feats = rt.verifier.step()
-        accepted, bonus = accept_rows(rt.block[:, 1:], draft_probs, logits, sampling, generator, usable,
+        logits, step_feats = rt.verify_step()
+        accepted, bonus = accept_rows(rt.block[:, 1:checked], draft_probs, logits, sampling, generator, usable,
                                       [not d for d in rows.done])
-        host = torch.cat([accepted[:, None], bonus[:, None], rt.block[:, 1:]], 1).tolist()  # the step's one sync
+        host = torch.cat([accepted[:, None], bonus[:, None], rt.block[:, 1:checked]], 1).tolist()  # the one sync
         finished = list(rows.done)
         for i, (n, tok, *drafts) in enumerate(host):
             rows.record(i, drafts[:n] + [tok])
-        # the next draft step writes these B features' context K/V; its mask shows the committed ones
+        # the next draft step writes these k+1 features' context K/V; its mask shows the committed ones
         rt.ctx_feats.copy_(step_feats)
-        rt.ctx_pos.copy_(rt.block_pos)
+        rt.ctx_pos.copy_(rt.verified_pos)
         start += torch.where(active, accepted + 1, 0)[:, None]  # finished rows stay where they are
         anchor = torch.where(active, bonus, anchor)
         if rows.done != finished:
@@ -177,13 +181,14 @@ def plain_static_batch(model, prompts: list[list[int]], max_new_tokens: int, sto
 
 
 def compare_static_batch(drafter, model, prompt_ids: list[str], prompts: list[list[int]], max_new_tokens: int,
-                         stop_token_ids: list[int], temperature: float = 0.0, seed: int = 0, turn: int = 1):
+                         stop_token_ids: list[int], temperature: float = 0.0, seed: int = 0, turn: int = 1,
+                         verify_tokens: int | None = None):
     """`compare_batch` on the static runtime: the batch decoded speculatively and plainly,
     each timed as a whole, every row's time its share of the batch's (no top-2 gaps)."""
     device = model.get_input_embeddings().weight.device
     torch.manual_seed(seed)
     spec = timed(lambda: speculate_static_batch(drafter, model, prompts, max_new_tokens, Sampling(temperature),
-                                                stop_token_ids), device)
+                                                stop_token_ids, verify_tokens=verify_tokens), device)
     torch.manual_seed(seed)
     plain = timed(lambda: plain_static_batch(model, prompts, max_new_tokens, stop_token_ids, temperature), device)
     return batch_results(prompt_ids, prompts, spec, plain, max_new_tokens, stop_token_ids, turn)

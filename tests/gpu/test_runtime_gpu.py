@@ -11,13 +11,8 @@ import pytest
 import torch
 
 from dflash_train.eval.acceptance import target_generate
-from dflash_train.model.dflash import (
-    NO_CLOCK,
-    DFlashConfig,
-    DFlashDraftModel,
-    Sampling,
-    speculate_static,
-)
+from dflash_train.model.dflash import NO_CLOCK, DFlashConfig, DFlashDraftModel, Sampling
+from dflash_train.model.runtime import spec_generate, speculate_static
 from tests.conftest import make_tiny_target
 from tests.unit.test_runtime_drafter import prompts, target, trained  # noqa: F401 (fixtures)
 
@@ -45,7 +40,7 @@ def test_graphs_give_the_eager_steps_tokens_and_lengths(on_gpu, prompts):  # noq
             eager = _static(drafter, model, ids, new, graphs=False)
             graphed = _static(drafter, model, ids, new, graphs=True)
             assert drafter.__dict__["_static_runtime"].greedy_step.graph is not None  # really replayed (the device loop)
-            dynamic = drafter.spec_generate(model, ids, new, return_stats=True, static=False)
+            dynamic = spec_generate(drafter, model, ids, new, return_stats=True, static=False)
             assert torch.equal(graphed.output_ids, eager.output_ids)
             assert graphed.acceptance_lengths == eager.acceptance_lengths == dynamic.acceptance_lengths
             # An explicit mask: generate would otherwise mask the prompt's token 0 as padding (pad_token_id=0).
@@ -91,7 +86,7 @@ def test_bf16_graphs_run_and_match_eager_static():
     graphed = _static(drafter, model, ids, 40, graphs=True)
     assert torch.equal(graphed.output_ids, eager.output_ids)
     assert graphed.acceptance_lengths == eager.acceptance_lengths
-    assert torch.equal(drafter.spec_generate(model, ids, 40), graphed.output_ids)  # the GPU default: static
+    assert torch.equal(spec_generate(drafter, model, ids, 40), graphed.output_ids)  # the GPU default: static
 
 
 def test_a_compiled_draft_step_keeps_the_targets_tokens(on_gpu, prompts):  # noqa: F811

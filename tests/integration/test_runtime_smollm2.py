@@ -5,6 +5,7 @@ import torch
 
 from dflash_train.eval.acceptance import target_generate
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
+from dflash_train.model.runtime import spec_generate
 from tests.conftest import SMOLLM2_MASK_ID
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,7 @@ def random_dynamic(smollm2, prompts):
     """The random drafter's decodes on the dynamic runtime (CPU's default), shared by the two
     tests that check them: each costs about 10 s."""
     drafter = _random_drafter(smollm2.model)
-    return [drafter.spec_generate(smollm2.model, ids, NEW_TOKENS, return_stats=True, static=False) for ids in prompts]
+    return [spec_generate(drafter, smollm2.model, ids, NEW_TOKENS, return_stats=True, static=False) for ids in prompts]
 
 
 def _generate(model, ids, new, eos):
@@ -79,7 +80,7 @@ def test_static_runtime_equals_plain_and_the_dynamic_runtime(smollm2, prompts, p
     drafter = _random_drafter(smollm2.model)
     # Two prompts: the step-by-step equality on every prompt is the unit tests' (tiny targets).
     for ids, expected, dynamic in list(zip(prompts, plain, random_dynamic))[:2]:
-        static = drafter.spec_generate(smollm2.model, ids, NEW_TOKENS, return_stats=True, static=True)
+        static = spec_generate(drafter, smollm2.model, ids, NEW_TOKENS, return_stats=True, static=True)
         assert torch.equal(static.output_ids, expected)
         assert static.acceptance_lengths == dynamic.acceptance_lengths
         assert torch.equal(target_generate(smollm2.model, ids, NEW_TOKENS, static=True), expected)
@@ -102,5 +103,5 @@ def test_stop_tokens_end_generation_like_plain_decoding(smollm2, smollm2_tokeniz
     expected = _generate(smollm2.model, ids, 200, eos)
     assert expected[0, -1] == eos and expected.shape[1] - ids.shape[1] < 200  # it really stops early
     for static in (False, True):
-        got = drafter.spec_generate(smollm2.model, ids, 200, stop_token_ids=[eos], static=static)
+        got = spec_generate(drafter, smollm2.model, ids, 200, stop_token_ids=[eos], static=static)
         assert torch.equal(got, expected)

@@ -100,6 +100,8 @@ def test_automodel_remote_code_loads_the_folder_alone(export, target):
     got = remote.spec_generate(input_ids=ids, max_new_tokens=20, temperature=0.0, target=target,
                                mask_token_id=96, stop_token_ids=None)
     assert torch.equal(got, target.generate(ids, max_new_tokens=20, do_sample=False))
+    shorter = remote.spec_generate(input_ids=ids, max_new_tokens=20, target=target, verify_tokens=1, return_stats=True)
+    assert torch.equal(shorter.output_ids, got) and max(shorter.acceptance_lengths) <= 2
 
 
 TF457_SCRIPT = """
@@ -107,7 +109,9 @@ import sys, torch, transformers
 from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForCausalLM
 assert transformers.__version__.startswith("4.57"), transformers.__version__
-out, target_dir, io_file = sys.argv[1:]
+out, target_dir, io_file, repo = sys.argv[1:]
+sys.path.insert(0, repo)  # the static runtime is the project's (model/runtime.py), not exported
+from dflash_train.model.runtime import spec_generate
 model = AutoModel.from_pretrained(out, trust_remote_code=True).eval()
 target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
 t = load_file(io_file)
@@ -119,8 +123,7 @@ spec = model.spec_generate(input_ids=ids, max_new_tokens=20, temperature=0.0, ta
                            stop_token_ids=None)
 plain = target.generate(ids, max_new_tokens=20, do_sample=False)
 print("lossless", bool(torch.equal(spec, plain)))
-static = model.spec_generate(input_ids=ids, max_new_tokens=20, temperature=0.0, target=target, mask_token_id=96,
-                             stop_token_ids=None, static=True)
+static = spec_generate(model, target, ids, 20, mask_token_id=96, static=True)
 print("static", bool(torch.equal(static, plain)))
 """
 
@@ -136,7 +139,7 @@ def test_export_loads_under_transformers_457(export, target, tmp_path):
     save_file({"noise": noise, "ctx": ctx, "positions": positions, "expected": expected, "ids": ids},
               str(tmp_path / "io.safetensors"))
     run = subprocess.run([str(TF457_PYTHON), "-c", TF457_SCRIPT, str(out), str(tmp_path / "target"),
-                          str(tmp_path / "io.safetensors")], capture_output=True, text=True, timeout=300)
+                          str(tmp_path / "io.safetensors"), str(REPO)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = dict(line.split() for line in run.stdout.splitlines() if line.startswith(("maxdiff", "lossless", "static")))
     assert float(lines["maxdiff"]) < 1e-5

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dflash_train.model.dflash import ContextCache, DFlashConfig, DFlashDraftModel, Sampling
+from dflash_train.model.runtime import spec_generate
 from tests.conftest import make_tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,7 +62,7 @@ def test_rejection_sampling_matches_target_distribution(models, temperature, sta
     counts = torch.zeros(NEW, VOCAB)
     steps = []
     for _ in range(DRAWS):
-        out = drafter.spec_generate(target, prompt, NEW, temperature=temperature, return_stats=True, generator=gen,
+        out = spec_generate(drafter, target, prompt, NEW, temperature=temperature, return_stats=True, generator=gen,
                                     static=static)
         new = out.output_ids[0, prompt.shape[1]:]
         counts[torch.arange(NEW), new] += 1

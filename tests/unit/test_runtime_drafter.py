@@ -46,12 +46,12 @@ def prompts():
 
 def tiny_drafter(target, seed, **overrides):
     cfg = DFlashConfig.from_target(target.config, mask_token_id=MASK_ID, num_hidden_layers=overrides.pop("layers", 1),
-                                   block_size=BLOCK, **overrides)
+                                   block_size=overrides.pop("block_size", BLOCK), **overrides)
     torch.manual_seed(seed)
     return DFlashDraftModel(cfg).eval()
 
 
-def _training_logits(target, drafter, seqs, anchors, width):
+def training_logits(target, drafter, seqs, anchors, width):
     """The training layout for blocks of ``width`` at ``anchors`` (b, N): [T context
     features | N blocks] under one dense visibility mask, read by the target's head: (b, N*width, V).
 
@@ -79,18 +79,24 @@ def trained(target, prompts):
     full-batch steps on 4 short answers take about a second on CPU and give tau about 2.4
     (100 steps give 3.7, nearly every block whole, and fewer decisions near a boundary).
     """
+    return train_drafter(target, prompts, BLOCK, TRAIN_STEPS)
+
+
+def train_drafter(target, prompts, block: int, steps: int):
+    """A fresh drafter of ``block`` slots trained ``steps`` full-batch steps on the target's
+    greedy answers to ``prompts`` (every answer position an anchor)."""
     with torch.no_grad():
         seqs = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW_TOKENS,
                                do_sample=False, eos_token_id=None, pad_token_id=0)
-    drafter = tiny_drafter(target, seed=5).train()
+    drafter = tiny_drafter(target, seed=5, block_size=block).train()
     for p in target.parameters():
         p.requires_grad_(False)
     anchors = torch.arange(PROMPT_LEN - 1, seqs.shape[1] - 1).expand(len(seqs), -1)  # every answer position
     loss_mask = (torch.arange(seqs.shape[1]) >= PROMPT_LEN).long()
-    labels = torch.stack([block_labels(s, loss_mask, a, BLOCK) for s, a in zip(seqs, anchors)]).flatten(1)
+    labels = torch.stack([block_labels(s, loss_mask, a, block) for s, a in zip(seqs, anchors)]).flatten(1)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    for _ in range(TRAIN_STEPS):
-        logits = _training_logits(target, drafter, seqs, anchors, BLOCK)
+    for _ in range(steps):
+        logits = training_logits(target, drafter, seqs, anchors, block)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
         opt.zero_grad()
         loss.backward()
@@ -100,7 +106,7 @@ def trained(target, prompts):
     return drafter.eval()
 
 
-def _record_drafts(monkeypatch, drafter) -> list[dict]:
+def record_drafts(monkeypatch, drafter) -> list[dict]:
     """Each draft step's anchor position, block, logits and drafter cache length."""
     steps = []
     draft = drafter.draft
@@ -115,13 +121,13 @@ def _record_drafts(monkeypatch, drafter) -> list[dict]:
     return steps
 
 
-def _check_drafts_against_training_layout(target, drafter, steps, output_ids):
+def check_drafts_against_training_layout(target, drafter, steps, output_ids):
     committed = output_ids[0]
     with torch.no_grad():
         for width in {s["width"] for s in steps}:
             group = [s for s in steps if s["width"] == width]
             anchors = torch.tensor([[s["start"] for s in group]])
-            expected = _training_logits(target, drafter, output_ids, anchors, width)[0].view(len(group), width, -1)
+            expected = training_logits(target, drafter, output_ids, anchors, width)[0].view(len(group), width, -1)
             for j, s in enumerate(group):
                 # the drafter's context is exactly the committed tokens before the anchor
                 assert s["cache"] == s["start"] < committed.numel()
@@ -143,7 +149,7 @@ def test_every_draft_step_equals_the_training_forward_over_the_committed_sequenc
     drafter = trained if DRAFTERS[which] is None else tiny_drafter(target, seed=6, **DRAFTERS[which])
     gen = torch.Generator().manual_seed(7)
     for prompt in prompts[:2]:
-        steps = _record_drafts(monkeypatch, drafter)
+        steps = record_drafts(monkeypatch, drafter)
         out = drafter.spec_generate(target, prompt[None], NEW_TOKENS, temperature=temperature, return_stats=True,
                                     generator=gen)
         monkeypatch.undo()
@@ -153,7 +159,7 @@ def test_every_draft_step_equals_the_training_forward_over_the_committed_sequenc
         generated = [1 + sum(out.acceptance_lengths[:i]) for i in range(len(out.acceptance_lengths))]
         expected = [(PROMPT_LEN - 1 + g, min(BLOCK, NEW_TOKENS - g)) for g in generated]
         assert [(s["start"], s["width"]) for s in steps] == [e for e in expected if e[1] > 1]
-        _check_drafts_against_training_layout(target, drafter, steps, out.output_ids)
+        check_drafts_against_training_layout(target, drafter, steps, out.output_ids)
     if which == "trained" and temperature == 0:
         assert max(out.acceptance_lengths) == BLOCK and min(out.acceptance_lengths) < BLOCK
 

@@ -10,13 +10,8 @@ import pytest
 import torch
 
 from dflash_train.eval.acceptance import target_generate
-from dflash_train.model.dflash import (
-    MIN_SLOTS,
-    DFlashConfig,
-    DFlashDraftModel,
-    StaticSpeculator,
-    static_unsupported,
-)
+from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
+from dflash_train.model.runtime import MIN_SLOTS, StaticSpeculator, spec_generate, static_unsupported
 from tests.conftest import make_tiny_target
 from tests.unit.test_runtime_drafter import (  # noqa: F401 (fixtures)
     BLOCK,
@@ -40,8 +35,8 @@ def test_greedy_equals_plain_and_the_dynamic_runtime_on_tiny_targets():
         drafter = DFlashDraftModel(cfg).eval()
         ids = torch.randint(0, 90, (1, 7), generator=torch.Generator().manual_seed(2))
         for new in (1, 2, 9, 23):
-            static = drafter.spec_generate(tiny, ids, new, return_stats=True, static=True)
-            dynamic = drafter.spec_generate(tiny, ids, new, return_stats=True, static=False)
+            static = spec_generate(drafter, tiny, ids, new, return_stats=True, static=True)
+            dynamic = spec_generate(drafter, tiny, ids, new, return_stats=True, static=False)
             assert torch.equal(static.output_ids, tiny.generate(ids, max_new_tokens=new, do_sample=False))
             assert static.acceptance_lengths == dynamic.acceptance_lengths
             assert static.num_new_tokens == new
@@ -79,8 +74,8 @@ def test_every_step_equals_the_dynamic_runtime(monkeypatch, target, prompts, tra
     for prompt in prompts:
         ids = prompt[None]
         steps = _record(monkeypatch, drafter)
-        static = drafter.spec_generate(target, ids, new_tokens, return_stats=True, static=True)
-        dynamic = drafter.spec_generate(target, ids, new_tokens, return_stats=True, static=False)
+        static = spec_generate(drafter, target, ids, new_tokens, return_stats=True, static=True)
+        dynamic = spec_generate(drafter, target, ids, new_tokens, return_stats=True, static=False)
         monkeypatch.undo()
         plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                 do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -102,8 +97,8 @@ def test_stop_tokens_end_like_plain_decoding(target, prompts, trained):  # noqa:
     stop = full[9]  # a token the answer really emits, mid-block for some step
     expected = target_generate(target, ids, 32, stop_token_ids=[stop])
     assert expected.shape[1] < ids.shape[1] + 32
-    static = trained.spec_generate(target, ids, 32, stop_token_ids=[stop], return_stats=True, static=True)
-    dynamic = trained.spec_generate(target, ids, 32, stop_token_ids=[stop], return_stats=True, static=False)
+    static = spec_generate(trained, target, ids, 32, stop_token_ids=[stop], return_stats=True, static=True)
+    dynamic = spec_generate(trained, target, ids, 32, stop_token_ids=[stop], return_stats=True, static=False)
     assert torch.equal(static.output_ids, expected)
     assert static.acceptance_lengths == dynamic.acceptance_lengths
 
@@ -113,14 +108,14 @@ def test_runtime_is_reused_and_stale_slots_stay_hidden(target, trained):  # noqa
     by position must hide them. A request that needs more slots gets a bigger runtime."""
     long_ids = torch.randint(0, 90, (1, 40), generator=torch.Generator().manual_seed(8))
     short_ids = long_ids[:, 30:36]
-    trained.spec_generate(target, long_ids, 24, static=True)
+    spec_generate(trained, target, long_ids, 24, static=True)
     runtime = trained.__dict__["_static_runtime"]
     assert runtime.verifier.cache.size == MIN_SLOTS
-    got = trained.spec_generate(target, short_ids, 24, static=True)
+    got = spec_generate(trained, target, short_ids, 24, static=True)
     assert trained.__dict__["_static_runtime"] is runtime
     assert torch.equal(got, target_generate(target, short_ids, 24))
     huge = torch.randint(0, 90, (1, MIN_SLOTS), generator=torch.Generator().manual_seed(9))
-    got = trained.spec_generate(target, huge, 5, static=True)
+    got = spec_generate(trained, target, huge, 5, static=True)
     assert trained.__dict__["_static_runtime"].verifier.cache.size == 2 * MIN_SLOTS
     assert torch.equal(got, target_generate(target, huge, 5))
 
@@ -143,8 +138,8 @@ def test_static_refuses_targets_it_cannot_serve():
     drafter = DFlashDraftModel(DFlashConfig.from_target(sliding.config, mask_token_id=MASK_ID, block_size=4)).eval()
     ids = torch.tensor([[1, 2, 3]])
     with pytest.raises(ValueError, match="static=True cannot serve this target: layer types"):
-        drafter.spec_generate(sliding, ids, 4, static=True)
+        spec_generate(drafter, sliding, ids, 4, static=True)
     # unspecified: static on a GPU only; the CPU and an unsupported target get the dynamic runtime
-    assert torch.equal(drafter.spec_generate(sliding, ids, 4), drafter.spec_generate(sliding, ids, 4, static=False))
+    assert torch.equal(spec_generate(drafter, sliding, ids, 4), spec_generate(drafter, sliding, ids, 4, static=False))
     assert "_static_runtime" not in drafter.__dict__
     assert static_unsupported(make_tiny_target("llama")) is None

@@ -40,11 +40,11 @@ from dflash_train.model.dflash import (
     DFlashConfig,
     DFlashDraftModel,
     RotaryEmbedding,
-    _slot_draft_masks,
     apply_rope,
     target_features,
 )
 from dflash_train.model.io import load_drafter, save_drafter
+from dflash_train.model.runtime import _slot_draft_masks
 from tests.conftest import make_tiny_target
 from tests.unit.test_export import copy_export
 

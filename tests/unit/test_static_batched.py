@@ -11,6 +11,7 @@ from dflash_train.eval.acceptance import target_generate
 from dflash_train.eval.static_batched import plain_static_batch, slot_layout, speculate_static_batch
 from dflash_train.eval.speed import batches, format_speed_table, measure
 from dflash_train.model.dflash import Sampling
+from dflash_train.model.runtime import spec_generate
 from tests.unit.test_eval_cli import CharTokenizer, chat_items, chat_models, eval_cfg  # noqa: F401 (fixture)
 from tests.unit.test_runtime import (
     CHI2_CRIT_7DF,
@@ -54,7 +55,7 @@ def test_slot_layout_puts_each_prompt_at_its_own_positions():
 def test_each_row_is_its_batch_one_static_run(target, prompts, trained, which):  # noqa: F811
     drafter = trained if DRAFTERS[which] is None else tiny_drafter(target, seed=6, **DRAFTERS[which])
     rows = _ragged_rows(target, prompts)
-    singles = [drafter.spec_generate(target, torch.tensor([p]), NEW_TOKENS, return_stats=True, static=True)
+    singles = [spec_generate(drafter, target, torch.tensor([p]), NEW_TOKENS, return_stats=True, static=True)
                for p in rows]
     plain = [target_generate(target, torch.tensor([p]), NEW_TOKENS)[0, len(p):].tolist() for p in rows]
     for size in BATCH_SIZES:
@@ -83,7 +84,7 @@ def test_rows_that_stop_early_end_while_the_others_go_on(target, prompts, traine
     assert len(expected[1]) <= 8 and expected[1][-1] == stops[0]
     assert max(len(e) for e in expected) == NEW_TOKENS  # another row ran its whole budget
     for p, out in zip(rows, outs):
-        one = trained.spec_generate(target, torch.tensor([p]), NEW_TOKENS, stop_token_ids=stops, return_stats=True,
+        one = spec_generate(trained, target, torch.tensor([p]), NEW_TOKENS, stop_token_ids=stops, return_stats=True,
                                     static=True)
         assert out.acceptance_lengths == one.acceptance_lengths
 

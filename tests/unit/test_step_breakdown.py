@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dflash_train.eval.breakdown import PARTS, PartClock, format_breakdown, step_breakdown
-from dflash_train.model.dflash import NO_CLOCK, DFlashConfig, DFlashDraftModel, Sampling, speculate_static
+from dflash_train.model.dflash import NO_CLOCK, DFlashConfig, DFlashDraftModel, Sampling
+from dflash_train.model.runtime import speculate_static
 from tests.conftest import make_tiny_target
 
 NEW_TOKENS = 12
