@@ -19,6 +19,7 @@ from data_gen.generators import GeneratorUnavailable
 from data_gen.pipeline import RunResult, run
 from dflash_train.errors import one_line, run_command
 from dflash_train.recipe import load_command
+from dflash_train.run_lock import hold_folder
 
 
 def format_summary(result: RunResult) -> str:
@@ -68,7 +69,8 @@ def _magpie_lines(reports: dict) -> list[str]:
 def generate(cfg: DatagenConfig, **run_kwargs) -> int:
     """Run and report; the exit status of the command."""
     try:
-        result = run(cfg, **run_kwargs)
+        with hold_folder(cfg.out_dir, "out_dir", "dflash-datagen"):
+            result = run(cfg, **run_kwargs)
     except GeneratorUnavailable as e:
         print(f"dflash-datagen: error: {one_line(e)}; rerun the same command once the backend is up "
               "(committed shards are kept)", file=sys.stderr)

@@ -35,6 +35,7 @@ from dflash_train.atomic import atomic_write_text
 from dflash_train.data.prompts import BUILTIN, HF_SCHEME, BenchmarkPrompt, load_benchmark
 from dflash_train.config import DrafterConfig, TargetConfig
 from dflash_train.errors import check_own_folder, check_writable_dir, run_command
+from dflash_train.run_lock import hold_folder
 from dflash_train.eval.acceptance import PromptResult, compare_prompt, summarize
 from dflash_train.eval.batched import compare_batch
 from dflash_train.eval.plot import model_name, plot_acceptance
@@ -336,7 +337,8 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
 
 def run(argv: list[str] | None = None) -> dict:
     cfg = load_command(EvalConfig, argv, "eval", __doc__, validate)
-    return evaluate(cfg, *setup(cfg))
+    with hold_folder(cfg.output_dir, "output_dir", "dflash-eval"):
+        return evaluate(cfg, *setup(cfg))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,6 +32,7 @@ from dflash_train.model.init import drafter_config
 from dflash_train.model.io import check_export_destination, save_drafter
 from dflash_train.model.target import resolve_target, weights_digest
 from dflash_train.recipe import HINT, load_command
+from dflash_train.run_lock import hold_folder
 from dflash_train.training.checkpoint import (
     CONFIG_FILE,
     STATE_FILE,
@@ -52,7 +53,7 @@ def find_checkpoint(path: Path) -> Path:
         if problem is not None:
             raise ValueError(f"checkpoint {path} is damaged: {problem}")
         return path
-    latest = latest_good_checkpoint(path)
+    latest = latest_good_checkpoint(path, "nothing to export: give path=<a good checkpoint directory>")
     if latest is None:
         raise ValueError(f"{path} is neither a checkpoint (no {STATE_FILE}) nor a run directory with checkpoints/")
     return latest
@@ -109,6 +110,13 @@ def export_and_push(args: ExportConfig) -> None:
               "its files cannot be verified", file=sys.stderr)
     out = Path(args.out) if args.out else ckpt.parent.parent / EXPORT_DIR
     check_export_destination(out)  # before any checkpoint is read: a user's folder is refused at once
+    # The export is written beside its destination and renamed into place: the folder
+    # holding it (the run's own by default) is the one this command writes.
+    with hold_folder(out.parent, "out" if args.out else "path", "dflash-export"):
+        _export_and_push(args, ckpt, out)
+
+
+def _export_and_push(args: ExportConfig, ckpt: Path, out: Path) -> None:
     hub = OmegaConf.load(ckpt / CONFIG_FILE).get("hub") or {}
     repo_id = args.repo_id or hub.get("repo_id")
     if args.push and not repo_id:  # before the export: the command as given cannot finish

@@ -43,10 +43,11 @@ def _ours(output_dir: Path) -> bool:
     return isinstance(content, dict) and content.get("written_by") == WRITTEN_BY
 
 
-def check_output_dir(output_dir: str | Path, extra: Sequence[str] = ()) -> None:
+def check_output_dir(output_dir: str | Path, extra: Sequence[str] = (), key: str = "output_dir") -> None:
     """Raise ValueError unless ``output_dir`` is absent, empty or a run of ours; ``extra``:
-    more patterns the caller writes there (its export folder, the data manifest)."""
-    check_own_folder(output_dir, "output_dir", WRITTEN_BY, (*OWN_FILES, *extra), _ours)
+    more patterns the caller writes there (its export folder, the data manifest); ``key``:
+    the caller's name for the folder (dflash-quickstart's run_dir)."""
+    check_own_folder(output_dir, key, WRITTEN_BY, (*OWN_FILES, *extra), _ours)
 
 
 def mark_output_dir(output_dir: str | Path) -> None:
