@@ -7,11 +7,15 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from http.server import BaseHTTPRequestHandler
 
 from hydra import compose, initialize_config_module
 
+import data_gen.generators
+import data_gen.pipeline
 from data_gen.config import DatagenConfig, to_datagen_config
+from data_gen.hf_generator import HFGenerator
 
 QUESTIONS = ["What is {a}+{b}? Answer with one number.", "Is {a} bigger than {b}? Answer yes or no."]
 
@@ -79,3 +83,21 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+def an_hour_after_each_batch(monkeypatch):
+    """Drive the datagen budget's clock: every HF generation batch moves it an hour on once the
+    batch is done. Returns the original batch method, to put back."""
+    now = [1000.0]
+    monkeypatch.setattr(data_gen.generators, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(data_gen.pipeline, "time", types.SimpleNamespace(monotonic=lambda: now[0],
+                                                                         perf_counter=time.perf_counter))
+    first_batch = HFGenerator._batch
+
+    def then_late(self, prompts, seeds):
+        out = first_batch(self, prompts, seeds)
+        now[0] += 3600
+        return out
+
+    monkeypatch.setattr(HFGenerator, "_batch", then_late)
+    return first_batch

@@ -3,13 +3,10 @@ answered like any other prompt, and read back (not sampled again) by a restarted
 
 import json
 import shutil
-import time
-import types
 
 import pytest
 
 import data_gen.generators
-import data_gen.pipeline
 from data_gen.config import SamplingConfig, to_datagen_config
 from data_gen.hf_generator import HFGenerator
 from data_gen.magpie import user_prefix
@@ -18,7 +15,7 @@ from data_gen.template import ChatShaper
 from dflash_train.contract import derive_seed
 from dflash_train.data.format import load_generated, read_manifest
 from tests.conftest import SMOLLM2
-from tests.datagen_helpers import write_prompts
+from tests.datagen_helpers import an_hour_after_each_batch, write_prompts
 
 # one thread: tiny matmuls do not split, and on a shared CPU the second thread waits
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -115,18 +112,7 @@ def test_the_budget_covers_writing_prompts_and_a_cut_keeps_them_final(tmp_path, 
     the first batch of candidates (two of a call of three): the two are stored, the third is
     never written, and no prompt is answered. A rerun reads the same prompts; one with more
     minutes answers them, and never writes more candidates."""
-    now = [1000.0]
-    monkeypatch.setattr(data_gen.generators, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
-    monkeypatch.setattr(data_gen.pipeline, "time", types.SimpleNamespace(monotonic=lambda: now[0],
-                                                                         perf_counter=time.perf_counter))
-    first_batch = HFGenerator._batch
-
-    def then_late(self, prompts, seeds):
-        out = first_batch(self, prompts, seeds)
-        now[0] += 3600
-        return out
-
-    monkeypatch.setattr(HFGenerator, "_batch", then_late)
+    first_batch = an_hour_after_each_batch(monkeypatch)
     write_prompts(tmp_path / "prompts.jsonl", 2)
 
     def config(minutes):

@@ -13,6 +13,7 @@ from data_gen.pipeline import run, setup
 from data_gen.turns import generate_shards
 from dflash_train.data.format import load_generated, read_manifest
 from tests.conftest import SMOLLM2
+from tests.datagen_helpers import an_hour_after_each_batch
 
 # one thread: tiny matmuls do not split, and on a shared CPU the second thread waits
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -156,25 +157,9 @@ def test_a_budget_ends_each_conversation_at_its_last_answer(tmp_path, smollm2, s
     """budget_min runs out after the first batch of the first call (2 prompts of 5 first turns):
     their conversations end after one answer, each row equal to the unbudgeted run's first
     turn; the shards begun are written, the last (not begun) is not; a rerun adds nothing."""
-    import time
-    import types
-
-    import data_gen.generators
-    import data_gen.pipeline
     from data_gen.hf_generator import HFGenerator
 
-    now = [1000.0]
-    monkeypatch.setattr(data_gen.generators, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
-    monkeypatch.setattr(data_gen.pipeline, "time", types.SimpleNamespace(monotonic=lambda: now[0],
-                                                                         perf_counter=time.perf_counter))
-    first_batch = HFGenerator._batch
-
-    def then_late(self, prompts, seeds):
-        out = first_batch(self, prompts, seeds)
-        now[0] += 3600
-        return out
-
-    monkeypatch.setattr(HFGenerator, "_batch", then_late)
+    first_batch = an_hour_after_each_batch(monkeypatch)
     cfg = config(tmp_path, "budget", budget_min=1.0)
     result = run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
     _, shaper, prompts, refs, _ = turns_run
