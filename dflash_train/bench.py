@@ -329,18 +329,23 @@ def format_result(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, profile: Callable[[Trainer, int], str] = profile_table) -> dict:
-    """``profile(trainer, step)``: the report ``bench.profile`` writes (benchmarks/profile_step.py
-    passes its own)."""
-    line = parse_command_line(sys.argv[1:] if argv is None else argv, "train", __doc__, retired=RETIRED_FLAGS)
+def load(argv: list[str], output_dir: str) -> tuple[BenchConfig, bool]:
+    """The benchmark's typed settings from its command line, and whether it reads real data
+    (``data.path`` given; otherwise random rows). Its runs write only into ``output_dir``."""
+    line = parse_command_line(argv, "train", __doc__, retired=RETIRED_FLAGS)
     # The training recipes have no bench section: its keys are added, then checked by the schema.
     overrides = [f"+{o}" if o.startswith(f"{OPTIONS}.") else o for o in line.overrides]
     real_data = any(o.split("=", 1)[0].lstrip("+") == "data.path" for o in overrides)
+    fixed = [f"output_dir={output_dir}", "export=false", "checkpoint.every=0", "logging.wandb=disabled",
+             "logging.progress_bar=false", *([] if real_data else ["data.path=random"])]
+    return to_config(BenchConfig, compose_recipe(BenchConfig, line.config_name, [*fixed, *overrides])), real_data
 
+
+def main(argv: list[str] | None = None, profile: Callable[[Trainer, int], str] = profile_table) -> dict:
+    """``profile(trainer, step)``: the report ``bench.profile`` writes (benchmarks/profile_step.py
+    passes its own)."""
     with tempfile.TemporaryDirectory() as tmp:
-        fixed = [f"output_dir={tmp}", "export=false", "checkpoint.every=0", "logging.wandb=disabled",
-                 "logging.progress_bar=false", *([] if real_data else ["data.path=random"])]
-        cfg = to_config(BenchConfig, compose_recipe(BenchConfig, line.config_name, [*fixed, *overrides]))
+        cfg, real_data = load(sys.argv[1:] if argv is None else argv, tmp)
         opts, config = cfg.bench, None
         if opts.random_target:
             config = target_config(cfg.target.name, opts.target_layers)

@@ -325,8 +325,13 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
     return report
 
 
+def load(argv: list[str] | None = None) -> EvalConfig:
+    """The validated settings of a command line; loads nothing."""
+    return load_command(EvalConfig, argv, "eval", __doc__, validate)
+
+
 def run(argv: list[str] | None = None) -> dict:
-    cfg = load_command(EvalConfig, argv, "eval", __doc__, validate)
+    cfg = load(argv)
     return evaluate(cfg, *setup(cfg))
 
 
