@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_train.console import command_lines, note_lines
+
 PINNED = Path(__file__).parent / "quality-guard" / "pinned.json"
 Z = 2.0  # the threshold in standard deviations of a mean paired difference
 SLOWDOWN = 0.03  # the median step may be at most this much slower
@@ -178,7 +180,7 @@ def train(args) -> Path:
             seed = todo.pop(0)
             cmd = [sys.executable, "-m", "dflash_train.train", *ARM, f"target.name={args.target}",
                    f"data.path={args.data}", f"output_dir={out / f'seed-{seed}'}", f"seed={seed}", *args.overrides]
-            print("$", " ".join(cmd), flush=True)
+            print(command_lines("$", cmd), flush=True)
             log = open(out / f"seed-{seed}.log", "w")
             running.append((seed, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
         time.sleep(2)
@@ -222,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     reference = pinned if args.baseline is None else measure(_load(Path(args.baseline)), measured["device"],
                                                              "baseline", parallel)
     rows, ok = judge(measured, reference, pinned["seed_sd"])
-    print(f"\nquality guard: measured at {measured['commit']} on {measured['device']}, seeds "
-          f"{', '.join(measured['seeds'])}; against " + (f"the pin of {pinned.get('commit')} on {pinned.get('device')}"
-                                                          if args.baseline is None else args.baseline))
+    against = f"the pin of {pinned.get('commit')} on {pinned.get('device')}" if args.baseline is None else args.baseline
+    print("\n" + "\n".join(note_lines(f"quality guard: measured at {measured['commit']} on {measured['device']}, "
+                                     f"seeds {', '.join(measured['seeds'])}; against {against}")))
     print("| figure | reference | measured | change | noise threshold | verdict |\n|---|---|---|---|---|---|")
     print("\n".join(rows))
     print("PASS" if ok else "FAIL")

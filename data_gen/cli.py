@@ -82,10 +82,14 @@ def generate(cfg: DatagenConfig, **run_kwargs) -> int:
     return 0
 
 
+def load(argv: list[str] | None = None) -> DatagenConfig:
+    """The validated settings of a command line; loads nothing."""
+    return load_command(DatagenConfig, argv, "datagen", __doc__, DatagenConfig.validate)
+
+
 def main(argv: list[str] | None = None) -> None:
     # A user mistake or a refusal of the machine: one line naming the file or value, exit 2.
-    sys.exit(run_command("dflash-datagen", lambda: generate(
-        load_command(DatagenConfig, argv, "datagen", __doc__, DatagenConfig.validate))))
+    sys.exit(run_command("dflash-datagen", lambda: generate(load(argv))))
 
 
 if __name__ == "__main__":

@@ -356,22 +356,27 @@ def _bench(cfg: BenchConfig, config, real_data: bool, profile: Callable[[Trainer
     return result, trainer.backend.is_main
 
 
-def main(argv: list[str] | None = None, profile: Callable[[Trainer, int], str] = profile_table) -> dict:
-    """``profile(trainer, step)``: the report ``bench.profile`` writes (benchmarks/profile_step.py
-    passes its own)."""
-    line = parse_command_line(sys.argv[1:] if argv is None else argv, "train", __doc__, retired=RETIRED_FLAGS)
+def load(argv: list[str], output_dir: str) -> tuple[BenchConfig, bool]:
+    """The benchmark's typed settings from its command line, and whether it reads real data
+    (``data.path`` given; otherwise random rows). Its runs write only into ``output_dir``."""
+    line = parse_command_line(argv, "train", __doc__, retired=RETIRED_FLAGS)
     # The training recipes have no bench section: its keys are added (``++``: a key given
     # twice takes its last value, as every other key does), then checked by the schema.
     overrides = [f"++{o}" if o.startswith(f"{OPTIONS}.") else o for o in line.overrides]
     real_data = any(o.split("=", 1)[0].lstrip("+") == "data.path" for o in overrides)
+    fixed = [f"output_dir={output_dir}", "export=false", "checkpoint.every=0", "logging.wandb=disabled",
+             "logging.progress_bar=false", *([] if real_data else ["data.path=random"])]
+    return to_config(BenchConfig, compose_recipe(BenchConfig, line.config_name, [*fixed, *overrides])), real_data
 
+
+def main(argv: list[str] | None = None, profile: Callable[[Trainer, int], str] = profile_table) -> dict:
+    """``profile(trainer, step)``: the report ``bench.profile`` writes (benchmarks/profile_step.py
+    passes its own)."""
     with tempfile.TemporaryDirectory() as tmp:
-        fixed = [f"output_dir={tmp}", "export=false", "checkpoint.every=0", "logging.wandb=disabled",
-                 "logging.progress_bar=false", *([] if real_data else ["data.path=random"])]
-        cfg = to_config(BenchConfig, compose_recipe(BenchConfig, line.config_name, [*fixed, *overrides]))
-        config = None
-        if cfg.bench.random_target:
-            config = target_config(cfg.target.name, cfg.bench.target_layers)
+        cfg, real_data = load(sys.argv[1:] if argv is None else argv, tmp)
+        opts, config = cfg.bench, None
+        if opts.random_target:
+            config = target_config(cfg.target.name, opts.target_layers)
             cfg.target.num_layers = config.num_hidden_layers
             cfg.data.check_manifest = False  # random weights have no identity to check
         validate_bench(cfg)

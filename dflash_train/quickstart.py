@@ -31,8 +31,8 @@ from dflash_train.training.run_dir import EXPORT_DIR, MANIFEST_COPY, check_outpu
 
 DATA_DIR = "data/quickstart-smollm2"
 RUN_DIR = "runs/quickstart-smollm2"
-# First turns only: the drafter trains on single-turn answers, and the README's table is
-# measured this way (dflash-eval asks MT-Bench's second question by default). The ten
+# First turns only: the drafter trains on single-turn answers, and the quickstart's
+# measured figures (benchmarks/quickstart-cpu-2026-11-26) are this way (dflash-eval asks MT-Bench's second question by default). The ten
 # prompts of a dataset are decoded as one batch: the table reports acceptance and agreement,
 # which batching keeps, and the evaluation takes a third of the time of one prompt at a time
 # (the batch-1 latency numbers: `dflash-eval ... batch_size=1`).
@@ -161,8 +161,13 @@ def main(argv: list[str] | None = None) -> None:
     run_command("dflash-quickstart", _run, argv)
 
 
+def load(argv: list[str] | None = None) -> QuickstartConfig:
+    """The validated settings of a command line; runs nothing."""
+    return load_command(QuickstartConfig, argv, "quickstart", __doc__, retired=RETIRED_FLAGS)
+
+
 def _run(argv: list[str] | None) -> None:
-    cfg = load_command(QuickstartConfig, argv, "quickstart", __doc__, retired=RETIRED_FLAGS)
+    cfg = load(argv)
     run_dir = cfg.resolved_run_dir()
     native_bf16 = cpu_has_native_bf16()
     if not native_bf16:

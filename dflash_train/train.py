@@ -17,9 +17,14 @@ from dflash_train.recipe import load_command, log_to_stdout
 from dflash_train.run_lock import hold_folder
 
 
+def load(argv: list[str] | None = None) -> TrainConfig:
+    """The validated settings of a command line; loads nothing."""
+    return load_command(TrainConfig, argv, "train", __doc__, validate)
+
+
 def run(argv: list[str] | None = None) -> Path | None:
     """Train from a command line; returns the export directory (on the main process)."""
-    cfg = load_command(TrainConfig, argv, "train", __doc__, validate)
+    cfg = load(argv)
     from dflash_train.training.trainer import (
         Trainer,  # after the recipe: a mistake fails in seconds
     )

@@ -335,8 +335,13 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
     return report
 
 
+def load(argv: list[str] | None = None) -> EvalConfig:
+    """The validated settings of a command line; loads nothing."""
+    return load_command(EvalConfig, argv, "eval", __doc__, validate)
+
+
 def run(argv: list[str] | None = None) -> dict:
-    cfg = load_command(EvalConfig, argv, "eval", __doc__, validate)
+    cfg = load(argv)
     with hold_folder(cfg.output_dir, "output_dir", "dflash-eval"):
         return evaluate(cfg, *setup(cfg))
 

@@ -101,8 +101,13 @@ def validate_speed(cfg: EvalConfig) -> None:
                          "times the decode steps after the first token")
 
 
+def load(argv: list[str] | None = None) -> EvalConfig:
+    """The validated settings of a command line; loads nothing."""
+    return load_command(EvalConfig, argv, "eval", __doc__, validate_speed)
+
+
 def run(argv: list[str] | None = None) -> dict[str, dict]:
-    cfg = load_command(EvalConfig, argv, "eval", __doc__, validate_speed)
+    cfg = load(argv)
     loaded = setup(cfg)
     summaries = measure(cfg, *loaded)
     verify = check_verify_tokens(cfg.verify_tokens, loaded[2].block_size)

@@ -98,9 +98,13 @@ RETIRED_FLAGS = {"--out": "out=PATH", "--eval-results": "eval_results=FILE", "--
                  "--repo-id": "repo_id=USER/NAME", "--private": "private=true", "--no-private": "private=false"}
 
 
+def load(argv: list[str] | None = None) -> ExportConfig:
+    """The validated settings of a command line; reads nothing."""
+    return load_command(ExportConfig, argv, "export", __doc__, retired=RETIRED_FLAGS, positional="path")
+
+
 def main(argv: list[str] | None = None) -> None:
-    run_command("dflash-export", lambda: export_and_push(
-        load_command(ExportConfig, argv, "export", __doc__, retired=RETIRED_FLAGS, positional="path")))
+    run_command("dflash-export", lambda: export_and_push(load(argv)))
 
 
 def export_and_push(args: ExportConfig) -> None:
