@@ -129,11 +129,12 @@ def check_own_folder(path: str | os.PathLike, what: str, prog: str, own: Sequenc
     if other is not None and other != prog:
         raise ValueError(f"{what} {str(path)!r} holds a {other} run, not a {prog} one: it is left untouched; "
                          "choose an empty or new folder")
+    foreign = foreign_files(path, (*own, *ATOMIC_TEMPS, LOCK_FILE))
     entries = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE)
     if proof is not None and entries and not proof(path):
-        foreign = entries  # nothing here is ours, whatever the names
-    else:
-        foreign = foreign_files(path, (*own, *ATOMIC_TEMPS, LOCK_FILE))
+        # Nothing here is ours, whatever the names: the ones named like ours are counted too.
+        named = {f.split("/")[0] for f in foreign}
+        foreign += [name for name in entries if name not in named]
     if foreign:
         shown = ", ".join(foreign[:SHOWN_FOREIGN]) + (f" and {len(foreign) - SHOWN_FOREIGN} more"
                                                       if len(foreign) > SHOWN_FOREIGN else "")

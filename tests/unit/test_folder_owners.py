@@ -42,7 +42,7 @@ def test_a_folder_not_ours_lists_every_name_in_it(tmp_path):
     with pytest.raises(ValueError) as err:
         check_output_dir(tmp_path, ("data_manifest.json",))
     assert str(err.value) == (f"output_dir '{tmp_path}' holds files dflash-train did not write (a.txt, "
-                              "data_manifest.json, metrics.jsonl and 1 more); they are left untouched: choose an "
+                              "notes.txt, data_manifest.json and 1 more); they are left untouched: choose an "
                               "empty or new folder")
     with pytest.raises(ValueError, match=r"^run_dir .* \(notes.txt\)"):  # the caller's own key
         check_own_folder(tmp_path, "run_dir", "dflash-train", ("a.txt", "data_manifest.json", "metrics.jsonl"))

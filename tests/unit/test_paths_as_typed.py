@@ -10,7 +10,7 @@ from dflash_train import quality
 from dflash_train.recipe import parse_command_line, quote_value
 from tests.cli_helpers import run_cli
 from tests.train_data import tiny_inputs, tiny_train_args
-from tests.unit.test_quality import TINY_TRAIN, _listed
+from tests.unit.test_quality import TINY_TRAIN
 
 ODD = "Übungs läufe/模型 ñ"  # spaces, accented and CJK letters
 
@@ -45,7 +45,7 @@ def test_quality_passes_such_paths_to_its_stages(tiny, tmp_path):
     argv = ["target=smollm2_135m", f"data.path={tiny['data']}", "budget_min=0.05", "seconds_per_step=1",
             f"run_dir={run}", "data.val_rows=2", "datasets=[mtbench]", "limit=1", "max_new_tokens=4", "device=cpu",
             f"target.name={tiny['target']}", "target.num_layers=6", "target.mask_token_id=16", "target.dtype=float32",
-            _listed("train", TINY_TRAIN)]
+            f"train=[{','.join(json.dumps(o) for o in TINY_TRAIN)}]"]
     quality.main(argv)
     out = json.loads((run / "quality.json").read_text())
     assert out["steps"] == out["plan"]["steps"] == 3
