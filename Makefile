@@ -37,8 +37,10 @@ quickstart: setup
 # Two workers, one per core of a CI machine; a test file stays on one worker (its module
 # fixtures are built once). Serially one core sat idle for most of the suite: 26 -> 18.5 min;
 # one torch thread per worker (tests/conftest.py) then took it to 13.9 min (fresh clone, 1b0ca33).
+# --timeout: a test that hangs (a decoding loop that never commits) fails alone in 15 minutes,
+# far above the slowest test, instead of holding CI until its own limit.
 test: setup-test
-	$(PY) -m pytest -q -m "not gpu" -n 2 --dist loadfile --durations=15 tests
+	$(PY) -m pytest -q -m "not gpu" -n 2 --dist loadfile --durations=15 --timeout=900 tests
 
 test-gpu: setup-test
 	$(PY) -m pytest -q -m gpu tests

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig
 
 from dflash_train.model.dflash import check_sampling
-from dflash_train.recipe import HINT, to_config
+from dflash_train.recipe import HINT, MIN, to_config
 
 SOURCE_KINDS = ("sharegpt", "jsonl", "hf", "magpie")
 BACKEND_KINDS = ("auto", "engine", "hf", "openai")
@@ -29,7 +29,7 @@ class SourceConfig:
     path: str | None = None
     name: str | None = None
     # Keep the first num_prompts usable prompts of this source (None: all); required for magpie.
-    num_prompts: int | None = None
+    num_prompts: int | None = field(default=None, metadata={MIN: 1})
     # hf only: dataset config name, split, data_files, and which column holds the prompt.
     subset: str | None = None
     split: str = "train"
@@ -42,7 +42,7 @@ class SourceConfig:
     # of num_prompts.
     temperature: float = 1.0
     top_p: float = 1.0
-    max_tokens: int = 256
+    max_tokens: int = field(default=256, metadata={MIN: 1})
     max_candidates: int | None = None
     # magpie only: the system prompt the target writes its prompts under, steering their
     # domain (a coder target: one that says users ask coding questions); None: the run's
@@ -52,8 +52,6 @@ class SourceConfig:
     def validate(self, where: str) -> None:
         if self.kind not in SOURCE_KINDS:
             raise ValueError(f"{where}.kind={self.kind!r}: expected one of {list(SOURCE_KINDS)}")
-        if self.num_prompts is not None and self.num_prompts < 1:
-            raise ValueError(f"{where}.num_prompts={self.num_prompts}: must be >= 1 or null (all)")
         if self.kind == "magpie":
             self._validate_magpie(where)
             return
@@ -80,9 +78,10 @@ class SourceConfig:
         if self.path is not None:
             raise ValueError(f"{where}.path={self.path!r}: a magpie source reads no file "
                              "(the target writes the prompts)")
-        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
-            raise ValueError(f"{where}: temperature={self.temperature} must be > 0 (greedy writes one prompt), "
-                             f"top_p={self.top_p} in (0, 1], max_tokens={self.max_tokens} >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"{where}.temperature={self.temperature} must be > 0 (greedy writes one prompt)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{where}.top_p={self.top_p} must be in (0, 1]")
         if self.max_candidates is None:
             self.max_candidates = 4 * self.num_prompts
         if self.max_candidates < self.num_prompts:
@@ -96,18 +95,14 @@ class TemplateConfig:
     # None: do not pass `enable_thinking` (targets without a thinking switch).
     enable_thinking: bool | None = None
     # User turns per conversation answered in order; None answers all of them.
-    max_turns: int | None = 1
+    max_turns: int | None = field(default=1, metadata={MIN: 1})
     # A Jinja file replacing the tokenizer's chat template (None: the tokenizer's own).
     chat_template: str | None = None
-
-    def validate(self) -> None:
-        if self.max_turns is not None and self.max_turns < 1:
-            raise ValueError(f"template.max_turns={self.max_turns}: must be >= 1 or null (all turns)")
 
 
 @dataclass
 class SamplingConfig:
-    max_new_tokens: int = 1024
+    max_new_tokens: int = field(default=1024, metadata={MIN: 1})
     # 0 means greedy decoding.
     temperature: float = 0.0
     top_p: float = 1.0
@@ -120,8 +115,6 @@ class SamplingConfig:
         return self.temperature == 0
 
     def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens}: must be >= 1")
         check_sampling(self.temperature, self.top_p, self.top_k, prefix="sampling.")
 
 
@@ -131,18 +124,18 @@ class BackendConfig:
     kind: str = "auto"
     # hf: prompts per generate call (after length bucketing); engine: rows of its KV cache
     # (prompts in flight). device: "auto" is the rank's GPU when there is one, else CPU.
-    batch_size: int = 16
+    batch_size: int = field(default=16, metadata={MIN: 1})
     device: str = "auto"
     # engine on CUDA: replay each decode step as a CUDA graph (false: eager, to diagnose).
     cuda_graphs: bool = True
     # hf on CPU: torch intra-op threads (None: torch's default). 1 is much faster on a
     # machine shared with other jobs, where spinning thread pools stall each other.
-    cpu_threads: int | None = None
+    cpu_threads: int | None = field(default=None, metadata={MIN: 1})
     # openai: an OpenAI-compatible server (vLLM, SGLang) serving the same target.
     base_url: str | None = None
     model: str | None = None
     api_key: str | None = None
-    max_concurrency: int = 16
+    max_concurrency: int = field(default=16, metadata={MIN: 1})
     timeout_s: float = 600.0
     max_retries: int = 3
     backoff_s: float = 1.0
@@ -152,13 +145,8 @@ class BackendConfig:
             raise ValueError(f"backend.kind={self.kind!r}: expected one of {list(BACKEND_KINDS)}")
         if self.kind == "auto":
             self.kind = "engine" if self._on_gpu() else "hf"
-        if self.batch_size < 1 or self.max_concurrency < 1 or self.max_retries < 0:
-            raise ValueError(f"backend: batch_size={self.batch_size} and max_concurrency={self.max_concurrency} "
-                             f"must be >= 1, max_retries={self.max_retries} >= 0")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError(f"backend.cpu_threads={self.cpu_threads}: must be >= 1 or null (torch default)")
-        if self.timeout_s <= 0 or self.backoff_s < 0:
-            raise ValueError(f"backend: timeout_s={self.timeout_s} must be > 0 and backoff_s={self.backoff_s} >= 0")
+        if self.timeout_s <= 0:
+            raise ValueError(f"backend.timeout_s={self.timeout_s} must be > 0")
         if self.kind == "openai" and not self.base_url:
             raise ValueError("backend.base_url is required for backend.kind='openai' (e.g. http://127.0.0.1:8000/v1)")
 
@@ -194,11 +182,11 @@ class DatagenConfig:
     # Benchmarks of dflash-eval whose prompts never enter training data.
     exclude_eval: list[str] = field(default_factory=lambda: ["mtbench", "humaneval"])
     # Keep the first num_prompts usable prompts (None: all).
-    num_prompts: int | None = None
+    num_prompts: int | None = field(default=None, metadata={MIN: 1})
     # Prompt length limit in tokens (chat template applied); longer prompts are skipped.
-    max_prompt_len: int = 2048
+    max_prompt_len: int = field(default=2048, metadata={MIN: 1})
     # Prompts per committed shard: the unit of resumption and of data parallelism.
-    shard_size: int = 64
+    shard_size: int = field(default=64, metadata={MIN: 1})
     cache_dir: str | None = None
     # Wall-clock minutes of the stage after loading the target (None: until every prompt is
     # answered): writing magpie prompts, then answering, summed over attempts
@@ -218,15 +206,10 @@ class DatagenConfig:
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"sources: names {names} must be unique (set `name` on repeated kinds)")
-        self.template.validate()
         self.sampling.validate()
         self.backend.validate()
-        if self.num_prompts is not None and self.num_prompts < 1:
-            raise ValueError(f"num_prompts={self.num_prompts}: must be >= 1 or null (all)")
         if self.budget_min is not None and not 0 < self.budget_min < math.inf:  # NaN fails it too
             raise ValueError(f"budget_min={self.budget_min:g}: must be a positive number of minutes or null")
-        if self.max_prompt_len < 1 or self.shard_size < 1:
-            raise ValueError(f"max_prompt_len={self.max_prompt_len} and shard_size={self.shard_size} must be >= 1")
 
 
 def to_datagen_config(raw: DictConfig | dict) -> DatagenConfig:

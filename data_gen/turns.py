@@ -74,6 +74,17 @@ def _next_turn(cfg: DatagenConfig, shaper: ChatShaper, shard: _Shard, c: _Conver
     return True
 
 
+def _goes_on(cfg: DatagenConfig, shaper: ChatShaper, shard: _Shard, c: _Conversation, finish: str) -> bool:
+    """Whether the conversation goes on to its next turn after an answer that ended with
+    ``finish``. A cut-off answer is not a history the target would continue from: with turns
+    left, the conversation ends early there (counted under the limit that cut it)."""
+    if finish != "stop":
+        if len(c.answers) < len(c.prompt.user_turns):
+            shard.ended.add("max_new_tokens" if finish == "length" else f"finish_{finish}")
+        return False
+    return _next_turn(cfg, shaper, shard, c)
+
+
 def _record(shard: _Shard, c: _Conversation, result) -> None:
     if isinstance(result, Failure):
         (shard.skips if c.row is None else shard.ended).add("backend_error", f"{c.prompt.prompt_id}: {result.detail}")
@@ -155,8 +166,7 @@ def generate_shards(cfg: DatagenConfig, shaper: ChatShaper, generator, shards: d
                     shard.open -= 1
                     continue
                 _record(shard, c, r)
-                # A cut-off answer is not a history the target would continue from.
-                if c.pending is not None and r.finish_reason == "stop" and _next_turn(cfg, shaper, shard, c):
+                if c.pending is not None and _goes_on(cfg, shaper, shard, c, r.finish_reason):
                     heapq.heappush(ready, (k, pos))
                 else:
                     shard.open -= 1

@@ -131,8 +131,10 @@ def check_own_folder(path: str | os.PathLike, what: str, prog: str, own: Sequenc
                          "choose an empty or new folder")
     foreign = foreign_files(path, (*own, *ATOMIC_TEMPS, LOCK_FILE))
     entries = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE)
-    if not foreign and proof is not None and entries and not proof(path):
-        foreign = entries  # nothing here is ours, whatever the names
+    if proof is not None and entries and not proof(path):
+        # Nothing here is ours, whatever the names: the ones named like ours are counted too.
+        named = {f.split("/")[0] for f in foreign}
+        foreign += [name for name in entries if name not in named]
     if foreign:
         shown = ", ".join(foreign[:SHOWN_FOREIGN]) + (f" and {len(foreign) - SHOWN_FOREIGN} more"
                                                       if len(foreign) > SHOWN_FOREIGN else "")

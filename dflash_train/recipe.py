@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import functools
 import logging
+import math
 import re
 import sys
 import types
@@ -48,6 +49,10 @@ _MISSING_GROUP = re.compile(r"You must specify '([\w/.]+)'")  # Hydra's words fo
 # A required field's metadata key: what to write after "key=" in the missing-value error,
 # e.g. field(default=MISSING, metadata={HINT: "<drafter directory> or random"}).
 HINT = "hint"
+# A number's metadata key: the smallest value it takes. Without it a number takes any finite
+# value >= 0: every interval, budget, count and rate of every schema is checked this way, in
+# ``check_numbers``, e.g. field(default=1, metadata={MIN: 1}).
+MIN = "min"
 
 
 @dataclass
@@ -194,9 +199,28 @@ def to_config(schema: type[T], raw: DictConfig | dict, validate: Callable[[T], N
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ValueError(_describe(schema, err, prefix)) from None
+    check_numbers(cfg, prefix)
     if validate is not None:
         validate(cfg)
     return cfg
+
+
+def check_numbers(cfg: Any, prefix: str = "") -> None:
+    """Raise a one-line ValueError naming the key of the first number of the dataclass ``cfg``
+    (nested ones and lists included) that is not finite or below its field's ``MIN`` (0 by
+    default): ``checkpoint.every=-1 must be a finite number >= 0``."""
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), ".".join(p for p in (prefix, f.name) if p)
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            where = key if i is None else f"{key}[{i}]"
+            if dataclasses.is_dataclass(item):
+                check_numbers(item, where)
+            elif isinstance(item, (int, float)) and not isinstance(item, bool):
+                low = f.metadata.get(MIN, 0)
+                if not low <= item < math.inf:  # NaN fails the comparison too
+                    shown = f"{item:g}" if isinstance(item, float) else item
+                    raise ValueError(f"{where}={shown} must be a finite number >= {low}")
 
 
 def load_command(schema: type[T], argv: Sequence[str] | None, config_name: str, doc: str,

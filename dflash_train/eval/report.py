@@ -34,13 +34,18 @@ def on_cpu(summaries: dict[str, dict]) -> bool:
     return all(str(s.get("device", "")).startswith("cpu") for s in summaries.values())
 
 
-def results_table(results_path: str | Path | None) -> str | None:
-    """The table dflash-eval printed, rebuilt from its results.json (None: no results given)."""
+def results_table(results_path: str | Path | None, key: str = "eval_results") -> str | None:
+    """The table dflash-eval printed, rebuilt from its results.json (None: no results given);
+    ``key``: the setting that named the file, for the one-line error."""
     if not results_path:
         return None
-    report = json.loads(Path(results_path).read_text())
-    summaries = {label: {k: v for k, v in d.items() if k != "prompts"} for label, d in report["datasets"].items()}
-    return format_table(summaries)
+    try:
+        report = json.loads(Path(results_path).read_text())
+        summaries = {label: {k: v for k, v in d.items() if k != "prompts"} for label, d in report["datasets"].items()}
+        return format_table(summaries)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        reason = f"missing {err}" if isinstance(err, KeyError) else " ".join(str(err).split())[:200]
+        raise ValueError(f"{key}={str(results_path)!r} is not a results.json of dflash-eval ({reason})") from None
 
 
 def format_table(summaries: dict[str, dict]) -> str:

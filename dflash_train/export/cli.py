@@ -75,7 +75,8 @@ def export_checkpoint(ckpt: Path, out: Path, eval_results: str | None = None) ->
     run_dir = ckpt.parent.parent
     manifest_file = run_dir / MANIFEST_COPY
     manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else None
-    extra = model_card_files(as_dict(cfg), manifest, results_table(eval_results or cfg.hub.eval_results))
+    key = "eval_results" if eval_results else "hub.eval_results"
+    extra = model_card_files(as_dict(cfg), manifest, results_table(eval_results or cfg.hub.eval_results, key))
     # The digest the run recorded; checkpoints of older versions: the recipe's target now.
     digest = read_state(ckpt).get("target_weights") or weights_digest(cfg.target.name)
     return save_drafter(shell, out, extra_files=extra, state_dict=state, target_weights=digest), as_dict(cfg)
@@ -114,6 +115,7 @@ def export_and_push(args: ExportConfig) -> None:
               "its files cannot be verified", file=sys.stderr)
     out = Path(args.out) if args.out else ckpt.parent.parent / EXPORT_DIR
     check_export_destination(out)  # before any checkpoint is read: a user's folder is refused at once
+    results_table(args.eval_results)  # a file that is not dflash-eval's: its one line now, not after the export
     # The export is written beside its destination and renamed into place: the folder
     # holding it (the run's own by default) is the one this command writes.
     with hold_folder(out.parent, "out" if args.out else "path", "dflash-export"):

@@ -69,6 +69,10 @@ def _file_digest(path: Path, limit: int = 1 << 20) -> str:
     return h.hexdigest()[:16]
 
 
+# Written beside the weights of a dequantized GGUF: the file it came from.
+SOURCE_FILE = "dflash_source.json"
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF file into an HF folder (bf16 safetensors + tokenizer), atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -84,7 +88,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "dflash_source.json").write_text(json.dumps({"gguf": gguf.name, "digest": _file_digest(gguf)}))
+        source = {"gguf": gguf.name, "digest": _file_digest(gguf), "weights": _folder_weights(tmp)}
+        (tmp / SOURCE_FILE).write_text(json.dumps(source))
 
     try:
         atomic_write(out, write, folder=True, replace=False)
@@ -159,14 +164,34 @@ def weights_digest(spec: str) -> str:
     folder = Path(spec) if Path(spec).is_dir() else _hub_snapshot(spec)
     if folder is None:
         return f"hub-{spec}"  # not downloaded: only the name can be compared
-    files = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
-    if not files:  # a tokenizer and config only (the openai backend's server holds the weights)
+    weights = _folder_weights(folder)
+    if weights is None:  # a tokenizer and config only (the openai backend's server holds the weights)
         config = folder / "config.json"
         return "config-" + (hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else spec)
+    return _gguf_of_copy(folder, weights) or weights
+
+
+def _folder_weights(folder: Path) -> str | None:
+    files = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    if not files:
+        return None
     h = hashlib.sha256()
     for f in files:
         h.update(f"{f.name}:{_file_digest(f)};".encode())
     return "weights-" + h.hexdigest()[:16]
+
+
+def _gguf_of_copy(folder: Path, weights: str) -> str | None:
+    """The identity of the GGUF file ``folder`` was dequantized from (its dflash_source.json),
+    when its weights are still the ones written then: a GGUF and our copy of it are one
+    target. Copies of older versions recorded no weights digest: their source is taken."""
+    try:
+        source = json.loads((folder / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(source, dict) or not source.get("digest") or source.get("weights", weights) != weights:
+        return None
+    return "gguf-" + source["digest"]
 
 
 def target_identity(spec: str, cache_dir: str | os.PathLike | None = None) -> dict:

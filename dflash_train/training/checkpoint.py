@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from dflash_train.atomic import file_sha256, publish
+from dflash_train.atomic import disk_full, disk_full_error, file_sha256, publish
 from dflash_train.config import TrainConfig, as_dict
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -271,15 +271,26 @@ def save_checkpoint(backend, output_dir: str | Path, state: TrainerState, config
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a run killed while saving
         tmp.mkdir(parents=True)
     backend.barrier()
-    backend.save_state(tmp)
-    torch.save(_rng_state(), tmp / f"rng_rank{backend.rank}.pt")
+    try:
+        backend.save_state(tmp)
+        torch.save(_rng_state(), tmp / f"rng_rank{backend.rank}.pt")
+        if backend.is_main:
+            (tmp / STATE_FILE).write_text(json.dumps({**asdict(state), "format": STATE_FORMAT}, indent=2) + "\n")
+            (tmp / CONFIG_FILE).write_text(OmegaConf.to_yaml(as_dict(config)))
+        backend.barrier()
+        if backend.is_main:
+            write_checksums(tmp)  # last: a checkpoint whose files match it is complete and intact
+            publish(tmp, final)  # fsynced, then renamed into place
+    except (OSError, RuntimeError) as err:
+        # The partial folder goes at once: left, it would keep the disk full until the next run.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if disk_full(err, root):
+            previous = list_checkpoints(output_dir)
+            kept = f"the last checkpoint, {previous[-1].name}, is kept" if previous else "there is no earlier checkpoint"
+            raise disk_full_error(root, f"checkpoint {final.name}", f"its partial folder was removed and {kept}") \
+                from err
+        raise
     if backend.is_main:
-        (tmp / STATE_FILE).write_text(json.dumps({**asdict(state), "format": STATE_FORMAT}, indent=2) + "\n")
-        (tmp / CONFIG_FILE).write_text(OmegaConf.to_yaml(as_dict(config)))
-    backend.barrier()
-    if backend.is_main:
-        write_checksums(tmp)  # last: a checkpoint whose files match it is complete and intact
-        publish(tmp, final)  # fsynced, then renamed into place
         for old in list_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     backend.barrier()

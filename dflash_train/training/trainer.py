@@ -525,7 +525,7 @@ class Trainer:
         state = self.backend.full_state_dict()
         path = None
         if self.backend.is_main:
-            extra = model_card_files(as_dict(self.cfg), self.manifest, results_table(self.cfg.hub.eval_results))
+            extra = model_card_files(as_dict(self.cfg), self.manifest, results_table(self.cfg.hub.eval_results, "hub.eval_results"))
             path = save_drafter(self.drafter, out_dir, extra_files=extra, state_dict=state,
                                 target_weights=self.target_weights, prog="dflash-train")
         self.backend.barrier()

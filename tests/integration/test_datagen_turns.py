@@ -10,7 +10,7 @@ import torch
 from data_gen.config import to_datagen_config
 from data_gen.build import build_generator
 from data_gen.pipeline import run, setup
-from data_gen.turns import generate_shards
+from data_gen.turns import generate_shards, turn_seed
 from dflash_train.data.format import load_generated, read_manifest
 from tests.conftest import SMOLLM2
 from tests.datagen_helpers import an_hour_after_each_batch
@@ -181,3 +181,42 @@ def test_a_budget_ends_each_conversation_at_its_last_answer(tmp_path, smollm2, s
     again = run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
     assert again.budget_reached and again.generated_tokens == 0
     assert {p: p.read_bytes() for p in (tmp_path / "budget").rglob("*") if p.is_file()} == before
+
+
+def test_an_answer_cut_at_max_new_tokens_ends_its_conversation_early(tmp_path, turns_run, smollm2, smollm2_tokenizer):
+    """With 2 new tokens every first answer is cut: it is not a history to continue from, so
+    each conversation is one row of one answer, and the four with turns left count as ended
+    early (the one-turn conversation does not)."""
+    _, shaper, prompts, _, _ = turns_run
+    cfg = config(tmp_path, "short", sampling={"max_new_tokens": 2})
+    run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
+    data = load_generated(cfg.out_dir)
+    for p, row in zip(prompts, data):
+        ids, mask = shaper.prompt(p.system, p.user_turns, [])
+        assert row["input_ids"][:len(ids)] == ids and row["response_len"] == 2  # the first turn, cut
+    counts = read_manifest(cfg.out_dir)["counts"]
+    assert counts["finish_reasons"] == {"length": 5} and counts["ended_early"] == {"max_new_tokens": 4}
+
+
+def test_each_turn_samples_from_its_own_seed(turns_run, smollm2, smollm2_tokenizer):
+    """Sampled multi-turn runs: turn t of a prompt draws from turn_seed(seed, prompt, t), a
+    stream of its own (not turn 0's again), whatever call the turn lands in."""
+    cfg, shaper, prompts, _, _ = turns_run
+    seen = {}
+
+    class Seeds:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def generate(self, batch, seeds, deadline=None):
+            for ids, seed in zip(batch, seeds):
+                first = smollm2_tokenizer.decode(ids).split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+                seen[(first, (ids.count(IM_START) - 3) // 2)] = seed
+            return self.inner.generate(batch, seeds, deadline)
+
+    generator = Seeds(build_generator(cfg.backend, cfg.sampling, SMOLLM2, shaper.stop_ids, IM_END,
+                                      smollm2_tokenizer, target=smollm2))
+    list(generate_shards(cfg, shaper, generator, {0: prompts}, call_size=2))
+    expected = {(p.user_turns[0], t): turn_seed(cfg.sampling.seed, p, t)
+                for p in prompts for t in range(len(p.user_turns))}
+    assert seen == expected and len(set(expected.values())) == len(expected)

@@ -70,3 +70,21 @@ def test_resume_under_another_path_to_the_same_weights_is_not_a_change(tiny, tmp
     t = Trainer(tiny_train_config(str(moved), tiny["data"], tmp_path / "run", max_steps=2))
     t.resume()
     assert t.state.step == 1
+
+
+def test_a_gguf_and_the_dequantized_copy_the_tools_wrote_are_one_target(tiny, tmp_path):
+    """The tools dequantize a GGUF once into a cached folder; given that folder as the target
+    (target.name=<the copy>), it is the GGUF's weights, not another model. A copy whose
+    weights changed since is another model again."""
+    from dflash_train.model.target import SOURCE_FILE, resolve_target
+
+    copy = resolve_target(SMOLLM2)
+    assert weights_digest(copy) == weights_digest(SMOLLM2)
+    edited = tmp_path / "copy"
+    shutil.copytree(tiny["target"], edited)
+    own = weights_digest(str(edited))
+    (edited / SOURCE_FILE).write_text(json.dumps({"gguf": "m.gguf", "digest": "abc", "weights": own}))
+    assert weights_digest(str(edited)) == "gguf-abc"
+    weights = next(edited.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x01")
+    assert weights_digest(str(edited)) not in ("gguf-abc", own)

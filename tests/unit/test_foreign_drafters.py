@@ -223,3 +223,11 @@ def test_warm_start_geometry_must_match_the_recipe(tiny, tmp_path):
         Trainer(tiny_train_config(tiny["target"], tiny["data"], tmp_path / "run", drafter={"init_from": str(path)}))
     with pytest.raises(ValueError, match="drafter.init_from='/nowhere' is not a directory"):
         tiny_train_config(tiny["target"], tiny["data"], tmp_path / "run", drafter={"init_from": "/nowhere"})
+
+
+def test_a_speculators_config_without_block_size_takes_that_formats_default(tmp_path, target, ours):
+    """DFlashSpeculatorConfig defaults block_size to 8, not our 16: a config that leaves the
+    key out (the format's own writer does when it is the default) drafts blocks of 8."""
+    path = write_speculators(tmp_path / "spec", ours, target, config_edit=_edit("block_size"))
+    assert "block_size" not in json.loads((path / "config.json").read_text())
+    assert read_foreign(path, num_target_layers=6).config.block_size == 8

@@ -226,14 +226,14 @@ def test_a_rerun_with_another_target_key_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("settings, message", [
-    (["budget_min=-5"], "budget_min=-5 must be a positive number"),
+    (["budget_min=-5"], "budget_min=-5 must be a finite number >= 0"),
     (["budget_min=0"], "budget_min=0 must be a positive number"),
-    (["budget_min=nan"], "budget_min=nan must be a positive number"),
+    (["budget_min=nan"], "budget_min=nan must be a finite number >= 0"),
     (["budget_min=10", "seconds_per_step=0"], "seconds_per_step=0 must be a positive number"),
-    (["budget_min=10", "seconds_per_step=-1.5"], "seconds_per_step=-1.5 must be a positive number"),
-    (["budget_min=10", "seconds_per_step=2", "startup_s=-3"], "startup_s=-3 must be a number >= 0"),
+    (["budget_min=10", "seconds_per_step=-1.5"], "seconds_per_step=-1.5 must be a finite number >= 0"),
+    (["budget_min=10", "seconds_per_step=2", "startup_s=-3"], "startup_s=-3 must be a finite number >= 0"),
     (["budget_min=10", "probe_steps=3", "warmup_steps=3"], "probe_steps=3 must exceed warmup_steps=3"),
-    (["budget_min=10", "data.val_rows=-1"], "data.val_rows=-1 must be a number >= 0"),
+    (["budget_min=10", "data.val_rows=-1"], "data.val_rows=-1 must be a finite number >= 0"),
     (["budget_min=10", "datasets=[]"], "datasets=[] names no dataset to evaluate on: give at least one "
                                        "(mtbench, humaneval, a .jsonl)"),
     ([], "missing value for budget_min: add budget_min=<training minutes> to the command"),
@@ -293,3 +293,13 @@ def test_training_flex_attention_on_the_cpu_names_the_override(tmp_path):
     done = run_cli("dflash-train", *tiny_train_args(target, data, tmp_path / "run", "drafter.attention=flex"))
     assert_one_line_error(done, "dflash-train", "drafter.attention=flex cannot train on the CPU",
                           "add drafter.attention=dense")
+
+
+def test_an_older_run_with_only_its_plan_is_refused_under_another_budget(tmp_path):
+    """Runs of older versions recorded only plan.json: its budget is the run's setting."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / quality.PLAN_FILE).write_text(json.dumps({"budget_min": 1, "seconds_per_step": 0.5, "startup_s": 0,
+                                                         "steps": 120}))
+    with pytest.raises(ValueError, match=r"holds a quality run with other settings \(budget_min 1 -> 2.0\)"):
+        quality.check_run(quality.load([*REQUIRED[:2], "budget_min=2", f"run_dir={run_dir}"]), run_dir)

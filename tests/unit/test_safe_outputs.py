@@ -190,7 +190,8 @@ def test_training_keeps_a_users_metrics_and_manifest(run, tmp_path):
     before = snapshot(out)
     args = tiny_train_args(run["target"], run["data"], out, "max_steps=1")
     assert_one_line_error(run_cli("dflash-train", *args), "dflash-train",
-                          "holds files dflash-train did not write (thesis.txt, sub/notes.md)")
+                          "holds files dflash-train did not write (thesis.txt, sub/notes.md, "
+                          "data_manifest.json and 1 more)")
     (out / "thesis.txt").unlink()
     shutil.rmtree(out / "sub")
     before = snapshot(out)  # only names training also writes, but no run.json of a run of ours
