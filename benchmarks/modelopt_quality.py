@@ -70,6 +70,8 @@ RETIRED_FLAGS = {"--data": "data.path=DIR", "--budget-min": "budget_min=MINUTES"
                  "--probe-steps": "probe_steps=N", "--device": "device=DEVICE",
                  "--eval": "nothing (the evaluation always runs)", "--limit": "limit=N",
                  "--max-new-tokens": "max_new_tokens=N", "--eval-set": 'eval=["KEY=VALUE"]'}
+AGREEMENT_PROMPT, AGREEMENT_ROWS = 64, 4  # the export check: a block after 64 tokens of 4 training rows
+MIN_AGREEMENT = 0.8  # below this share of equal drafts, the export or our reading of it is wrong
 RUN_FILE, TRAIN_FILE, HELD_OUT_FILE, EVAL_TIME_FILE = "run.json", "train.json", "heldout.json", "eval_seconds.json"
 OWN_FILES = (RUN_FILE, TRAIN_FILE, HELD_OUT_FILE, EVAL_TIME_FILE, "quality.json", "metrics.jsonl", "export/*",
              "heldout/*", "eval/*")
@@ -137,15 +139,9 @@ def settings(run, options: ModeloptOptions) -> dict:
 
 def check_run_dir(run_dir: Path, now: dict) -> None:
     """Refuse a run_dir with another run's files or other settings; record these settings."""
-    from dflash_train.errors import check_own_folder, check_writable_dir
+    from dflash_train.errors import check_own_folder, check_writable_dir, folder_writer
 
-    def ours(folder: Path) -> bool:
-        try:
-            return json.loads((folder / RUN_FILE).read_text()).get("written_by") == PROG
-        except (OSError, ValueError, AttributeError):
-            return False
-
-    check_own_folder(run_dir, "run_dir", PROG, OWN_FILES, ours)
+    check_own_folder(run_dir, "run_dir", PROG, OWN_FILES, lambda folder: folder_writer(folder) == PROG)
     path = run_dir / RUN_FILE
     before = json.loads(path.read_text())["settings"] if path.exists() else now
     changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
@@ -162,12 +158,15 @@ def check_run_dir(run_dir: Path, now: dict) -> None:
 def our_overrides(run, machine: list[str], output_dir: Path, init_from: Path | None = None) -> list[str]:
     """dflash-train's overrides in dflash-quality's train-stage order: this machine's defaults,
     the command line's target keys, train=[...], then what this script fixes."""
-    overrides = [f"target={run.target_recipe}", f"data.path={run.data_path}", *machine, *run.target_overrides,
-                 *run.cfg.train, f"output_dir={output_dir}", f"data.val_rows={run.cfg.data.val_rows}",
+    from dflash_train.recipe import quote_value
+
+    overrides = [f"target={run.target_recipe}", f"data.path={quote_value(run.data_path)}", *machine,
+                 *run.target_overrides, *run.cfg.train, f"output_dir={quote_value(str(output_dir))}",
+                 f"data.val_rows={run.cfg.data.val_rows}",
                  "logging.wandb=disabled", "logging.progress_bar=false", "export=false", "checkpoint.every=0",
                  "checkpoint.resume=false"]
     if init_from is not None:  # evaluation: the recipe's own validation, every weight from the export
-        overrides += [f"drafter.init_from={init_from}", "drafter.init_from_target=false"]
+        overrides += [f"drafter.init_from={quote_value(str(init_from))}", "drafter.init_from_target=false"]
     return overrides
 
 
@@ -355,6 +354,28 @@ def export(model, out_dir: Path) -> Path:
     return out_dir
 
 
+@torch.no_grad()
+def export_agreement(model, export_dir: Path, input_ids: torch.Tensor) -> float:
+    """The share of Model-Optimizer's own drafts of one block (pseudo_speculative_generate after
+    ``input_ids``) that our loader's drafter, read from the export, drafts too: 1.0 unless the
+    export or its reading lost something (near-ties in bf16 aside). Both read the same target
+    features; the block is [the target's next token, mask...] after the prompt."""
+    from dflash_train.model.dflash import target_features
+    from dflash_train.model.io import load_drafter
+
+    block = model.dflash_block_size
+    base_token, theirs = model.pseudo_speculative_generate(input_ids, steps=block - 1)
+    ours = load_drafter(export_dir, dtype=model.dtype, device=input_ids.device)
+    hidden = model._base_model(input_ids=input_ids, output_hidden_states=True).hidden_states
+    ids = torch.full((1, block), model.mask_token_id, dtype=torch.long, device=input_ids.device)
+    ids[0, 0] = base_token[0, 0]
+    context = input_ids.shape[1]
+    positions = torch.arange(context + block, device=input_ids.device)[None]  # (1, C + B)
+    drafted = ours(model._base_model_embeddings(ids), target_features(hidden, ours.target_layer_ids), positions)
+    mine = model._base_model_lm_head(drafted[:, 1:]).argmax(-1)  # (1, B - 1)
+    return float((mine == theirs).float().mean())
+
+
 def train_and_export(run, options: ModeloptOptions, machine: list[str], device, started: float) -> dict:
     """The training stage: Model-Optimizer's drafter trained for the budget and exported."""
     import modelopt
@@ -367,7 +388,14 @@ def train_and_export(run, options: ModeloptOptions, machine: list[str], device, 
     train_s = time.time() - started
     export(model, run_dir / "export")
     log(f"trained {counts['steps']} steps in {train_s / 60:.1f} min; exported to {run_dir / 'export'}")
-    return {"trainer": f"modelopt-{modelopt.__version__}", **counts, "train_minutes": train_s / 60}
+    prompts = [torch.tensor([ds[i]["input_ids"][:AGREEMENT_PROMPT]], device=device) for i in rows[:AGREEMENT_ROWS]]
+    agreement = sum(export_agreement(model, run_dir / "export", p) for p in prompts) / len(prompts)
+    # Reported, not enforced: a lost run costs more than a look at this line (bf16 near-ties
+    # can flip a few drafts; a wrong reading of the export flips most of them).
+    log(f"the export read back by our loader drafts {agreement:.0%} of Model-Optimizer's own drafts "
+        f"({len(prompts)} blocks){'' if agreement >= MIN_AGREEMENT else ': TOO FEW, the evaluation is not of its drafter'}")
+    return {"trainer": f"modelopt-{modelopt.__version__}", **counts, "train_minutes": train_s / 60,
+            "export_agreement": agreement}
 
 
 # ------------------------------------------------------------------ our evaluation
@@ -386,9 +414,12 @@ def held_out_tau(run, machine: list[str], export_dir: Path) -> float:
 
 def run_eval(command: list[str]) -> float:
     """dflash-eval's seconds, loading the target included."""
-    print(f"[eval] {' '.join(command[2:])}", flush=True)
+    from dflash_train.console import command_lines
+    from dflash_train.run_lock import stage_env
+
+    print(command_lines("[eval]", command[2:]), flush=True)
     start = time.perf_counter()
-    if subprocess.run(command).returncode != 0:
+    if subprocess.run(command, env=stage_env()).returncode != 0:  # it writes into the run_dir we hold
         raise SystemExit(f"{PROG}: dflash-eval failed; fix the error above and run again (finished stages are reused)")
     return time.perf_counter() - start
 
@@ -409,9 +440,16 @@ def _stage(path: Path, make):
 
 def _run(argv: list[str] | None) -> None:
     started = time.time()
-    from dflash_train import quality
+    from dflash_train.run_lock import hold_folder
 
     run, options = load(sys.argv[1:] if argv is None else argv)
+    with hold_folder(run.cfg.run_dir, "run_dir", PROG):
+        _compare(run, options, started)
+
+
+def _compare(run, options: ModeloptOptions, started: float) -> None:
+    from dflash_train import quality
+
     run_dir = Path(run.cfg.run_dir)
     check_run_dir(run_dir, settings(run, options))
     cuda = torch.cuda.is_available()
