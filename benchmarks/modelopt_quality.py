@@ -248,7 +248,7 @@ def build_modelopt(cfg, device):
     model = AutoModelForCausalLM.from_pretrained(resolve_target(cfg.target.name), dtype=dtype)
     settings = dflash_settings(cfg, model.config)
     model = mtsp.convert(model, [("dflash", settings)])
-    build_rotary(model.dflash_module)
+    build_rotary(model)
     model = model.to(device)
     dc = model.dflash_config
     log(f"modelopt {modelopt.__version__}: target {model.dtype}, draft layers {dc.num_hidden_layers}, inter "
@@ -260,17 +260,16 @@ def build_modelopt(cfg, device):
     return model
 
 
-def build_rotary(drafter) -> None:
+def build_rotary(model) -> None:
     """The drafter's rotary embedding, built before its first forward: Model-Optimizer 0.47
     builds it there with ``device=``, which transformers 5.18 removed (5.17, the GPU image's,
     accepts both); the same class and config, so the same RoPE."""
     import inspect
 
-    from modelopt.torch.speculative.plugins import modeling_dflash
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding  # the class its drafter uses
 
-    rotary = modeling_dflash._ROTARY_CLS
-    if "device" not in inspect.signature(rotary.__init__).parameters:
-        drafter.rotary_emb = rotary(config=drafter._rotary_config)
+    if "device" not in inspect.signature(Qwen3RotaryEmbedding.__init__).parameters:
+        model.dflash_module.rotary_emb = Qwen3RotaryEmbedding(config=model.dflash_config)
 
 
 class BudgetSchedule:
@@ -366,13 +365,13 @@ def export_agreement(model, export_dir: Path, input_ids: torch.Tensor) -> float:
     block = model.dflash_block_size
     base_token, theirs = model.pseudo_speculative_generate(input_ids, steps=block - 1)
     ours = load_drafter(export_dir, dtype=model.dtype, device=input_ids.device)
-    hidden = model._base_model(input_ids=input_ids, output_hidden_states=True).hidden_states
+    hidden = model(input_ids=input_ids, output_hidden_states=True).hidden_states  # eval mode: the target's forward
     ids = torch.full((1, block), model.mask_token_id, dtype=torch.long, device=input_ids.device)
     ids[0, 0] = base_token[0, 0]
     context = input_ids.shape[1]
     positions = torch.arange(context + block, device=input_ids.device)[None]  # (1, C + B)
-    drafted = ours(model._base_model_embeddings(ids), target_features(hidden, ours.target_layer_ids), positions)
-    mine = model._base_model_lm_head(drafted[:, 1:]).argmax(-1)  # (1, B - 1)
+    drafted = ours(model.get_input_embeddings()(ids), target_features(hidden, ours.target_layer_ids), positions)
+    mine = model.get_output_embeddings()(drafted[:, 1:]).argmax(-1)  # (1, B - 1)
     return float((mine == theirs).float().mean())
 
 
@@ -464,7 +463,7 @@ def _compare(run, options: ModeloptOptions, started: float) -> None:
     tau = _stage(run_dir / HELD_OUT_FILE, lambda: {"val_expected_tau": held_out_tau(run, machine, export_dir)})
     eval_dir = run_dir / "eval"
     if not (eval_dir / "results.json").exists():
-        eval_s = run_eval(quality._eval_command(run, export_dir, eval_dir, str(device)))  # dflash-quality's eval stage
+        eval_s = run_eval(quality.eval_command(run, export_dir, eval_dir, str(device)))  # dflash-quality's eval stage
         (run_dir / EVAL_TIME_FILE).write_text(json.dumps({"seconds": eval_s}))
     evals = json.loads((eval_dir / "results.json").read_text())["datasets"]
     eval_time = run_dir / EVAL_TIME_FILE

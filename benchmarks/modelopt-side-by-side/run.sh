@@ -41,6 +41,8 @@ if [ -f /tmp/qwen25coder05b.gguf ] && [ ! -f $R/started ]; then
     echo "run.sh: the GGUF is whole but /tmp/site_mo or the data is missing: carry .gpu/whl-mo and .gpu/data"; exit 2
   fi
   mkdir -p $R && touch $R/started; gpu=0
+  # The GGUF dequantized once, before either budget starts (both would otherwise race to do it)
+  python3 -c "from dflash_train.model.target import resolve_target; print(resolve_target('/tmp/qwen25coder05b.gguf'))"
   for q in dflash modelopt; do
     queue_cmd $q > $R/queue-$q.sh
     CUDA_VISIBLE_DEVICES=$gpu setsid nohup bash $R/queue-$q.sh > $R/queue-$q.out 2>&1 < /dev/null &

@@ -43,7 +43,7 @@ def test_the_overrides_our_recipe_and_dflash_eval_get():
     held_out = mo.our_overrides(run, [], Path("h"), init_from=Path("/tmp/mo-5/export"))
     assert held_out[-2:] == ["drafter.init_from=/tmp/mo-5/export", "drafter.init_from_target=false"]
     # dflash-eval gets the command dflash-quality's eval stage runs.
-    assert quality._eval_command(run, Path("/tmp/mo-5/export"), Path("/tmp/mo-5/eval"), "cuda")[3:] == [
+    assert quality.eval_command(run, Path("/tmp/mo-5/export"), Path("/tmp/mo-5/eval"), "cuda")[3:] == [
         "target=qwen25_coder_05b", "target.name=/tmp/qwen25coder05b.gguf", "drafter_path=/tmp/mo-5/export",
         "output_dir=/tmp/mo-5/eval", f"datasets=[mtbench,humaneval,{HELD_OUT}]", "limit=40", "max_new_tokens=256",
         "device=cuda", "batch_size=120"]
