@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Model-Optimizer's DFlash drafter on our data for a wall-clock budget, scored by our evaluation.
 
-    PYTHONPATH=/tmp/site:/tmp/site_mo python3 benchmarks/modelopt_quality.py target=qwen25_coder_05b \\
+    PYTHONPATH=/tmp/site:/tmp/site_mo python3 -m benchmarks.modelopt_quality target=qwen25_coder_05b \\
         target.name=/tmp/qwen25coder05b.gguf data.path=/tmp/data/sharegpt-qwen25-coder-05b budget_min=20 \\
         run_dir=/tmp/mo20 'train=["+experiment=qwen25_coder_05b_1xh100"]' 'eval=["batch_size=120"]' \\
         'datasets=[mtbench,humaneval,benchmarks/quality-h100-2026-11-24/sharegpt-heldout.jsonl]'
@@ -15,18 +15,22 @@ both) and two of its own, modelopt.seq_len (4096) and modelopt.bf16 (true):
      block, target layer ids, mask token), the anchors, the seed and the held-out rows.
   2. Model-Optimizer 0.47 trains its own drafter as its DFlash recipe
      (modelopt_recipes/general/speculative_decoding/dflash.yaml and examples/speculative_decoding/
-     main.py) does, with our geometry: mtsp.convert(target, [("dflash", cfg)]) on the target loaded
-     as main.py loads it (in target.dtype: bf16 on a GPU, as main.py's dtype="auto"), self-logit distillation, D-PACE position weights (the
-     library's default objective, alpha 0.5), one conversation per step right-padded to
-     training_seq_len (modelopt.seq_len, 4096) with labels on the assistant tokens only
-     (answer_only_loss); the HF Trainer's step: bf16 autocast (modelopt.bf16), AdamW lr 6e-4 with weight decay 0
-     (fused on CUDA), gradient clipping at 1.0, a linear schedule after 100 warm-up steps. The
+     main.py) does, with our geometry: mtsp.convert(target, [("dflash", cfg)]) on the target in
+     target.dtype (bf16 on a GPU, what main.py's dtype="auto" gives; float32 on a CPU), self-logit
+     distillation, D-PACE position weights (the library's default objective, alpha 0.5), one
+     conversation per step right-padded to training_seq_len (modelopt.seq_len, 4096) with labels
+     on the assistant tokens only (answer_only_loss); the HF Trainer's step: bf16 autocast
+     (modelopt.bf16), AdamW lr 6e-4 with weight decay 0 (fused on CUDA), gradient clipping at
+     1.0, a linear schedule after 100 warm-up steps, a fresh drafter (its recipe's). The
      schedule ends where the budget does, as max_steps makes HF's do: the seconds per step of
      the first probe_steps steps, the first warmup_steps left out, fix the last step (they are
      steps of the run itself, inside the warm-up, so nothing is wasted).
   3. The budget runs from the script's start (loading the target included), like dflash-quality's
      train stage; Model-Optimizer's own export_speculative_decoding then writes the drafter.
-  4. Our evaluation reads that export through model/foreign.py: dflash-train's held-out expected
+  4. A check that our loader reads the export as Model-Optimizer's drafter: the drafts of one
+     block after 4 training rows, its pseudo_speculative_generate against our drafter read from
+     the export (the share of equal drafts, logged and kept in train.json; 1.0 on the CPU).
+  5. Our evaluation reads that export through model/foreign.py: dflash-train's held-out expected
      tau on the held-out rows (Trainer.validate, drafter.init_from=<export>) and dflash-eval
      exactly as dflash-quality's eval stage runs it (datasets, limit, max_new_tokens, device,
      eval=[...]).
@@ -37,7 +41,8 @@ trains on the CPU (our recipe gets dense masks, as dflash-quality's train stage 
 dflash-quality's datagen stage and its seconds_per_step/startup_s (dflash-train's timings)
 have no meaning here and are refused.
 
-Needs nvidia-modelopt 0.47.0 and the wheels of ../shared/anchors/modelopt/wheels.txt except
+Run it from the repository root with -m (this checkout's dflash_train, as dflash-quality's stages
+get). Needs nvidia-modelopt 0.47.0 and the wheels of ../shared/anchors/modelopt/wheels.txt except
 omegaconf 2.4 (Hydra needs 2.3; the DFlash path runs on 2.3), installed into their own --target
 folder that comes after ours on PYTHONPATH; Model-Optimizer also imports scipy.
 """
@@ -101,8 +106,9 @@ def load(argv: list[str]):
         if arg in HELP_FLAGS:
             print(__doc__)
             sys.exit(0)
-        if arg.partition("=")[0] in RETIRED_FLAGS:
-            raise ValueError(f"{arg.partition('=')[0]} is no longer accepted; use {RETIRED_FLAGS[arg.partition('=')[0]]}")
+        flag = arg.partition("=")[0]
+        if flag in RETIRED_FLAGS:
+            raise ValueError(f"{flag} is no longer accepted; use {RETIRED_FLAGS[flag]}")
     ours = [a[len(OPTION_PREFIX):] for a in argv if a.startswith(OPTION_PREFIX)]
     run = quality.load([a for a in argv if not a.startswith(OPTION_PREFIX)])
     options = to_config(ModeloptOptions, OmegaConf.from_dotlist(ours), prefix=OPTION_PREFIX.rstrip("."))
@@ -391,8 +397,9 @@ def train_and_export(run, options: ModeloptOptions, machine: list[str], device, 
     agreement = sum(export_agreement(model, run_dir / "export", p) for p in prompts) / len(prompts)
     # Reported, not enforced: a lost run costs more than a look at this line (bf16 near-ties
     # can flip a few drafts; a wrong reading of the export flips most of them).
+    verdict = "" if agreement >= MIN_AGREEMENT else ": TOO FEW, the evaluation is not of its drafter"
     log(f"the export read back by our loader drafts {agreement:.0%} of Model-Optimizer's own drafts "
-        f"({len(prompts)} blocks){'' if agreement >= MIN_AGREEMENT else ': TOO FEW, the evaluation is not of its drafter'}")
+        f"({len(prompts)} blocks){verdict}")
     return {"trainer": f"modelopt-{modelopt.__version__}", **counts, "train_minutes": train_s / 60,
             "export_agreement": agreement}
 
