@@ -224,7 +224,8 @@ def _train_command(run: QualityRun, out_dir: Path, *extra: str, defaults: tuple[
             f"output_dir={quote_value(str(out_dir))}", f"epochs={UNBOUNDED_EPOCHS}", *extra]
 
 
-def _eval_command(run: QualityRun, drafter: Path, out_dir: Path, device: str) -> list[str]:
+def eval_command(run: QualityRun, drafter: Path, out_dir: Path, device: str) -> list[str]:
+    """The eval stage's dflash-eval command (benchmarks/modelopt_quality.py runs the same)."""
     cfg = run.cfg
     return [sys.executable, "-m", "dflash_train.eval.cli", *run.target_args, f"drafter_path={quote_value(str(drafter))}",
             f"output_dir={quote_value(str(out_dir))}", f"datasets={_hydra_list(cfg.datasets)}", f"limit={cfg.limit}",
@@ -404,7 +405,7 @@ def _quality(run: QualityRun, run_dir: Path) -> None:
     eval_timing = run_dir / "eval_seconds.json"
     if not (eval_dir / "results.json").exists():
         device = cfg.device or ("cuda" if cuda else "cpu")
-        eval_s = _run_stage("eval", _eval_command(run, train_dir / "export", eval_dir, device))
+        eval_s = _run_stage("eval", eval_command(run, train_dir / "export", eval_dir, device))
         eval_timing.write_text(json.dumps({"seconds": eval_s}))
     evals = json.loads((eval_dir / "results.json").read_text())["datasets"]
     seconds = json.loads(timing.read_text()).get("seconds", float("nan")) if timing.exists() else float("nan")

