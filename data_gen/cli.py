@@ -19,6 +19,7 @@ from data_gen.generators import GeneratorUnavailable
 from data_gen.pipeline import RunResult, run
 from dflash_train.errors import one_line, run_command
 from dflash_train.recipe import load_command
+from dflash_train.run_lock import hold_folder
 
 
 def format_summary(result: RunResult) -> str:
@@ -36,6 +37,7 @@ def format_summary(result: RunResult) -> str:
         lines.append(f"  {'retokenized responses':<28}{c['retokenized']:>10}  (server sent no token ids)")
     for reason, n in sorted(c["ended_early"].items()):
         lines.append(f"  {'conversation ended: ' + reason:<28}{n:>10}")
+    lines += _magpie_lines(c.get("magpie", {}))
     lines.append(f"  {'skipped prompts':<28}{sum(c['skipped'].values()):>10}")
     for reason, n in sorted(c["skipped"].items()):
         example = c["skipped_examples"].get(reason, [""])[0]
@@ -48,10 +50,27 @@ def format_summary(result: RunResult) -> str:
     return "\n".join(lines)
 
 
+def _magpie_lines(reports: dict) -> list[str]:
+    """What each magpie source's prompts cost: candidates and tokens kept, dropped, unused."""
+    lines = []
+    for name, r in sorted(reports.items()):
+        dropped = ", ".join(f"{reason} {n}" for reason, n in r["dropped"].items()) or "none"
+        wasted = r["tokens_dropped"] + r["tokens_unused"]
+        share = f"{100 * wasted / r['tokens']:.1f}%" if r["tokens"] else "0%"
+        lines += [f"  magpie {name}: {r['candidates']} candidates written, {r['kept']} kept, "
+                  f"{sum(r['dropped'].values())} dropped ({dropped}), {r['unused']} unused",
+                  f"    {r['tokens']} tokens written, {wasted} ({share}) on candidates not kept: "
+                  f"{r['tokens_dropped']} dropped, {r['tokens_unused']} unused"]
+        if r["stopped_by_budget"]:
+            lines.append("    its writing was stopped by the budget (budget_min): fewer prompts than num_prompts")
+    return lines
+
+
 def generate(cfg: DatagenConfig, **run_kwargs) -> int:
     """Run and report; the exit status of the command."""
     try:
-        result = run(cfg, **run_kwargs)
+        with hold_folder(cfg.out_dir, "out_dir", "dflash-datagen"):
+            result = run(cfg, **run_kwargs)
     except GeneratorUnavailable as e:
         print(f"dflash-datagen: error: {one_line(e)}; rerun the same command once the backend is up "
               "(committed shards are kept)", file=sys.stderr)

@@ -37,8 +37,9 @@ class SourceConfig:
     prompt_column: str | None = None
     messages_column: str | None = None
     # magpie only (prompts written by the target): how it samples them, the longest prompt it
-    # may write (longer ones are dropped as truncated), and how many it may try in all
-    # (None: 4 * num_prompts) before it stops short of num_prompts.
+    # may write (a candidate that has not ended its user turn within max_tokens is dropped as
+    # truncated), and how many it may try in all (None: 4 * num_prompts) before it stops short
+    # of num_prompts.
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 256
@@ -199,10 +200,10 @@ class DatagenConfig:
     # Prompts per committed shard: the unit of resumption and of data parallelism.
     shard_size: int = 64
     cache_dir: str | None = None
-    # Minutes of answer generation (None: until every prompt is answered): counted from the
-    # first answer, after loading the target and writing magpie prompts, summed over attempts
-    # (<out_dir>/budget.json). When they run out no new prompt starts, answers in flight
-    # finish, and the dataset is written from the shards begun.
+    # Wall-clock minutes of the stage after loading the target (None: until every prompt is
+    # answered): writing magpie prompts, then answering, summed over attempts
+    # (<out_dir>/budget.json). When they run out no new prompt or magpie candidate starts,
+    # those in flight finish, and the dataset is written from the shards begun.
     budget_min: float | None = None
 
     def validate(self) -> None:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from data_gen.config import BackendConfig, SamplingConfig
-from data_gen.generators import Completion, past
+from data_gen.generators import Completion, Progress, past
 from data_gen.sampling import sample_tokens, uniform_stream
 from dflash_train.model.target import TargetModel, decoder_layers
 
@@ -387,8 +387,8 @@ class EngineGenerator:
         return cls(load_target(spec, dtype=dtype, device=device, cache_dir=cache_dir), cfg, sampling, stop_ids,
                    max_prompt_len)
 
-    def generate(self, prompts: list[list[int]], seeds: list[int],
-                 deadline: float | None = None) -> list[Completion | None]:
+    def generate(self, prompts: list[list[int]], seeds: list[int], deadline: float | None = None,
+                 progress: Progress | None = None) -> list[Completion | None]:
         for i, p in enumerate(prompts):  # all of them before any is queued
             self.engine.check(i, p)
         # Longest first, as the hf generator: long prompts start early, and the prefill
@@ -398,5 +398,7 @@ class EngineGenerator:
         results: list[Completion | None] = [None] * len(prompts)
         for i, completion in self.engine.drain(deadline):
             results[i] = completion
+            if progress is not None:
+                progress(1, len(completion.ids))
         self.engine.queue.clear()  # what the deadline left unstarted stays None
         return results

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from data_gen.config import BackendConfig
 
@@ -51,14 +51,19 @@ class GeneratorUnavailable(RuntimeError):
     """The generator cannot serve at all (e.g. the server is unreachable)."""
 
 
+# Told (prompts, tokens) as answers of a `generate` call end, for a progress bar.
+Progress = Callable[[int, int], None]
+
+
 class Generator(Protocol):
-    def generate(self, prompts: list[list[int]], seeds: list[int],
-                 deadline: float | None = None) -> list[Completion | Failure | None]:
+    def generate(self, prompts: list[list[int]], seeds: list[int], deadline: float | None = None,
+                 progress: Progress | None = None) -> list[Completion | Failure | None]:
         """Responses for `prompts`, in order. `seeds[i]` is prompt i's own sampling seed (63-bit):
         a sampled answer depends on it and the prompt only, never on the other prompts of
         the call (data_gen/sampling.py draws the numbers; greedy ignores the seeds).
         `deadline` (a time.monotonic() value, the run's budget): no prompt starts after it, and
-        each prompt that did not start is None; answers already started finish."""
+        each prompt that did not start is None; answers already started finish. `progress`
+        is called with the number of answers that just ended and their tokens."""
 
 
 def past(deadline: float | None) -> bool:

@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor
 
 from data_gen.config import BackendConfig, SamplingConfig
-from data_gen.generators import Completion, past, trim_response
+from data_gen.generators import Completion, Progress, past, trim_response
 from data_gen.sampling import sample_tokens, uniform_stream
 from dflash_train.model.target import TargetModel, load_target
 
@@ -82,8 +82,8 @@ class HFGenerator:
         out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), **kwargs)
         return [trim_response(row[width:].tolist(), self.stop_ids) for row in out]
 
-    def generate(self, prompts: list[list[int]], seeds: list[int],
-                 deadline: float | None = None) -> list[Completion | None]:
+    def generate(self, prompts: list[list[int]], seeds: list[int], deadline: float | None = None,
+                 progress: Progress | None = None) -> list[Completion | None]:
         # Longest first: an out-of-memory batch fails at once, not at the end of a shard.
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         results: list[Completion | None] = [None] * len(prompts)
@@ -92,6 +92,9 @@ class HFGenerator:
             if past(deadline):  # the batches not begun stay None
                 break
             chunk = order[start:start + size]
-            for i, completion in zip(chunk, self._batch([prompts[i] for i in chunk], [seeds[i] for i in chunk])):
+            answers = self._batch([prompts[i] for i in chunk], [seeds[i] for i in chunk])
+            for i, completion in zip(chunk, answers):
                 results[i] = completion
+            if progress is not None:
+                progress(len(answers), sum(len(a.ids) for a in answers))
         return results

@@ -7,28 +7,46 @@ from there: what it writes until its end-of-turn token is a user prompt in the s
 training chats. Each candidate i is sampled from its own seed (run seed, source name, i),
 so the prompts are the same whatever the batch or the number of ranks.
 
+A candidate stops at the end of its user turn: the ids that end an assistant turn (the
+target's eos) and the special token the template closes a user message with, when that is
+another one (user_turn_stop_ids). A candidate is `truncated` when it did not end its user turn
+within the source's ``max_tokens``: its text is cut mid-turn, and it is dropped here; empty,
+duplicate, eval and too-long prompts are dropped by the common filters of
+sources.iter_prompts, like those of any other source. `MagpieWriter.report` counts what the
+writing cost: candidates written, kept, dropped by reason, written but never needed (the last
+chunk's surplus), and the tokens of each.
+
 Candidates are generated in chunks, each written to ``<out_dir>/prompts/<name>/`` once
 complete, beside the settings that made them: a restarted run reads them back instead of
 sampling again (sampled text on a GPU is not bit-stable across batch shapes, and the shard
-numbering must not move). A candidate that ends without the end-of-turn token (cut at
-``max_tokens``) is dropped as truncated here; empty, duplicate, eval and too-long prompts are
-dropped by the common filters of sources.iter_prompts, like those of any other source.
+numbering must not move). A run's time budget covers this writing: when it runs out, no
+candidate starts, the chunk keeps the candidates written before the first one left unstarted,
+and a marker file ends the source's writing for good, so every later attempt on this out_dir
+reads the same prompts (the run's prompt list and shards must not move).
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections import Counter
 from dataclasses import asdict
+from itertools import takewhile
 from pathlib import Path
 from typing import Callable, Iterator
 
+from tqdm import tqdm
+
 from data_gen.config import SamplingConfig, SourceConfig
-from data_gen.generators import SEED_DIGEST, Failure, GeneratorUnavailable
+from data_gen.generators import SEED_DIGEST, Completion, Failure, GeneratorUnavailable, past
 from data_gen.template import SENTINELS, ChatShaper
 from dflash_train.atomic import atomic_write_text
 from dflash_train.contract import derive_seed
+from dflash_train.data.prompts import prompt_hash
 
 PROMPTS_DIR = "prompts"
+# In a source's prompts folder once the run's budget ended its writing: no more candidates.
+CLOSED_FILE = "closed.json"
 # Candidates per chunk file: large enough to fill the generator, small enough that a kill
 # loses little.
 MAX_CHUNK = 4096
@@ -47,23 +65,45 @@ def user_prefix(shaper: ChatShaper, system_prompt: str | None = None) -> str:
     return text[: text.index(SENTINELS[0])]
 
 
+def user_turn_stop_ids(shaper: ChatShaper) -> list[int]:
+    """Ids that end a user turn the target writes: the stop ids of an answer, plus the special
+    token the template closes a user message with when it is not one of them (a template
+    whose user turn ends in another tag than the answer's eos, as Mistral's ``[/INST]``).
+    A user turn closed by plain text has only the stop ids."""
+    text = shaper.render(shaper.messages(None, [SENTINELS[0]], []), add_generation_prompt=True)
+    after = text[text.index(SENTINELS[0]) + len(SENTINELS[0]):].lstrip()
+    first = shaper.tokenizer(after, add_special_tokens=False)["input_ids"][:1]
+    added = shaper.tokenizer.added_tokens_decoder
+    if first and first[0] in added and added[first[0]].special and first[0] not in shaper.stop_ids:
+        return [*shaper.stop_ids, first[0]]
+    return list(shaper.stop_ids)
+
+
 class MagpieWriter:
-    """Candidate prompts of one magpie source: read back from out_dir, or sampled and stored."""
+    """Candidate prompts of one magpie source: read back from out_dir, or sampled and stored.
+
+    `generator(sampling, stop_ids)` builds the generator that writes them (None: only read
+    what another rank wrote, every chunk it needed exists by then). `budget` (the run's, or
+    None) gives the deadline after which no candidate starts, and is saved after each chunk;
+    `progress` shows a bar per chunk of candidates."""
 
     def __init__(self, src: SourceConfig, shaper: ChatShaper, out_dir: Path, seed: int, identity: dict,
-                 generator: Callable[[SamplingConfig], object] | None, chunk: int):
+                 generator: Callable[[SamplingConfig, list[int]], object] | None, chunk: int, budget=None,
+                 progress: bool = False):
         self.src, self.shaper, self.seed = src, shaper, seed
         self.folder = Path(out_dir) / PROMPTS_DIR / src.name
         self.prefix = user_prefix(shaper, src.system_prompt)
         self.prefix_ids = shaper.tokenizer(self.prefix, add_special_tokens=False)["input_ids"]
-        # None: only read what another rank wrote (every chunk it needed exists by then).
+        self.stop_ids = user_turn_stop_ids(shaper)
         self.generator, self.chunk = generator, chunk
+        self.budget, self.progress = budget, progress
         source = asdict(src)
         if source["system_prompt"] is None:  # as stored before the key existed: a restart reads them back
             del source["system_prompt"]
         self.settings = {"source": source, "seed": seed, "prefix": self.prefix,
-                         "target_weights": identity["weights"], "stop_token_ids": shaper.stop_ids}
+                         "target_weights": identity["weights"], "stop_token_ids": self.stop_ids}
         self._sampler = None
+        self.read: list[dict] = []  # the candidates handed on or dropped, in order
 
     def _check_settings(self) -> None:
         path = self.folder / "settings.json"
@@ -84,31 +124,71 @@ class MagpieWriter:
     def _chunk_path(self, start: int) -> Path:
         return self.folder / f"candidates-{start:09d}.jsonl"
 
-    def _sample(self, start: int, size: int) -> list[dict]:
+    @property
+    def closed(self) -> bool:
+        """Whether the run's budget ended this source's writing (in this or an earlier attempt)."""
+        return (self.folder / CLOSED_FILE).exists()
+
+    def _close(self, written: int) -> None:
+        atomic_write_text(self.folder / CLOSED_FILE, json.dumps({"candidates": written, "reason": "budget"}))
+
+    def _record(self, index: int, r: Completion) -> dict:
+        # A candidate that ended its turn ends with a stop id (Completion's rule): not text.
+        ids = r.ids[:-1] if r.finish_reason == "stop" else r.ids
+        return {"index": index, "text": self.shaper.tokenizer.decode(ids, skip_special_tokens=False).strip(),
+                "finish_reason": r.finish_reason, "num_tokens": len(r.ids)}
+
+    def _sample(self, start: int, size: int, kept: int) -> list[dict]:
+        """Candidates start..start+size-1, or those of them written before the budget ran out."""
         if self._sampler is None:
             s = self.src
             self._sampler = self.generator(SamplingConfig(max_new_tokens=s.max_tokens, temperature=s.temperature,
-                                                          top_p=s.top_p, seed=self.seed))
+                                                          top_p=s.top_p, seed=self.seed), self.stop_ids)
         seeds = [derive_seed(self.seed, "magpie", self.src.name, i, digest=SEED_DIGEST)
                  for i in range(start, start + size)]
-        results = self._sampler.generate([self.prefix_ids] * size, seeds)
+        bar = tqdm(total=size, unit="candidate", desc=f"magpie {self.src.name} {start}-{start + size - 1}",
+                   disable=not self.progress)
+        began, tokens = time.perf_counter(), [0]
+
+        def progress(n: int, t: int) -> None:
+            tokens[0] += t
+            bar.update(n)
+            bar.set_postfix_str(f"{tokens[0] / (time.perf_counter() - began):.0f} tok/s, {kept} of "
+                                f"{self.src.num_prompts} prompts kept before this chunk", refresh=False)
+
+        try:
+            results = self._sampler.generate([self.prefix_ids] * size, seeds,
+                                             None if self.budget is None else self.budget.deadline, progress)
+        finally:
+            bar.close()
         failed = [r.detail for r in results if isinstance(r, Failure)]
         if failed:
             raise GeneratorUnavailable(f"magpie source {self.src.name!r}: {len(failed)} prompts failed, "
                                        f"e.g. {failed[0]}")
-        return [{"index": start + i, "text": self.shaper.answer_text(r.ids).strip(),
-                 "finish_reason": r.finish_reason, "num_tokens": len(r.ids)} for i, r in enumerate(results)]
+        # Candidates start in order, so those the budget left unstarted (None) are the last.
+        return [self._record(start + i, r) for i, r in enumerate(takewhile(lambda r: r is not None, results))]
+
+    def _out_of_time(self) -> bool:
+        return self.budget is not None and past(self.budget.deadline)
 
     def _chunk(self, start: int, remaining: int) -> list[dict] | None:
         path = self._chunk_path(start)
         if path.exists():
             return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-        if self.generator is None:
+        if self.generator is None or self.closed:
+            return None
+        if self._out_of_time():
+            self._close(start)
             return None
         size = min(max(remaining, self.chunk), MAX_CHUNK, self.src.max_candidates - start)
-        records = self._sample(start, size)
-        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
-        return records
+        records = self._sample(start, size, self.src.num_prompts - remaining)
+        if self.budget is not None:  # first: a kill between the two then counts the seconds
+            self.budget.save()
+        if records:
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+        if len(records) < size:
+            self._close(start + len(records))
+        return records or None
 
     def candidates(self, remaining: Callable[[], int], skips) -> Iterator[tuple[str, str, object]]:
         """(where, "prompt", text) per usable candidate, until `remaining()` is 0 or the cap."""
@@ -121,9 +201,36 @@ class MagpieWriter:
             for r in records:
                 if remaining() <= 0:
                     return
+                self.read.append(r)
                 where = f"{self.src.name} candidate {r['index']}"
                 if r["finish_reason"] != "stop":
-                    skips.add("truncated", f"{where}: no end of turn within max_tokens={self.src.max_tokens}")
+                    skips.add("truncated", f"{where}: no end of its user turn within max_tokens={self.src.max_tokens}",
+                              source=self.src.name)
                     continue
                 yield where, "prompt", r["text"]
             start += len(records)
+
+    def _stored(self) -> list[dict]:
+        records = []
+        for path in sorted(self.folder.glob("candidates-*.jsonl")):
+            records += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        return records
+
+    def report(self, kept_ids: set[str], dropped: Counter) -> dict:
+        """What the source's prompts cost, once the prompts are read: candidates written (by any
+        attempt), kept as prompts (`kept_ids`: the prompt ids taken), dropped by reason, unused
+        (written, never needed), and the tokens the target wrote for each group."""
+        stored = self._stored()
+        claimed: set[str] = set()
+        kept_tokens = 0
+        for r in self.read:  # a duplicate's first copy is the one taken
+            pid = prompt_hash(r["text"])[:16] if r["finish_reason"] == "stop" else None
+            if pid in kept_ids and pid not in claimed:
+                claimed.add(pid)
+                kept_tokens += r["num_tokens"]
+        read_tokens = sum(r["num_tokens"] for r in self.read)
+        tokens = sum(r["num_tokens"] for r in stored)
+        return {"candidates": len(stored), "kept": len(claimed), "dropped": dict(sorted(dropped.items())),
+                "unused": len(stored) - len(self.read), "tokens": tokens, "tokens_kept": kept_tokens,
+                "tokens_dropped": read_tokens - kept_tokens, "tokens_unused": tokens - read_tokens,
+                "stopped_by_budget": self.closed}

@@ -17,7 +17,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from data_gen.config import BackendConfig, SamplingConfig
-from data_gen.generators import Completion, Failure, GeneratorUnavailable, past
+from data_gen.generators import Completion, Failure, GeneratorUnavailable, Progress, past
 from dflash_train.errors import RunError
 
 RETRYABLE_HTTP = (408, 429, 500, 502, 503, 504)
@@ -93,11 +93,12 @@ class OpenAIGenerator:
 
     def _body(self, prompt: list[int], seed: int) -> dict:
         s = self.sampling
-        # Every sampling field is explicit: servers otherwise apply the model's defaults.
+        # Every sampling field is explicit: servers otherwise apply the model's defaults. The stop
+        # ids too: a magpie prompt ends at the end of a user turn, which may not be the eos.
         return {"model": self.model_name, "prompt": prompt, "max_tokens": s.max_new_tokens,
                 "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1, "min_p": 0.0,
                 "repetition_penalty": 1.0, "seed": seed, "n": 1, "return_token_ids": True,
-                "skip_special_tokens": False}
+                "skip_special_tokens": False, "stop_token_ids": self.stop_ids}
 
     def _one(self, prompt: list[int], seed: int) -> Completion | Failure:
         try:
@@ -143,10 +144,15 @@ class OpenAIGenerator:
             ids.append(self.stop_ids[0])
         return Completion(ids, reason, exact_ids=exact)
 
-    def generate(self, prompts: list[list[int]], seeds: list[int],
-                 deadline: float | None = None) -> list[Completion | Failure | None]:
+    def generate(self, prompts: list[list[int]], seeds: list[int], deadline: float | None = None,
+                 progress: Progress | None = None) -> list[Completion | Failure | None]:
         def one(prompt: list[int], seed: int) -> Completion | Failure | None:
-            return None if past(deadline) else self._one(prompt, seed)  # a request not sent in time
+            if past(deadline):  # a request not sent in time
+                return None
+            result = self._one(prompt, seed)
+            if progress is not None and isinstance(result, Completion):
+                progress(1, len(result.ids))  # from the pool's threads: tqdm's update holds a lock
+            return result
 
         # Servers take int32 seeds; a server's own sampler decides how far a seed pins the answer.
         with ThreadPoolExecutor(max_workers=self.cfg.max_concurrency) as pool:

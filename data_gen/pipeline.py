@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from data_gen.config import DatagenConfig, SamplingConfig
 from data_gen.build import build_generator
-from data_gen.generators import prompts_per_call
+from data_gen.generators import past, prompts_per_call
 from data_gen.magpie import MagpieWriter
 from data_gen.sampling import SAMPLER
 from data_gen.sources import SkipLog, SourcePrompt, eval_hashes, iter_prompts
@@ -47,7 +47,7 @@ from dflash_train.model.target import (
 BARRIER_TIMEOUT = timedelta(hours=24)
 
 
-BUDGET_FILE = "budget.json"  # the seconds of answering a budgeted run has spent, over attempts
+BUDGET_FILE = "budget.json"  # the seconds a budgeted run has spent after loading, over attempts
 
 
 @dataclass
@@ -64,14 +64,22 @@ class RunResult:
 
 
 class Budget:
-    """budget_min of answering over every attempt: the seconds spent are kept in
-    <out_dir>/budget.json (rank 0 writes it; every rank reads it at start)."""
+    """budget_min of the stage after loading (writing magpie prompts, then answering) over every
+    attempt: the seconds spent are kept in <out_dir>/budget.json (rank 0 writes it; every
+    rank reads it before it starts). The clock starts when the target is loaded: ``start``,
+    called once the first generator is built."""
 
     def __init__(self, out: Path, minutes: float, rank: int):
         self.path, self.rank = out / BUDGET_FILE, rank
         self.minutes = minutes
         self.spent = json.loads(self.path.read_text())["seconds"] if self.path.exists() else 0.0
         self.started = time.monotonic()
+        self.running = False
+
+    def start(self) -> None:
+        """Start the clock (the first call of an attempt only)."""
+        if not self.running:
+            self.started, self.running = time.monotonic(), True
 
     @property
     def left(self) -> float:
@@ -79,11 +87,11 @@ class Budget:
 
     @property
     def deadline(self) -> float:
-        return self.started + self.left
+        return (self.started if self.running else time.monotonic()) + self.left
 
     def save(self) -> None:
         if self.rank == 0:
-            seconds = self.spent + time.monotonic() - self.started
+            seconds = self.spent + (time.monotonic() - self.started if self.running else 0.0)
             atomic_write_text(self.path, json.dumps({"seconds": round(seconds, 3), "minutes": self.minutes}))
 
 
@@ -116,25 +124,31 @@ def _generation_config(spec: str, cache_dir):
 
 class Generators:
     """Builds generators of any sampling settings on first use, sharing one loaded target
-    (magpie prompts and the answers use the same weights)."""
+    (magpie prompts and the answers use the same weights); the first one built starts the
+    run's budget, if any (loading the target is not the budget's)."""
 
-    def __init__(self, cfg: DatagenConfig, tokenizer, local_rank: int = 0, target=None):
+    def __init__(self, cfg: DatagenConfig, tokenizer, local_rank: int = 0, target=None, budget=None):
         self.cfg, self.tokenizer, self.local_rank, self.target = cfg, tokenizer, local_rank, target
+        self.budget = budget
 
-    def build(self, sampling: SamplingConfig, shaper: ChatShaper):
+    def build(self, sampling: SamplingConfig, shaper: ChatShaper, stop_ids: list[int] | None = None):
+        """A generator of `sampling` that stops at `stop_ids` (None: the end of an answer)."""
         cfg = self.cfg
-        gen = build_generator(cfg.backend, sampling, cfg.target.name, shaper.stop_ids,
+        gen = build_generator(cfg.backend, sampling, cfg.target.name, stop_ids or shaper.stop_ids,
                               pad_token_id(self.tokenizer, shaper), self.tokenizer, self.local_rank, cfg.target.dtype,
                               cfg.cache_dir, self.target, cfg.max_prompt_len)
         self.target = getattr(gen, "target", self.target)
+        if self.budget is not None:
+            self.budget.start()
         return gen
 
 
-def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = None):
-    """Tokenizer, chat shaper and the usable prompts (with load-time skips counted).
+def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = None, progress: bool = False):
+    """Tokenizer, chat shaper and the usable prompts (with load-time skips counted, and the
+    magpie sources' reports in ``skips.reports``).
 
-    Magpie sources sample their prompts with `generators`; without it they only read the
-    prompts an earlier run or rank 0 wrote into out_dir."""
+    Magpie sources sample their prompts with `generators` (within its budget, if any);
+    without it they only read the prompts an earlier run or rank 0 wrote into out_dir."""
     tokenizer = tokenizer or load_tokenizer(cfg.target.name, cfg.cache_dir)
     identity = target_identity(cfg.target.name, cfg.cache_dir)
     # Before any template override: the target's own tokenizer.
@@ -154,10 +168,14 @@ def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = No
             return "too_long", f"{p.source} {p.prompt_id}: {len(ids)} tokens > max_prompt_len={cfg.max_prompt_len}"
         return None
 
+    writers = []
+
     def magpie(src, skips, remaining):
-        build = None if generators is None else lambda sampling: generators.build(sampling, shaper)
+        build = None if generators is None else lambda sampling, stops: generators.build(sampling, shaper, stops)
         writer = MagpieWriter(src, shaper, Path(cfg.out_dir), cfg.sampling.seed, identity, build,
-                              prompts_per_call(cfg.backend, varied_lengths=False))
+                              prompts_per_call(cfg.backend, varied_lengths=False),
+                              None if generators is None else generators.budget, progress)
+        writers.append(writer)
         return writer.candidates(remaining, skips)
 
     skips = SkipLog()
@@ -166,6 +184,9 @@ def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = No
         prompts.append(p)
         if cfg.num_prompts is not None and len(prompts) == cfg.num_prompts:
             break
+    for w in writers:
+        kept = {p.prompt_id for p in prompts if p.source == w.src.name}
+        skips.reports[w.src.name] = w.report(kept, skips.by_source.get(w.src.name, Counter()))
     return tokenizer, identity, tok_ident, shaper, prompts, skips
 
 
@@ -192,8 +213,11 @@ def _counts(prompts, load_skips: SkipLog, metas: list[dict]) -> dict:
         finish.update(m["finish_reasons"])
         ended.update(m["ended_early"])
     counts = {key: sum(m[key] for m in metas) for key in ("rows", "tokens", "response_tokens", "retokenized")}
-    return {"prompts": len(prompts), **counts, "finish_reasons": dict(finish), "ended_early": dict(ended),
-            "skipped": dict(skips.counts), "skipped_examples": skips.examples}
+    counts = {"prompts": len(prompts), **counts, "finish_reasons": dict(finish), "ended_early": dict(ended),
+              "skipped": dict(skips.counts), "skipped_examples": skips.examples}
+    if load_skips.reports:
+        counts["magpie"] = load_skips.reports
+    return counts
 
 
 def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) -> RunResult:
@@ -206,13 +230,21 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
     data_format.check_out_dir(out)
     check_writable_dir(out, "out_dir")
     tokenizer = tokenizer or load_tokenizer(cfg.target.name, cfg.cache_dir)
+    finished = (out / "manifest.json").exists()  # a dataset written: nothing more to generate
+    budgeted = cfg.budget_min is not None and not finished
     generators = Generators(cfg, tokenizer, local_rank, target)
-    # Rank 0 first: it samples the magpie prompts, which the other ranks then read.
+    if budgeted and rank == 0:
+        generators.budget = Budget(out, cfg.budget_min, rank)
+    # Rank 0 first: it samples the magpie prompts (within the budget), which the other ranks
+    # then read; a finished run only reads them.
     if rank == 0:
-        tokenizer, identity, tok_ident, shaper, prompts, load_skips = setup(cfg, tokenizer, generators)
+        tokenizer, identity, tok_ident, shaper, prompts, load_skips = setup(
+            cfg, tokenizer, None if finished else generators, progress)
     _barrier(world)
     if rank != 0:
         tokenizer, identity, tok_ident, shaper, prompts, load_skips = setup(cfg, tokenizer)
+        if budgeted:  # read after rank 0 wrote the seconds its magpie prompts took
+            generators.budget = Budget(out, cfg.budget_min, rank)
     if not prompts:
         raise ValueError(f"no usable prompts in sources {[s.name for s in cfg.sources]}: "
                          f"skipped {dict(load_skips.counts)}")
@@ -224,17 +256,16 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
     if rank != 0:
         data_format.check_run(out, fingerprint)
     num_shards = math.ceil(len(prompts) / cfg.shard_size)
-    finished = (out / "manifest.json").exists()  # a dataset written: nothing more to generate
 
     def shard(k: int) -> list[SourcePrompt]:
         return prompts[k * cfg.shard_size:(k + 1) * cfg.shard_size]
 
     mine = {k: shard(k) for k in range(rank, num_shards, world)
             if not finished and data_format.read_shard_meta(out, k) is None}
-    budget = Budget(out, cfg.budget_min, rank) if cfg.budget_min is not None and not finished else None
+    budget = generators.budget
     _barrier(world)  # every rank has read budget.json before rank 0 writes it again
     started, generated = time.perf_counter(), 0
-    if mine and (budget is None or budget.left > 0):
+    if mine and (budget is None or not past(budget.deadline)):
         generated = _generate(cfg, shaper, generators, mine, out, rank, budget, progress)
     elapsed = time.perf_counter() - started
     _barrier(world)
@@ -269,9 +300,7 @@ def _generate(cfg: DatagenConfig, shaper: ChatShaper, generators: Generators, mi
               budget: Budget | None, progress: bool) -> int:
     """Answer this rank's shards, committing each as it completes (or as the budget ends
     it); the generated token count."""
-    generator = generators.build(cfg.sampling, shaper)
-    if budget is not None:  # answering starts now: loading the target is not the budget's
-        budget.started = time.monotonic()
+    generator = generators.build(cfg.sampling, shaper)  # starts the budget, unless magpie writing did
     started, generated = time.perf_counter(), 0
     bar = tqdm(total=sum(map(len, mine.values())), unit="prompt", disable=not progress or rank != 0,
                desc=f"rank {rank}")

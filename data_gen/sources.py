@@ -37,14 +37,19 @@ class SourcePrompt:
 
 
 class SkipLog:
-    """Counts of skipped prompts by reason, with a few examples of each."""
+    """Counts of skipped prompts by reason, with a few examples of each; at load time also
+    by source, and the reports of sources that write their own prompts (magpie's waste)."""
 
     def __init__(self):
         self.counts: Counter = Counter()
         self.examples: dict[str, list[str]] = {}
+        self.by_source: dict[str, Counter] = {}
+        self.reports: dict[str, dict] = {}
 
-    def add(self, reason: str, detail: str = "", n: int = 1) -> None:
+    def add(self, reason: str, detail: str = "", n: int = 1, source: str | None = None) -> None:
         self.counts[reason] += n
+        if source is not None:
+            self.by_source.setdefault(source, Counter())[reason] += n
         if detail and len(self.examples.setdefault(reason, [])) < MAX_EXAMPLES:
             self.examples[reason].append(detail)
 
@@ -180,7 +185,7 @@ def iter_prompts(sources: list[SourceConfig], exclude: set[str], max_turns: int 
                 if reason is not None:
                     raise _Skip(*reason)
             except _Skip as s:
-                skips.add(s.reason, str(s))
+                skips.add(s.reason, str(s), source=src.name)
                 continue
             taken += 1
             yield p

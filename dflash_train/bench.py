@@ -40,10 +40,11 @@ import torch
 from dflash_train.config import TrainConfig, validate
 from dflash_train.data.dataset import TrainingData
 from dflash_train.distributed.build import build_backend
-from dflash_train.errors import RunError, run_command
+from dflash_train.errors import RunError, check_writable_dir, run_command
 from dflash_train.model.dflash import device_clock
 from dflash_train.model.target import TargetModel, load_target, resolve_target, target_dtype
 from dflash_train.recipe import compose_recipe, parse_command_line, to_config
+from dflash_train.run_lock import hold_folder
 from dflash_train.training import flops
 from dflash_train.training.trainer import Trainer
 
@@ -100,6 +101,8 @@ def validate_bench(cfg: BenchConfig) -> None:
         if path is not None and Path(path).exists() and not (Path(path).is_file() and ours(Path(path))):
             raise ValueError(f"{key}={path} exists and is not an earlier dflash-bench {key.split('.')[1]}: it is "
                              "left untouched; name a new file")
+        if path is not None:  # before the benchmark runs, not after it
+            check_writable_dir(Path(path).absolute().parent, f"the folder of {key}")
 
 
 PROFILE_HEADER = "# dflash-bench profile: one training step's kernels\n"
@@ -329,45 +332,55 @@ def format_result(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _bench(cfg: BenchConfig, config, real_data: bool, profile: Callable[[Trainer, int], str]) -> tuple[dict, bool]:
+    """(the result, whether this is the main process): the timed steps, after building the
+    backend, the target (``config``: a random one of that shape) and the data."""
+    opts = cfg.bench
+    backend = build_backend(cfg.backend)
+    if config is not None:
+        dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
+        target = random_target(config, backend.device, dtype)
+    else:
+        target = load_target(cfg.target.name, dtype=target_dtype(cfg.target.dtype, backend.device))
+    data = None
+    if not real_data:
+        global_batch = cfg.optim.micro_batch_size * cfg.optim.grad_accum_steps * backend.world_size
+        data = random_data(cfg, global_batch * (opts.warmup + 2 * opts.steps), target.vocab_rows)
+    trainer = Trainer(cfg, backend=backend, target=target, data=data)
+    try:
+        result = run(trainer, opts.steps, opts.warmup)
+        if opts.profile:
+            Path(opts.profile).write_text(PROFILE_HEADER + profile(trainer, opts.warmup + 2 * opts.steps))
+    finally:
+        trainer.backend.shutdown()
+    return result, trainer.backend.is_main
+
+
 def main(argv: list[str] | None = None, profile: Callable[[Trainer, int], str] = profile_table) -> dict:
     """``profile(trainer, step)``: the report ``bench.profile`` writes (benchmarks/profile_step.py
     passes its own)."""
     line = parse_command_line(sys.argv[1:] if argv is None else argv, "train", __doc__, retired=RETIRED_FLAGS)
-    # The training recipes have no bench section: its keys are added, then checked by the schema.
-    overrides = [f"+{o}" if o.startswith(f"{OPTIONS}.") else o for o in line.overrides]
+    # The training recipes have no bench section: its keys are added (``++``: a key given
+    # twice takes its last value, as every other key does), then checked by the schema.
+    overrides = [f"++{o}" if o.startswith(f"{OPTIONS}.") else o for o in line.overrides]
     real_data = any(o.split("=", 1)[0].lstrip("+") == "data.path" for o in overrides)
 
     with tempfile.TemporaryDirectory() as tmp:
         fixed = [f"output_dir={tmp}", "export=false", "checkpoint.every=0", "logging.wandb=disabled",
                  "logging.progress_bar=false", *([] if real_data else ["data.path=random"])]
         cfg = to_config(BenchConfig, compose_recipe(BenchConfig, line.config_name, [*fixed, *overrides]))
-        opts, config = cfg.bench, None
-        if opts.random_target:
-            config = target_config(cfg.target.name, opts.target_layers)
+        config = None
+        if cfg.bench.random_target:
+            config = target_config(cfg.target.name, cfg.bench.target_layers)
             cfg.target.num_layers = config.num_hidden_layers
             cfg.data.check_manifest = False  # random weights have no identity to check
         validate_bench(cfg)
-        backend = build_backend(cfg.backend)
-        if config is not None:
-            dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
-            target = random_target(config, backend.device, dtype)
-        else:
-            target = load_target(cfg.target.name, dtype=target_dtype(cfg.target.dtype, backend.device))
-        data = None
-        if not real_data:
-            global_batch = cfg.optim.micro_batch_size * cfg.optim.grad_accum_steps * backend.world_size
-            data = random_data(cfg, global_batch * (opts.warmup + 2 * opts.steps), target.vocab_rows)
-        trainer = Trainer(cfg, backend=backend, target=target, data=data)
-        try:
-            result = run(trainer, opts.steps, opts.warmup)
-            if opts.profile:
-                Path(opts.profile).write_text(PROFILE_HEADER + profile(trainer, opts.warmup + 2 * opts.steps))
-        finally:
-            trainer.backend.shutdown()
-    if trainer.backend.is_main:
+        with hold_folder(cfg.output_dir, "output_dir", "dflash-bench"):
+            result, is_main = _bench(cfg, config, real_data, profile)
+    if is_main:
         print(format_result(result))
-        if opts.json:
-            Path(opts.json).write_text(json.dumps(result, indent=2) + "\n")
+        if cfg.bench.json:
+            Path(cfg.bench.json).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import json
 import os
 import sys
 import tempfile
@@ -29,11 +30,17 @@ T = TypeVar("T")
 EXIT_USER_ERROR = 2
 # The names dflash_train.atomic gives a file or folder while it is written or replaced.
 ATOMIC_TEMPS = (".*.tmp-*", ".*.old", ".*.old/*")
+# The lock file of a folder a command writes (dflash_train.run_lock): present while it runs.
+LOCK_FILE = ".dflash.lock"
 # Foreign files named in a refusal: enough to recognise the folder, and the walk stops there.
 SHOWN_FOREIGN = 3
 # Free space a writer wants before it starts, when it cannot tell its output's size.
 MIN_FREE_BYTES = 16 << 20
 MAX_MESSAGE_CHARS = 600
+# The marker a command writes first into its run folder, and the keys of dflash-datagen's
+# (its settings fingerprint): how a command recognises another command's folder.
+RUN_FILE = "run.json"
+DATAGEN_RUN_KEYS = {"target", "tokenizer", "template", "sampling", "prompts_sha256"}
 
 
 class RunError(RuntimeError):
@@ -118,12 +125,33 @@ def check_own_folder(path: str | os.PathLike, what: str, prog: str, own: Sequenc
         return
     if not path.is_dir():
         raise ValueError(f"{what} {str(path)!r} exists and is not a folder; choose an empty or new folder")
-    foreign = foreign_files(path, (*own, *ATOMIC_TEMPS))
-    if not foreign and proof is not None and any(path.iterdir()) and not proof(path):
-        foreign = sorted(p.name for p in path.iterdir())[:SHOWN_FOREIGN]
+    other = folder_writer(path)
+    if other is not None and other != prog:
+        raise ValueError(f"{what} {str(path)!r} holds a {other} run, not a {prog} one: it is left untouched; "
+                         "choose an empty or new folder")
+    foreign = foreign_files(path, (*own, *ATOMIC_TEMPS, LOCK_FILE))
+    entries = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE)
+    if not foreign and proof is not None and entries and not proof(path):
+        foreign = entries  # nothing here is ours, whatever the names
     if foreign:
-        raise ValueError(f"{what} {str(path)!r} holds files {prog} did not write ({', '.join(foreign)}); they are "
+        shown = ", ".join(foreign[:SHOWN_FOREIGN]) + (f" and {len(foreign) - SHOWN_FOREIGN} more"
+                                                      if len(foreign) > SHOWN_FOREIGN else "")
+        raise ValueError(f"{what} {str(path)!r} holds files {prog} did not write ({shown}); they are "
                          "left untouched: choose an empty or new folder")
+
+
+def folder_writer(path: Path) -> str | None:
+    """The command whose run folder ``path`` is, by its run.json: the ``written_by`` of
+    dflash-train and dflash-quality, the settings fingerprint of dflash-datagen (None: none)."""
+    try:
+        marker = json.loads((path / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict):
+        return None
+    if isinstance(marker.get("written_by"), str):
+        return marker["written_by"]
+    return "dflash-datagen" if DATAGEN_RUN_KEYS <= set(marker) else None
 
 
 def foreign_files(folder: Path, own: Sequence[str], limit: int = SHOWN_FOREIGN) -> list[str]:

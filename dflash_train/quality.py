@@ -5,8 +5,9 @@
 
 Four stages, each the project's own command, after an optional fifth that makes the data:
   0. datagen dflash-datagen (datagen_recipe, default datagen_all_turns) into <run_dir>/data for
-             datagen_budget_min minutes of answers, when data.path is not given: the target
-             writes its own training set; the eval datasets are excluded from its prompts
+             datagen_budget_min minutes after loading the target (magpie prompts, answers), when
+             data.path is not given: the target writes its own training set; the eval datasets
+             are excluded from its prompts
   1. probe   dflash-train for a few steps (a metric line per step, no export): seconds per
              step after the warm-up steps (compilation) and the start-up time before them
   2. plan    max_steps = (budget - start-up) / seconds per step; the warmup + cosine schedule
@@ -44,8 +45,10 @@ from pathlib import Path
 from omegaconf import MISSING
 
 from dflash_train.config import TargetConfig
+from dflash_train.console import command_lines
 from dflash_train.errors import check_own_folder, check_writable_dir, run_command
-from dflash_train.recipe import HINT, compose_recipe, parse_command_line, recipe_choices, to_config
+from dflash_train.recipe import HINT, compose_recipe, parse_command_line, quote_value, recipe_choices, to_config
+from dflash_train.run_lock import hold_folder, stage_env
 from dflash_train.training.logging import METRICS_FILE
 
 # The budget ends the run, not the epochs: this only has to exceed any budget's steps.
@@ -184,7 +187,7 @@ def summarise(lines: list[dict], train_seconds: float, evals: dict, eval_seconds
 
 
 def table(s: dict) -> str:
-    """A Markdown table, pasteable into the README."""
+    """A Markdown table, pasteable into a record under benchmarks/."""
     names = list(s["tau"])
     head = ["training min", "steps", "conversations", "held-out expected tau"] + [
         f"tau {n} ({s['prompts'][n]})" for n in names] + ["eval min"]
@@ -195,9 +198,9 @@ def table(s: dict) -> str:
 
 
 def _run_stage(name: str, command: list[str]) -> float:
-    print(f"[{name}] {' '.join(command[2:])}", flush=True)
+    print(command_lines(f"[{name}]", command[2:]), flush=True)
     start = time.perf_counter()
-    if subprocess.run(command).returncode != 0:
+    if subprocess.run(command, env=stage_env()).returncode != 0:
         raise SystemExit(f"dflash-quality: stage {name} failed; fix the error above and run again "
                          "(finished stages are reused)")
     return time.perf_counter() - start
@@ -209,17 +212,22 @@ def machine_defaults(cuda: bool, wandb_installed: bool) -> list[str]:
     return ([] if cuda else ["drafter.attention=dense"]) + ([] if wandb_installed else ["logging.wandb=disabled"])
 
 
+def _hydra_list(values: list[str]) -> str:
+    """A list value for a stage's command line, each item quoted as Hydra needs (paths)."""
+    return f"[{','.join(map(quote_value, values))}]"
+
+
 def _train_command(run: QualityRun, out_dir: Path, *extra: str, defaults: tuple[str, ...] = ()) -> list[str]:
     """``defaults`` come before the user's overrides, ``extra`` after them (the plan's own)."""
     return [sys.executable, "-m", "dflash_train.train", f"target={run.target_recipe}",
-            f"data.path={run.data_path}", *run.machine, *defaults, *run.target_overrides, *run.cfg.train,
-            f"output_dir={out_dir}", f"epochs={UNBOUNDED_EPOCHS}", *extra]
+            f"data.path={quote_value(run.data_path)}", *run.machine, *defaults, *run.target_overrides, *run.cfg.train,
+            f"output_dir={quote_value(str(out_dir))}", f"epochs={UNBOUNDED_EPOCHS}", *extra]
 
 
 def _eval_command(run: QualityRun, drafter: Path, out_dir: Path, device: str) -> list[str]:
     cfg = run.cfg
-    return [sys.executable, "-m", "dflash_train.eval.cli", *run.target_args, f"drafter_path={drafter}",
-            f"output_dir={out_dir}", f"datasets=[{','.join(cfg.datasets)}]", f"limit={cfg.limit}",
+    return [sys.executable, "-m", "dflash_train.eval.cli", *run.target_args, f"drafter_path={quote_value(str(drafter))}",
+            f"output_dir={quote_value(str(out_dir))}", f"datasets={_hydra_list(cfg.datasets)}", f"limit={cfg.limit}",
             f"max_new_tokens={cfg.max_new_tokens}", f"device={device}", *cfg.eval]
 
 
@@ -230,8 +238,8 @@ def _datagen_command(run: QualityRun, out_dir: Path) -> list[str]:
     target = [o for o in run.target_overrides if o.split("=", 1)[0].lstrip("+~").split(".", 1)[1] in DATAGEN_TARGET_KEYS]
     excluded = list(dict.fromkeys([*DATASETS, *cfg.datasets]))
     return [sys.executable, "-m", "data_gen.cli", "--config-name", cfg.datagen_recipe, f"target={run.target_recipe}",
-            *target, f"out_dir={out_dir}", f"budget_min={cfg.datagen_budget_min:g}",
-            f"exclude_eval=[{','.join(excluded)}]", *cfg.datagen]
+            *target, f"out_dir={quote_value(str(out_dir))}", f"budget_min={cfg.datagen_budget_min:g}",
+            f"exclude_eval={_hydra_list(excluded)}", *cfg.datagen]
 
 
 def _datagen(run: QualityRun, run_dir: Path) -> None:
@@ -362,7 +370,12 @@ def check_run(run: QualityRun, run_dir: Path) -> None:
 
 def _run(argv: list[str] | None) -> None:
     run = load(sys.argv[1:] if argv is None else argv)
-    cfg, run_dir = run.cfg, Path(run.cfg.run_dir)
+    with hold_folder(run.cfg.run_dir, "run_dir", "dflash-quality"):
+        _quality(run, Path(run.cfg.run_dir))
+
+
+def _quality(run: QualityRun, run_dir: Path) -> None:
+    cfg = run.cfg
     check_run(run, run_dir)
     cuda = _cuda()
     run.machine = machine_defaults(cuda, importlib.util.find_spec("wandb") is not None)

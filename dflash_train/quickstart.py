@@ -22,11 +22,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_train.console import command_lines, note_lines
 from dflash_train.data.format import check_out_dir
 from dflash_train.errors import check_writable_dir, run_command
-from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY
-from dflash_train.recipe import compose_recipe, load_command
-from dflash_train.training.run_dir import check_output_dir
+from dflash_train.recipe import compose_recipe, load_command, quote_value
+from dflash_train.run_lock import hold_folder, stage_env
+from dflash_train.training.run_dir import EXPORT_DIR, MANIFEST_COPY, check_output_dir
 
 DATA_DIR = "data/quickstart-smollm2"
 RUN_DIR = "runs/quickstart-smollm2"
@@ -113,14 +114,15 @@ def _stages(run_dir: Path, extra: dict[str, list[str]], recipe: str = RECIPE) ->
         ("datagen", Path(DATA_DIR) / "manifest.json",
          [_script("dflash-datagen"), "--config-name", "datagen_quickstart", f"out_dir={DATA_DIR}", *extra["datagen"]]),
         ("train", export / "model.safetensors",
-         [_script("dflash-train"), "--config-name", recipe, f"output_dir={run_dir}",
+         [_script("dflash-train"), "--config-name", recipe, f"output_dir={quote_value(str(run_dir))}",
           f"data.path={DATA_DIR}", *extra["train"]]),
         ("eval-fresh", run_dir / "eval_fresh" / "results.json",
          [_script("dflash-eval"), "drafter_path=random", *drafter_shape(recipe, extra["train"]),
-          f"output_dir={run_dir / 'eval_fresh'}",
+          f"output_dir={quote_value(str(run_dir / 'eval_fresh'))}",
           *FRESH_EVAL_ARGS, *extra["eval"]]),
         ("eval-trained", run_dir / "eval" / "results.json",
-         [_script("dflash-eval"), f"drafter_path={export}", f"output_dir={run_dir / 'eval'}", *EVAL_ARGS,
+         [_script("dflash-eval"), f"drafter_path={quote_value(str(export))}",
+          f"output_dir={quote_value(str(run_dir / 'eval'))}", *EVAL_ARGS,
           *extra["eval"]]),
     ]
 
@@ -138,7 +140,7 @@ def _table(run_dir: Path) -> str:
         rows.append(f"{name:<10} {t['num_prompts']:>7} {fresh[name]['tau']:>9.2f} {t['tau']:>11.2f} "
                     f"{'-' if agree is None else f'{100 * agree:.0f}%':>9}")
     batch = max(t.get("batch_size", 1) for t in trained.values())
-    rows.append(cpu_speedup_note({name: (t["tau"], t["speedup"]) for name, t in trained.items()}, batch))
+    rows += note_lines(cpu_speedup_note({name: (t["tau"], t["speedup"]) for name, t in trained.items()}, batch))
     return "\n".join(rows)
 
 
@@ -167,21 +169,27 @@ def _run(argv: list[str] | None) -> None:
         print("this CPU has no bf16 instructions (AVX512-BF16, AMX or Arm BF16): the target runs in float32 "
               "and training without bf16 autocast", flush=True)
     extra = stage_overrides({"datagen": cfg.datagen, "train": cfg.train, "eval": cfg.eval}, native_bf16)
+    # The folders its stages write, held for them (a second quickstart is refused at once).
+    with hold_folder(DATA_DIR, "the quickstart data folder", "dflash-quickstart"), \
+            hold_folder(run_dir, "run_dir", "dflash-quickstart"):
+        _stages_in(run_dir, extra, cfg.long)
+
+
+def _stages_in(run_dir: Path, extra: dict, long: bool) -> None:
     # Before the first stage: a folder of the user's is refused now, not after minutes of
     # data generation (each stage applies the same rule again to its own folder).
     check_out_dir(DATA_DIR)
-    check_output_dir(run_dir, (f"{EXPORT_DIR}/*", MANIFEST_COPY, "eval/*", "eval_fresh/*"))
+    check_output_dir(run_dir, (f"{EXPORT_DIR}/*", MANIFEST_COPY, "eval/*", "eval_fresh/*"), key="run_dir")
     check_writable_dir(run_dir, "run_dir")
     check_writable_dir(DATA_DIR, "the quickstart data folder")
     start = time.perf_counter()
-    for i, (name, done, command) in enumerate(_stages(run_dir, extra, LONG_RECIPE if cfg.long else RECIPE), 1):
+    for i, (name, done, command) in enumerate(_stages(run_dir, extra, LONG_RECIPE if long else RECIPE), 1):
         if done.exists():
             print(f"[{i}/4] {name}: done already ({done}), reused", flush=True)
             continue
-        print(f"[{i}/4] {name}: {' '.join(Path(command[0]).name if j == 0 else c for j, c in enumerate(command))}",
-              flush=True)
+        print(command_lines(f"[{i}/4] {name}:", [Path(command[0]).name, *command[1:]]), flush=True)
         t0 = time.perf_counter()
-        if subprocess.run(command).returncode != 0:
+        if subprocess.run(command, env=stage_env()).returncode != 0:
             raise SystemExit(f"dflash-quickstart: stage {name} failed; fix the error above and run again "
                              f"(finished stages are reused)")
         print(f"[{i}/4] {name}: finished in {time.perf_counter() - t0:.0f} s", flush=True)

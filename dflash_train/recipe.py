@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import re
 import sys
@@ -41,7 +42,7 @@ RECIPES_MODULE = "dflash_recipes"  # recipes/, installed under this name (see py
 CONFIG_NAME_FLAGS = ("--config-name", "-cn")
 HELP_FLAGS = ("-h", "--help")
 # Values Hydra's override grammar takes unquoted; others (spaces, commas, brackets) get quoted.
-_PLAIN_VALUE = re.compile(r"[\w\-+./:@~%]*")
+_PLAIN_VALUE = re.compile(r"[\w\-+./:@~%]*", re.ASCII)
 _LIST_INDEX = re.compile(r"\[\d+\]")
 _MISSING_GROUP = re.compile(r"You must specify '([\w/.]+)'")  # Hydra's words for a `group: ???` default
 # A required field's metadata key: what to write after "key=" in the missing-value error,
@@ -88,14 +89,48 @@ def parse_command_line(argv: Sequence[str], config_name: str, doc: str, *,
         at_most = f" (one bare argument at most: {positional})" if positional else ""
         raise ValueError(f"unexpected argument {bare[-1]!r}: settings are key=value{at_most}")
     if bare:
-        overrides.append(f"{positional}={_quoted(bare[0])}")
-    return CommandLine(config_name, overrides)
+        overrides.append(f"{positional}={quote_value(bare[0])}")
+    return CommandLine(config_name, [_quoted_if_needed(o) for o in overrides])
 
 
-def _quoted(value: str) -> str:
-    if _PLAIN_VALUE.fullmatch(value) and value:
+def quote_value(value: str) -> str:
+    """``value`` as Hydra's override grammar reads it back unchanged: plain, or quoted.
+
+    Inside quotes Hydra unescapes only backslashes before a quote (``\\'`` is a quote, a
+    backslash run before one or before the closing quote is doubled); others stay as written.
+    """
+    if value and _PLAIN_VALUE.fullmatch(value):
         return value
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    escaped = re.sub(r"(\\*)'", lambda m: m[1] * 2 + "\\'", value)
+    escaped = re.sub(r"(\\+)$", lambda m: m[1] * 2, escaped)
+    return f"'{escaped}'"
+
+
+def _quoted_if_needed(override: str) -> str:
+    """``key=value`` with the value quoted when Hydra's grammar cannot read it as given (a
+    path with non-ASCII letters or brackets), so a path works as typed. A value that is
+    quoted or a list already, or that holds '=' (a list of overrides written without its
+    quotes, which ``_list_hint`` explains), is left to Hydra."""
+    key, eq, value = override.partition("=")
+    if not eq or not value or value[0] in "'\"[{" or "=" in value or _parses(override):
+        return override
+    quoted = f"{key}={quote_value(value)}"
+    return quoted if _parses(quoted) else override
+
+
+def _parses(override: str) -> bool:
+    try:
+        _override_parser().parse_override(override)
+    except HydraException:
+        return False
+    return True
+
+
+@functools.cache
+def _override_parser():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create()
 
 
 def compose_recipe(schema: type, config_name: str, overrides: Sequence[str]) -> DictConfig:

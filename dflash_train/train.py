@@ -14,6 +14,7 @@ from pathlib import Path
 from dflash_train.config import TrainConfig, validate
 from dflash_train.errors import run_command
 from dflash_train.recipe import load_command, log_to_stdout
+from dflash_train.run_lock import hold_folder
 
 
 def run(argv: list[str] | None = None) -> Path | None:
@@ -23,11 +24,12 @@ def run(argv: list[str] | None = None) -> Path | None:
         Trainer,  # after the recipe: a mistake fails in seconds
     )
 
-    trainer = Trainer(cfg)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.backend.shutdown()
+    with hold_folder(cfg.output_dir, "output_dir", "dflash-train"):
+        trainer = Trainer(cfg)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.backend.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,22 @@ def full_disk(path: Path):
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=True)
+
+
+# tqdm's "12/40 [00:03<00:09" (a progress bar redraws in place; it is not a log line)
+PROGRESS = re.compile(r"\d+/\d+ \[\d")
+# A library's warning through Python's warnings module: "/path/module.py:1789: FutureWarning: ..."
+# (not ours to shorten; torch and transformers print their deprecations so)
+LIBRARY_WARNING = re.compile(r"^\S+\.py:\d+: \w*Warning: ")
+
+
+def readable_lines(output: str) -> list[str]:
+    """The lines of ours a person reads: carriage returns end a line too; progress bars and
+    libraries' warnings dropped."""
+    return [line for line in re.split(r"[\r\n]", output)
+            if line.strip() and not PROGRESS.search(line) and not LIBRARY_WARNING.match(line)]
+
+
+def unwrap_commands(output: str) -> str:
+    """Printed commands wrapped with shell continuations (console.command_lines) on one line again."""
+    return re.sub(r" \\\n\s+", " ", output)

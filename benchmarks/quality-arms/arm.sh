@@ -1,5 +1,5 @@
 # Issue 36's arms, each one dflash-quality run on one GPU: generation for GEN_MIN minutes (the
-# recipe's 4 when unset; recipes/quality_generate.yaml), training for TRAIN_MIN (default 14), the
+# recipe's 6 when unset, magpie prompts included; recipes/quality_generate.yaml), training for TRAIN_MIN (default 14), the
 # export evaluated on MT-Bench, HumanEval and the 40 ShareGPT held-out prompts (40 each, 256
 # tokens, greedy, one batch of 120). DATA=DIR: arms c and f train on DIR (a set an earlier lease
 # brought back) instead of generating theirs.
@@ -36,8 +36,9 @@ arm_args() {  # the dflash-quality arguments of arm $1 (run folder /tmp/arm-$1)
 queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one after another
   local arm
   for arm in ${1//,/ }; do
-    if [ "$arm" = guard0 ]; then
-      echo "date +%s > /tmp/arm-guard0.t0; python3 -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf --data /tmp/data/sharegpt-qwen25-coder-05b --out /tmp/arm-guard0 --seeds 0 > /tmp/arm-guard0.log 2>&1; echo EXIT \$? >> /tmp/arm-guard0.log; date +%s > /tmp/arm-guard0.t1"
+    if [[ $arm = guard* ]]; then  # guard0: the guard's seed 0; guard3-wsd: seeds 0-2 side by side, optim.schedule=wsd
+      local g=(--seeds 0); [[ $arm = guard3* ]] && g=(--seeds 0 1 2 --parallel 3); [[ $arm = *-wsd ]] && g+=(optim.schedule=wsd)
+      echo "date +%s > /tmp/arm-$arm.t0; python3 -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf --data /tmp/data/sharegpt-qwen25-coder-05b --out /tmp/arm-$arm ${g[*]} > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
     else
       arm_args $arm || exit 2
       printf '%q ' python3 -m dflash_train.quality "${ARGS[@]}" > /tmp/arm-$arm.cmd
@@ -67,7 +68,7 @@ for a in $ARMS; do
   K=/tmp/keep/$a; mkdir -p $K; cp $R.log $K/ 2>/dev/null
   cp $R/quality.json $R/plan.json $R/datagen_seconds.json $R/train_seconds.json $R/data/manifest.json $K/ 2>/dev/null
   cp $R/train/metrics.jsonl $K/train_metrics.jsonl 2>/dev/null; cp $R/eval/results.json $K/eval_results.json 2>/dev/null
-  cp $R/seed-0/metrics.jsonl $K/seed0_metrics.jsonl 2>/dev/null
+  for m in $R/seed-*/metrics.jsonl; do [ -f $m ] && cp $m $K/$(basename $(dirname $m))_metrics.jsonl; done
   # A generated data set comes back too (gzipped tar in parts of 15 MB), once its arm has finished,
   # so that later leases can train on it without generating it again (carry it as .gpu/data).
   if [ -f $R.t1 ] && [ -f $R/data/manifest.json ] && [ ! -f $R.data-sent ]; then

@@ -74,8 +74,8 @@ OWN_FILES = ("run.json", "manifest.json", "budget.json", "shards/", "shards/shar
              "shards/.shard-[0-9][0-9][0-9][0-9][0-9].parquet.tmp-*", "data/", "data/state.json",
              "data/dataset_info.json", "data/data-[0-9]*-of-[0-9]*.arrow",
              # prompts written by the target (data_gen/magpie.py), kept for a restart
-             "prompts/", "prompts/*/", "prompts/*/settings.json", "prompts/*/candidates-[0-9]*.jsonl",
-             "prompts/*/.*.tmp-*")
+             "prompts/", "prompts/*/", "prompts/*/settings.json", "prompts/*/closed.json",
+             "prompts/*/candidates-[0-9]*.jsonl", "prompts/*/.*.tmp-*")
 
 
 def _recorded(out: Path) -> bool:

@@ -35,9 +35,10 @@ from dflash_train.atomic import atomic_write_text
 from dflash_train.data.prompts import BUILTIN, HF_SCHEME, BenchmarkPrompt, load_benchmark
 from dflash_train.config import DrafterConfig, TargetConfig
 from dflash_train.errors import check_own_folder, check_writable_dir, run_command
+from dflash_train.run_lock import hold_folder
 from dflash_train.eval.acceptance import PromptResult, compare_prompt, summarize
 from dflash_train.eval.batched import compare_batch
-from dflash_train.eval.plot import plot_acceptance
+from dflash_train.eval.plot import model_name, plot_acceptance
 from dflash_train.eval.report import format_table
 from dflash_train.model.dflash import check_sampling, check_verify_tokens
 from dflash_train.recipe import HINT, load_command, log_to_stdout
@@ -326,7 +327,7 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    plot_acceptance(summaries, out / PLOT_FILE, title=f"{Path(cfg.drafter_path).name} on {cfg.target.name}")
+    plot_acceptance(summaries, out / PLOT_FILE, title=f"{Path(cfg.drafter_path).name} on {model_name(cfg.target.name)}")
     # written last and renamed into place: a results.json on disk is always complete
     atomic_write_text(out / RESULTS_FILE, json.dumps(report, indent=2) + "\n")
     print(format_table(summaries))
@@ -336,7 +337,8 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
 
 def run(argv: list[str] | None = None) -> dict:
     cfg = load_command(EvalConfig, argv, "eval", __doc__, validate)
-    return evaluate(cfg, *setup(cfg))
+    with hold_folder(cfg.output_dir, "output_dir", "dflash-eval"):
+        return evaluate(cfg, *setup(cfg))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,17 +1,21 @@
 """The table ``dflash-eval`` prints, from the per-dataset summaries of eval/acceptance.py.
 
-It lives apart from the command so that the model card (export/hub.py) rebuilds it from a
-results.json without importing the eval command.
+It lives apart from the command so that the model card (model/card.py, written by the trainer
+and dflash-export) gets it from a results.json without importing the eval command.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from dflash_train.console import note_lines
 from dflash_train.eval.acceptance import NEAR_TIE_ULPS
 
-# The GPU figure a CPU's speedup is shown beside: README, "4. Evaluate acceptance" (each graph
+# The GPU figure a CPU's speedup is shown beside: benchmarks/runtime-h100-2026-11-25 (each graph
 # of the static runtime timed on one H100, Qwen2.5-Coder-0.5B in bf16, commit fc18e9f; the
 # measured speedup at commit d7893bb).
-GPU_FIGURE = ("on one H100 (Qwen2.5-Coder-0.5B in bf16, batch 1, static runtime; README section 4, commit "
+GPU_FIGURE = ("on one H100 (Qwen2.5-Coder-0.5B in bf16, batch 1, static runtime; benchmarks/runtime-h100-2026-11-25, commit "
               "fc18e9f) a speculative step costs 1.74 plain steps, 1.51 with compile_drafter=true, so the "
               "speedup there is about 0.66 x tau (0.69x measured at tau 1.27 without it)")
 
@@ -28,6 +32,15 @@ def cpu_speedup_note(measured: dict[str, tuple[float, float]], batch_size: int =
 def on_cpu(summaries: dict[str, dict]) -> bool:
     """Every dataset was decoded on a CPU (results without a device, from before, count as not)."""
     return all(str(s.get("device", "")).startswith("cpu") for s in summaries.values())
+
+
+def results_table(results_path: str | Path | None) -> str | None:
+    """The table dflash-eval printed, rebuilt from its results.json (None: no results given)."""
+    if not results_path:
+        return None
+    report = json.loads(Path(results_path).read_text())
+    summaries = {label: {k: v for k, v in d.items() if k != "prompts"} for label, d in report["datasets"].items()}
+    return format_table(summaries)
 
 
 def format_table(summaries: dict[str, dict]) -> str:
@@ -48,15 +61,15 @@ def format_table(summaries: dict[str, dict]) -> str:
                     f"{s['plain_tok_s']:>12.1f}" + ("" if cpu else f" {s['speedup']:>7.2f}x"))
     if cpu:
         batch = max(s.get("batch_size", 1) for s in summaries.values())
-        rows.append(cpu_speedup_note({label: (s["tau"], s["speedup"]) for label, s in summaries.items()}, batch))
+        rows += note_lines(cpu_speedup_note({label: (s["tau"], s["speedup"]) for label, s in summaries.items()}, batch))
     rows += _footnotes(summaries)
     for label, s in summaries.items():
         diverged, ties = s.get("divergent_prompts"), s.get("near_tie_divergences")
         if diverged:
             verdict = "rounding (bf16 ties), not a bug" if ties == diverged else \
                 f"{diverged - ties} not (a clear gap or a length difference): a lossless runtime never does that"
-            rows.append(f"{label}: {diverged} prompt(s) diverged from plain decoding, {ties} at a near-tie "
-                        f"(top-2 gap <= {NEAR_TIE_ULPS:g} rounding steps): {verdict}")
+            rows += note_lines(f"{label}: {diverged} prompt(s) diverged from plain decoding, {ties} at a near-tie "
+                               f"(top-2 gap <= {NEAR_TIE_ULPS:g} rounding steps): {verdict}")
     return "\n".join(rows)
 
 
@@ -67,18 +80,18 @@ def _footnotes(summaries: dict[str, dict]) -> list[str]:
         if len(by_turn) > 1:
             rows.append(f"{label}: tau by turn " + ", ".join(f"{t}: {v:.2f}" for t, v in by_turn.items()))
         if s["greedy_agreement"] is None:
-            rows.append(f"{label}: sampled (temperature {s.get('temperature', '>0')}): tau is acceptance under "
-                        "rejection sampling; agreement with plain decoding does not apply (two draws of the "
-                        "same distribution differ)")
+            rows += note_lines(f"{label}: sampled (temperature {s.get('temperature', '>0')}): tau is acceptance "
+                               "under rejection sampling; agreement with plain decoding does not apply (two draws "
+                               "of the same distribution differ)")
     runtimes = sorted({s["runtime"] for s in summaries.values() if "runtime" in s})
     if runtimes:
-        rows.append(f"runtime: {', '.join(runtimes)} (both runs; static: preallocated caches, captured CUDA graphs "
-                    "on a GPU)")
+        rows += note_lines(f"runtime: {', '.join(runtimes)} (both runs; static: preallocated caches, captured "
+                           "CUDA graphs on a GPU)")
     batched = {s.get("batch_size", 1) for s in summaries.values()} - {1}
     if batched:
-        rows.append(f"batch_size={max(batched)}: tok/s is the batches' throughput (new tokens over the batches' "
-                    "wall time, a batch's time split evenly over its rows, which may mix datasets); batch_size=1 gives "
-                    "the per-prompt latency numbers")
+        rows += note_lines(f"batch_size={max(batched)}: tok/s is the batches' throughput (new tokens over the "
+                           "batches' wall time, a batch's time split evenly over its rows, which may mix datasets); "
+                           "batch_size=1 gives the per-prompt latency numbers")
     timed = {label: s["step_times"]["ms_per_step"] for label, s in summaries.items() if s.get("step_times")}
     if timed:
         w = max(7, *(len(label) for label in timed))

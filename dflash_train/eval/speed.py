@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash_train.console import note_lines
 from dflash_train.errors import run_command
 from dflash_train.eval.acceptance import compare_prompt, summarize
 from dflash_train.eval.batched import compare_batch
@@ -105,8 +106,9 @@ def run(argv: list[str] | None = None) -> dict[str, dict]:
     loaded = setup(cfg)
     summaries = measure(cfg, *loaded)
     verify = check_verify_tokens(cfg.verify_tokens, loaded[2].block_size)
-    print(f"{cfg.target.name} on {cfg.device} ({cfg.dtype}), batch {cfg.batch_size}, {cfg.max_new_tokens} new "
-          f"tokens, drafter {cfg.drafter_path}, {verify} drafts verified per step")
+    print("\n".join(note_lines(f"{cfg.target.name} on {cfg.device} ({cfg.dtype}), batch {cfg.batch_size}, "
+                               f"{cfg.max_new_tokens} new tokens, drafter {cfg.drafter_path}, "
+                               f"{verify} drafts verified per step")))
     print(format_speed_table(summaries))
     if cfg.step_timing:
         print(breakdown_report(cfg, *loaded))

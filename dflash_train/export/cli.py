@@ -24,12 +24,15 @@ from omegaconf import MISSING, OmegaConf
 
 from dflash_train.config import as_dict, to_train_config
 from dflash_train.errors import RunError, one_line, run_command
-from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY, model_card_files, push_to_hub
+from dflash_train.eval.report import results_table
+from dflash_train.export.hub import push_to_hub
+from dflash_train.model.card import model_card_files
 from dflash_train.model.dflash import DFlashDraftModel
 from dflash_train.model.init import drafter_config
 from dflash_train.model.io import check_export_destination, save_drafter
 from dflash_train.model.target import resolve_target, weights_digest
 from dflash_train.recipe import HINT, load_command
+from dflash_train.run_lock import hold_folder
 from dflash_train.training.checkpoint import (
     CONFIG_FILE,
     STATE_FILE,
@@ -39,6 +42,7 @@ from dflash_train.training.checkpoint import (
     read_state,
     unverified,
 )
+from dflash_train.training.run_dir import EXPORT_DIR, MANIFEST_COPY
 from dflash_train.training.state_files import SHARDED_DIR, STATE_FILES, is_sharded, read_model_state
 
 
@@ -49,7 +53,7 @@ def find_checkpoint(path: Path) -> Path:
         if problem is not None:
             raise ValueError(f"checkpoint {path} is damaged: {problem}")
         return path
-    latest = latest_good_checkpoint(path)
+    latest = latest_good_checkpoint(path, "nothing to export: give path=<a good checkpoint directory>")
     if latest is None:
         raise ValueError(f"{path} is neither a checkpoint (no {STATE_FILE}) nor a run directory with checkpoints/")
     return latest
@@ -71,7 +75,7 @@ def export_checkpoint(ckpt: Path, out: Path, eval_results: str | None = None) ->
     run_dir = ckpt.parent.parent
     manifest_file = run_dir / MANIFEST_COPY
     manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else None
-    extra = model_card_files(as_dict(cfg), manifest, eval_results or cfg.hub.eval_results)
+    extra = model_card_files(as_dict(cfg), manifest, results_table(eval_results or cfg.hub.eval_results))
     # The digest the run recorded; checkpoints of older versions: the recipe's target now.
     digest = read_state(ckpt).get("target_weights") or weights_digest(cfg.target.name)
     return save_drafter(shell, out, extra_files=extra, state_dict=state, target_weights=digest), as_dict(cfg)
@@ -106,6 +110,13 @@ def export_and_push(args: ExportConfig) -> None:
               "its files cannot be verified", file=sys.stderr)
     out = Path(args.out) if args.out else ckpt.parent.parent / EXPORT_DIR
     check_export_destination(out)  # before any checkpoint is read: a user's folder is refused at once
+    # The export is written beside its destination and renamed into place: the folder
+    # holding it (the run's own by default) is the one this command writes.
+    with hold_folder(out.parent, "out" if args.out else "path", "dflash-export"):
+        _export_and_push(args, ckpt, out)
+
+
+def _export_and_push(args: ExportConfig, ckpt: Path, out: Path) -> None:
     hub = OmegaConf.load(ckpt / CONFIG_FILE).get("hub") or {}
     repo_id = args.repo_id or hub.get("repo_id")
     if args.push and not repo_id:  # before the export: the command as given cannot finish

@@ -70,6 +70,15 @@ def init_from_target(drafter: nn.Module, target: nn.Module) -> dict[str, str]:
     return copied
 
 
+def init_summary(copied: dict[str, str]) -> str:
+    """What init_from_target copied, in words: "target layers 19-23 and the final norm"."""
+    layers = sorted({int(name.split(".")[2]) for name in copied.values() if name.startswith("model.layers.")})
+    spans = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else (str(layers[0]) if layers else "")
+    parts = [f"target layer{'s' if len(layers) > 1 else ''} {spans}"] if layers else []
+    parts += ["the final norm"] if "norm.weight" in copied else []
+    return " and ".join(parts) or "nothing of the target"
+
+
 # Settings a warm start must share with the recipe: {config field: the setting that sets it}.
 SAME_AS_RECIPE = {
     "num_hidden_layers": "drafter.num_hidden_layers",

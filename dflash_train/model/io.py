@@ -29,7 +29,7 @@ from dflash_train.model.serving import layer_types, serving_conflicts, serving_f
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CODE_NAME = "dflash.py"
-# Written beside the drafter by export/hub.py: the model card, the recipe, the data manifest.
+# Written beside the drafter by model/card.py: the model card, the recipe, the data manifest.
 CARD_NAME = "README.md"
 RECIPE_NAME = "recipe.yaml"
 MANIFEST_NAME = "data_manifest.json"

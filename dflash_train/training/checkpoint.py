@@ -146,10 +146,12 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
-def latest_good_checkpoint(output_dir: str | Path) -> Path | None:
+def latest_good_checkpoint(output_dir: str | Path,
+                           remedy: str = "remove them to start over, or use another output_dir") -> Path | None:
     """The newest checkpoint whose files match their checksums; damaged ones are reported.
 
-    None when there is no checkpoint; a ValueError when there are some but none is good."""
+    None when there is no checkpoint; a ValueError ending in ``remedy`` (what the calling
+    command's user can do) when there are some but none is good."""
     found = list_checkpoints(output_dir)
     bad = []
     for path in reversed(found):
@@ -162,8 +164,7 @@ def latest_good_checkpoint(output_dir: str | Path) -> Path | None:
         log.warning("checkpoint %s is damaged (%s); trying the previous one", path, problem)
         bad.append(f"{path.name}: {problem}")
     if bad:
-        raise ValueError(f"no usable checkpoint in {checkpoint_root(output_dir)}: {'; '.join(bad)}; "
-                         "remove them to start over, or use another output_dir")
+        raise ValueError(f"no usable checkpoint in {checkpoint_root(output_dir)}: {'; '.join(bad)}; {remedy}")
     return None
 
 

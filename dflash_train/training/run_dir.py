@@ -3,8 +3,10 @@
     <output_dir>/run.json        {"written_by": "dflash-train"}, written before anything
                                  else: it tells a rerun that the files beside it are ours
     checkpoints/ metrics.jsonl   (checkpoint.py, logging.py)
+    init_from_target.json        {drafter weight: target weight} of drafter.init_from_target
     wandb/                       wandb's own folder when logging.wandb is not disabled
-    and what the trainer adds    (export/, data_manifest.json: export/hub.py names them)
+    export/ data_manifest.json   the final export and the data manifest (EXPORT_DIR, MANIFEST_COPY):
+                                 dflash-export finds them here again for the model card
 
 A folder holding anything else, or these names without run.json (or a checkpoint, which
 runs of older versions left without run.json), is the user's: errors.check_own_folder
@@ -23,8 +25,11 @@ from dflash_train.training.checkpoint import checkpoint_root, list_checkpoints
 from dflash_train.training.logging import METRICS_FILE
 
 RUN_FILE = "run.json"
+EXPORT_DIR = "export"
+MANIFEST_COPY = "data_manifest.json"
+INIT_MAP_FILE = "init_from_target.json"
 WRITTEN_BY = "dflash-train"
-OWN_FILES = (RUN_FILE, METRICS_FILE, f"{checkpoint_root('').name}/*", "wandb/*")
+OWN_FILES = (RUN_FILE, METRICS_FILE, INIT_MAP_FILE, f"{checkpoint_root('').name}/*", "wandb/*")
 
 
 def _ours(output_dir: Path) -> bool:
@@ -38,10 +43,11 @@ def _ours(output_dir: Path) -> bool:
     return isinstance(content, dict) and content.get("written_by") == WRITTEN_BY
 
 
-def check_output_dir(output_dir: str | Path, extra: Sequence[str] = ()) -> None:
+def check_output_dir(output_dir: str | Path, extra: Sequence[str] = (), key: str = "output_dir") -> None:
     """Raise ValueError unless ``output_dir`` is absent, empty or a run of ours; ``extra``:
-    more patterns the caller writes there (its export folder, the data manifest)."""
-    check_own_folder(output_dir, "output_dir", WRITTEN_BY, (*OWN_FILES, *extra), _ours)
+    more patterns the caller writes there (its export folder, the data manifest); ``key``:
+    the caller's name for the folder (dflash-quickstart's run_dir)."""
+    check_own_folder(output_dir, key, WRITTEN_BY, (*OWN_FILES, *extra), _ours)
 
 
 def mark_output_dir(output_dir: str | Path) -> None:

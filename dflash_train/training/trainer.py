@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from dflash_train import contract
+from dflash_train.atomic import atomic_write_text
 from dflash_train.config import TrainConfig, as_dict
 from dflash_train.data.collate import Batch, collate
 from dflash_train.data.dataset import StepSlice, TrainingData
@@ -31,9 +32,10 @@ from dflash_train.data.packing import document_causal_mask
 from dflash_train.distributed.backend import Backend
 from dflash_train.distributed.build import build_backend
 from dflash_train.errors import RunError, check_writable_dir
-from dflash_train.export.hub import EXPORT_DIR, MANIFEST_COPY, model_card_files
+from dflash_train.eval.report import results_table
+from dflash_train.model.card import model_card_files
 from dflash_train.model.dflash import DFlashDraftModel
-from dflash_train.model.init import drafter_config, init_from_checkpoint, init_from_target
+from dflash_train.model.init import drafter_config, init_from_checkpoint, init_from_target, init_summary
 from dflash_train.model.io import check_export_destination, save_drafter
 from dflash_train.model.masks import build_training_masks
 from dflash_train.model.target import (
@@ -63,7 +65,13 @@ from dflash_train.training.feature_cache import FeatureCache, bytes_needed
 from dflash_train.training.logging import MetricsLogger, MetricWindow, check_sinks, position_accuracy
 from dflash_train.training.loss import Distillation, LossOutput, dflash_loss, supervised_blocks
 from dflash_train.training.optim import optimizer_factory, scheduler_factory
-from dflash_train.training.run_dir import check_output_dir, mark_output_dir
+from dflash_train.training.run_dir import (
+    EXPORT_DIR,
+    INIT_MAP_FILE,
+    MANIFEST_COPY,
+    check_output_dir,
+    mark_output_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +178,8 @@ class Trainer:
         self.drafter_config = drafter_config(cfg, target.config)
         torch.manual_seed(cfg.seed)  # the drafter's initial weights depend on the seed only
         self.drafter = DFlashDraftModel(self.drafter_config)
-        if d.init_from_target:
-            copied = init_from_target(self.drafter, target.model)
-            if self.backend.is_main:
-                log.info("drafter initialised from target layers: %s", copied)
+        # {drafter weight: target weight}, written to the run folder by fit (INIT_MAP_FILE)
+        self.copied_from_target = init_from_target(self.drafter, target.model) if d.init_from_target else {}
         if d.init_from:  # every weight, so after init_from_target (which it then replaces)
             init_from_checkpoint(self.drafter, d.init_from, target, _target_weights(cfg.target.name),
                                  d.init_from_other_target)
@@ -431,10 +437,20 @@ class Trainer:
             # and the next checkpoint's config.yaml records them.
             self.backend.apply_optimizer_settings(fresh)
             if self.backend.is_main:
-                log.warning("checkpoint.resume=force: continuing %s under changed settings: %s",
-                            path, "; ".join(changes))
+                log.warning("checkpoint.resume=force: continuing %s under %d changed settings:", path, len(changes))
+            for change in changes:
+                log.warning("  %s", change)
         if self.backend.is_main:
             log.info("resumed from %s (step %d, %d samples seen)", path, self.state.step, self.state.samples_seen)
+
+    def _record_init_map(self) -> None:
+        """The weights drafter.init_from_target copied, as a file: one log line says where."""
+        if not self.copied_from_target:
+            return
+        path = self.output_dir / INIT_MAP_FILE
+        atomic_write_text(path, json.dumps(self.copied_from_target, indent=1) + "\n")
+        log.info("drafter initialised from %s: %d tensors copied (the map: %s)",
+                 init_summary(self.copied_from_target), len(self.copied_from_target), path)
 
     def check_can_train(self) -> None:
         """Refuse, in one line, a trainer that can validate but not train. Not at construction:
@@ -450,6 +466,7 @@ class Trainer:
         self.resume()
         if self.backend.is_main:
             mark_output_dir(self.output_dir)  # before anything else is written there
+            self._record_init_map()
         if self.backend.is_main and self.manifest is not None:
             # Kept beside the checkpoints: dflash-export writes it into the model card.
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -508,7 +525,7 @@ class Trainer:
         state = self.backend.full_state_dict()
         path = None
         if self.backend.is_main:
-            extra = model_card_files(as_dict(self.cfg), self.manifest, eval_results=self.cfg.hub.eval_results)
+            extra = model_card_files(as_dict(self.cfg), self.manifest, results_table(self.cfg.hub.eval_results))
             path = save_drafter(self.drafter, out_dir, extra_files=extra, state_dict=state,
                                 target_weights=self.target_weights, prog="dflash-train")
         self.backend.barrier()

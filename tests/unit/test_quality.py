@@ -8,9 +8,10 @@ import torch
 
 from dflash_train import quality
 from dflash_train.config import OptimConfig
+from dflash_train.console import MAX_LINE
 from dflash_train.model.target import load_tokenizer
 from dflash_train.training.optim import scheduler_factory
-from tests.cli_helpers import assert_one_line_error, run_cli
+from tests.cli_helpers import assert_one_line_error, readable_lines, run_cli, unwrap_commands
 from tests.conftest import SMOLLM2
 from tests.datagen_helpers import write_prompts
 from tests.train_data import save_tiny_target, tiny_train_args, write_datagen_dir
@@ -103,9 +104,10 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_quality_run_generates_its_data_first(tmp_path, capsys):
+def test_quality_run_generates_its_data_first(tmp_path, capfd):
     """From nothing but a target: the datagen stage writes run_dir/data within its budget
-    (the eval datasets excluded), training reads it, and the table adds the stage's row."""
+    (the eval datasets excluded), training reads it, and the table adds the stage's row.
+    Every line the run prints, its stages' included, is under MAX_LINE (progress bars aside)."""
     tok = load_tokenizer(SMOLLM2)
     target = save_tiny_target(tmp_path / "target", tok)
     prompts = tmp_path / "prompts.jsonl"
@@ -116,7 +118,8 @@ def test_quality_run_generates_its_data_first(tmp_path, capsys):
                "backend.cpu_threads=1", "sampling.max_new_tokens=12", "max_prompt_len=64"]
     argv = ["target=smollm2_135m", "datagen_budget_min=5", "datagen_recipe=datagen", _listed("datagen", datagen),
             "budget_min=0.3", f"run_dir={run}", "probe_steps=4", "warmup_steps=1", "data.val_rows=2", "limit=2",
-            "max_new_tokens=8", "device=cpu", *both, _listed("train", TINY_TRAIN)]
+            "max_new_tokens=8", "device=cpu", *both,
+            _listed("train", [*TINY_TRAIN, "drafter.init_from_target=true", "logging.progress_bar=true"])]
     quality.main(argv)
     manifest = json.loads((run / "data" / "manifest.json").read_text())
     assert manifest["counts"]["rows"] == 12 and manifest["exclude_eval"] == ["mtbench", "humaneval"]
@@ -127,15 +130,17 @@ def test_quality_run_generates_its_data_first(tmp_path, capsys):
         "answer_tokens": manifest["counts"]["response_tokens"], "budget_reached": False}
     assert 0 < out["datagen"]["minutes"] < 5
     assert out["steps"] >= 1 and out["conversations"] >= 1
-    printed = capsys.readouterr().out
+    captured = capfd.readouterr()
+    printed = captured.out
     assert "| generation min | conversations | tokens | answer tokens | stopped by the budget |" in printed
     assert f"| 12 | {manifest['counts']['tokens']} | {manifest['counts']['response_tokens']} | no |" in printed
-    assert f"[train] dflash_train.train target=smollm2_135m data.path={run / 'data'} " in printed
+    assert f"[train] dflash_train.train target=smollm2_135m data.path={run / 'data'} " in unwrap_commands(printed)
+    assert [line for line in readable_lines(captured.out + captured.err) if len(line) >= MAX_LINE] == []
     # Run again: nothing is generated or trained again; the same tables.
     before = {p: p.stat().st_mtime for p in (run / "data").rglob("*") if p.is_file()}
     quality.main(argv)
     assert {p: p.stat().st_mtime for p in (run / "data").rglob("*") if p.is_file()} == before
-    assert quality.datagen_table(out["datagen"]) in capsys.readouterr().out
+    assert quality.datagen_table(out["datagen"]) in capfd.readouterr().out
 
 
 def test_datagen_stage_command():

@@ -69,8 +69,8 @@ def test_recipe_composes_and_validates(primary, overrides):
 
 
 # Where an experiment departs from the paper, and why: the one-GPU quality recipe trains for
-# minutes, and at an equal budget 2 rows a step at lr 1.5e-3 beat the paper's lr (README,
-# quality section).
+# minutes, and at an equal budget 2 rows a step at lr 1.5e-3 beat the paper's lr
+# (benchmarks/quality-h100-2026-11-24).
 SHORT_BUDGET = {"qwen25_coder_05b_1xh100": (1.5e-3, 2, 1)}
 
 
@@ -84,7 +84,7 @@ def test_experiments_use_the_paper_settings(rel):
     assert (c.optim.lr, c.optim.warmup_ratio, c.optim.schedule, c.optim.grad_clip) == (lr, 0.04, "cosine", 1.0)
     assert (c.data.max_length, c.data.num_anchors, c.epochs) == (3072, 512, 6)
     assert (c.drafter.num_hidden_layers, c.drafter.block_size) == (5, 16)
-    # The two departures that won the equal-steps ablation (README, quality section).
+    # The two departures that won the equal-steps ablation (benchmarks/quality-h100-2026-11-25).
     assert (c.loss.position_weighting, c.drafter.init_from_target) == ("dpace", True)
     # GPU recipes: fixed shapes (packed rows, a fixed block count), a compiled drafter, which
     # then never recompiles (tests/unit/test_train_compile.py), and compiled target layers that

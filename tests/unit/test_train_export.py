@@ -5,7 +5,8 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from dflash_train.export import cli, hub
+from dflash_train.export import cli
+from dflash_train.model import card as model_card
 from dflash_train.model.io import load_drafter
 from dflash_train.model.target import load_tokenizer
 from dflash_train.training.trainer import Trainer
@@ -40,17 +41,17 @@ def test_training_exports_a_loadable_drafter_with_card(run):
     export = run / "export"
     drafter = load_drafter(export)
     assert drafter.block_size == 8
-    card = (export / hub.CARD).read_text()
+    card = (export / model_card.CARD).read_text()
     assert "DFlash drafter for" in card and "num_speculative_tokens\": 7" in card
-    assert json.loads((export / hub.MANIFEST).read_text())["format_version"] == 1
-    assert "optim:" in (export / hub.RECIPE).read_text()
+    assert json.loads((export / model_card.MANIFEST).read_text())["format_version"] == 1
+    assert "optim:" in (export / model_card.RECIPE).read_text()
 
 
 def test_reexport_from_checkpoint_is_identical(run, tmp_path):
     cli.main([str(run), f"out={tmp_path / 'again'}", f"eval_results={_results(tmp_path / 'r.json')}"])
     a, b = load_file(run / "export" / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
-    card = (tmp_path / "again" / hub.CARD).read_text()
+    card = (tmp_path / "again" / model_card.CARD).read_text()
     assert "mtbench" in card and "2.50" in card  # the dflash-eval table
 
 
