@@ -53,8 +53,8 @@ def test_speed_runs_static_batches_and_keeps_the_breakdown(capsys):
                      "max_new_tokens=4", "runtime=static", "batch_size=2", "step_timing=true",
                      "target.dtype=float32"])
     out = capsys.readouterr().out.splitlines()
-    note = " ".join(line.strip() for line in out)  # the header is a note wrapped at 100 characters
-    assert ", batch 2, 4 new tokens, drafter random, 7 drafts verified per step" in note  # cpu_small: block 8
+    header = " ".join(line.strip() for line in out)  # the header wraps at 100 characters
+    assert ", batch 2, 4 new tokens, drafter random, 7 drafts verified per step" in header  # cpu_small: block 8
     static = summaries["static"]  # 3 prompts in two batches of 2 (the first prompt twice)
     assert (static["num_prompts"], static["spec_tokens"], static["plain_tokens"]) == (4, 16, 16)
     assert static["greedy_agreement"] == 1.0 and static["speedup"] > 0

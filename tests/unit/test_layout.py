@@ -31,7 +31,7 @@ LAYERS = (
     ("dflash_train.model",),
     ("dflash_train.eval",),
     ("dflash_train.distributed", "dflash_train.training"),
-    ("dflash_train.export",),
+    ("dflash_train.export", "dflash_train.run_lock"),
     ("dflash_train.train", "dflash_train.bench", "dflash_train.quickstart", "dflash_train.quality",
      "dflash_train.eval.cli", "dflash_train.eval.speed", "dflash_train.export.cli"),
     ("data_gen",),
