@@ -73,7 +73,7 @@ def parts(drafter, target, device, compile_target: bool = False) -> dict[str, fl
     rt.ctx_pos.copy_(torch.arange(PROMPT_LEN - width, PROMPT_LEN, device=device)[None])
     if compile_target:
         target.forward = torch.compile(target.forward, dynamic=False)
-    return {"plain": per_call_ms(plain.step, device), "verify": per_call_ms(rt.verifier.step, device),
+    return {"plain": per_call_ms(plain.step, device), "verify": per_call_ms(rt.verify_step, device),
             "draft": per_call_ms(rt.draft_step, device),
             "loop step": per_call_ms(_loop_step(rt, PROMPT_LEN, drafter.mask_token_id), device)}
 

@@ -417,13 +417,13 @@ class DFlashDraftModel(PreTrainedModel):
         return result if return_stats else result.output_ids
 
 
-def check_verify_tokens(verify_tokens: int | None, block_size: int, name: str = "verify_tokens") -> int:
+def check_verify_tokens(verify_tokens: int | None, block_size: int) -> int:
     """The drafts verified per step: ``verify_tokens``, or all B-1 of a block when None.
-    ValueError naming the value outside 1..B-1 (``name``: the setting as the caller spells it)."""
+    ValueError naming a value outside 1..B-1."""
     if verify_tokens is None:
         return block_size - 1
     if isinstance(verify_tokens, bool) or not isinstance(verify_tokens, int) or not 1 <= verify_tokens < block_size:
-        raise ValueError(f"{name}={verify_tokens!r}: must be an integer in 1..{block_size - 1} (the drafts of a "
+        raise ValueError(f"verify_tokens={verify_tokens!r}: must be an integer in 1..{block_size - 1} (the drafts of a "
                          f"block of {block_size}) or null for all of them")
     return verify_tokens
 

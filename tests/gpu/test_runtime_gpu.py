@@ -52,6 +52,25 @@ def test_graphs_give_the_eager_steps_tokens_and_lengths(on_gpu, prompts):  # noq
     assert sum(lengths) / len(lengths) > 1.5  # drafts are accepted: the draft graph matters
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_graphs_at_a_short_verify_give_the_eager_steps_tokens_and_lengths(on_gpu, prompts, k):  # noqa: F811
+    """verify_tokens=k: the verify graph reads the block's first k+1 slots, the next draft
+    the k+1 features it wrote."""
+    model, drafter = on_gpu
+    for prompt in prompts:
+        ids = prompt[None].cuda()
+        eager = speculate_static(drafter, model, ids, NEW_TOKENS, Sampling(), None, None, None, NO_CLOCK, graphs=False,
+                                 verify_tokens=k)
+        graphed = speculate_static(drafter, model, ids, NEW_TOKENS, Sampling(), None, None, None, NO_CLOCK,
+                                   graphs=True, verify_tokens=k)
+        assert drafter.__dict__["_static_runtime"].greedy_step.graph is not None
+        dynamic = spec_generate(drafter, model, ids, NEW_TOKENS, return_stats=True, static=False, verify_tokens=k)
+        assert torch.equal(graphed.output_ids, eager.output_ids)
+        assert torch.equal(graphed.output_ids, target_generate(model, ids, NEW_TOKENS))
+        assert graphed.acceptance_lengths == eager.acceptance_lengths == dynamic.acceptance_lengths
+        assert max(graphed.acceptance_lengths) <= k + 1
+
+
 def test_graphs_reused_across_requests_and_stop_tokens(on_gpu, prompts):  # noqa: F811
     model, drafter = on_gpu
     ids = prompts[:1].cuda()
