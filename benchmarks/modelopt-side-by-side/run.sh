@@ -1,10 +1,10 @@
-# Issue 37 on a 2-GPU machine: both trainers side by side on one host, on the same data, minutes
-# and evaluation. Queue 0 (GPU 0) runs dflash-quality, queue 1 (GPU 1) benchmarks/modelopt_quality.py
+# Issue 37: both trainers on one host, on the same data, minutes and evaluation. On a 2-GPU
+# machine queue 0 (GPU 0) runs dflash-quality, queue 1 (GPU 1) benchmarks/modelopt_quality.py
 # (Model-Optimizer 0.47's own DFlash recipe with our geometry, its own export, our evaluation),
 # each for every budget of BUDGETS (minutes, default "5 10"), one after another, with the same
 # settings: the shared set, +experiment=qwen25_coder_05b_1xh100, 64 held-out conversations, and
 # dflash-eval on MT-Bench, HumanEval and the 40 ShareGPT held-out prompts (40 each, 256 tokens,
-# greedy, one batch of 120).
+# greedy, one batch of 120). On one GPU one queue runs them in turn: dflash then modelopt at each budget.
 #   bash benchmarks/modelopt-side-by-side/run.sh WAIT_S
 # Carry .gpu/whl-mo (Model-Optimizer 0.47 and the wheels the GPU image lacks for it, installed
 # here into /tmp/site_mo, which only queue 1 puts on its path) besides the usual .gpu/ folders
@@ -43,11 +43,16 @@ if [ -f /tmp/qwen25coder05b.gguf ] && [ ! -f $R/started ]; then
   mkdir -p $R && touch $R/started; gpu=0
   # The GGUF dequantized once, before either budget starts (both would otherwise race to do it)
   python3 -c "from dflash_train.model.target import resolve_target; print(resolve_target('/tmp/qwen25coder05b.gguf'))"
-  for q in dflash modelopt; do
-    queue_cmd $q > $R/queue-$q.sh
-    CUDA_VISIBLE_DEVICES=$gpu setsid nohup bash $R/queue-$q.sh > $R/queue-$q.out 2>&1 < /dev/null &
-    gpu=$((gpu + 1))
-  done
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    for q in dflash modelopt; do
+      queue_cmd $q > $R/queue-$q.sh
+      CUDA_VISIBLE_DEVICES=$gpu setsid nohup bash $R/queue-$q.sh > $R/queue-$q.out 2>&1 < /dev/null &
+      gpu=$((gpu + 1))
+    done
+  else  # one GPU: one queue, the two trainers taking turns at each budget (never sharing the GPU)
+    for b in $BUDGETS; do BUDGETS=$b queue_cmd dflash; BUDGETS=$b queue_cmd modelopt; done > $R/queue-one.sh
+    CUDA_VISIBLE_DEVICES=0 setsid nohup bash $R/queue-one.sh > $R/queue-one.out 2>&1 < /dev/null &
+  fi
 fi
 done_all() { for r in $RUNS; do [ -f $R/$r.t1 ] || return 1; done; }
 end=$(( $(date +%s) + WAIT ))
