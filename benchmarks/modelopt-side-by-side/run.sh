@@ -5,6 +5,7 @@
 # settings: the shared set, +experiment=qwen25_coder_05b_1xh100, 64 held-out conversations, and
 # dflash-eval on MT-Bench, HumanEval and the 40 ShareGPT held-out prompts (40 each, 256 tokens,
 # greedy, one batch of 120). On one GPU one queue runs them in turn: dflash then modelopt at each budget.
+# TRAINERS="modelopt" (or "dflash") runs one trainer's side only (a rerun of one side).
 #   bash benchmarks/modelopt-side-by-side/run.sh WAIT_S
 # Carry .gpu/whl-mo (Model-Optimizer 0.47 and the wheels the GPU image lacks for it, installed
 # here into /tmp/site_mo, which only queue 1 puts on its path) besides the usual .gpu/ folders
@@ -13,7 +14,7 @@
 # session; every call follows them for up to WAIT_S seconds, brings back what they have
 # ($OUT/results.tgz: one folder per run) and prints the table of the runs finished so far.
 source benchmarks/gpu/setup.sh
-WAIT=$1 BUDGETS=${BUDGETS:-5 10} R=/tmp/side
+WAIT=$1 BUDGETS=${BUDGETS:-5 10} TRAINERS=${TRAINERS:-dflash modelopt} R=/tmp/side
 if [ -d .gpu/whl-mo ] && [ ! -f /tmp/site_mo/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_mo \
     .gpu/whl-mo/*.whl && touch /tmp/site_mo/.done || exit 1
@@ -35,7 +36,7 @@ queue_cmd() {  # the shell lines of queue $1 (dflash | modelopt): one run per bu
     echo "date +%s > $R/$name.t0; { cat $R/$name.cmd; echo; bash $R/$name.cmd; echo EXIT \$?; } > $R/$name.log 2>&1; date +%s > $R/$name.t1"
   done
 }
-RUNS=$(for b in $BUDGETS; do echo dflash-$b modelopt-$b; done)
+RUNS=$(for b in $BUDGETS; do for t in $TRAINERS; do echo $t-$b; done; done)
 if [ -f /tmp/qwen25coder05b.gguf ] && [ ! -f $R/started ]; then
   if [ ! -f /tmp/site_mo/.done ] || [ ! -d /tmp/data/sharegpt-qwen25-coder-05b ]; then
     echo "run.sh: the GGUF is whole but /tmp/site_mo or the data is missing: carry .gpu/whl-mo and .gpu/data"; exit 2
@@ -44,13 +45,13 @@ if [ -f /tmp/qwen25coder05b.gguf ] && [ ! -f $R/started ]; then
   # The GGUF dequantized once, before either budget starts (both would otherwise race to do it)
   python3 -c "from dflash_train.model.target import resolve_target; print(resolve_target('/tmp/qwen25coder05b.gguf'))"
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    for q in dflash modelopt; do
+    for q in $TRAINERS; do
       queue_cmd $q > $R/queue-$q.sh
       CUDA_VISIBLE_DEVICES=$gpu setsid nohup bash $R/queue-$q.sh > $R/queue-$q.out 2>&1 < /dev/null &
       gpu=$((gpu + 1))
     done
   else  # one GPU: one queue, the two trainers taking turns at each budget (never sharing the GPU)
-    for b in $BUDGETS; do BUDGETS=$b queue_cmd dflash; BUDGETS=$b queue_cmd modelopt; done > $R/queue-one.sh
+    for b in $BUDGETS; do for t in $TRAINERS; do BUDGETS=$b queue_cmd $t; done; done > $R/queue-one.sh
     CUDA_VISIBLE_DEVICES=0 setsid nohup bash $R/queue-one.sh > $R/queue-one.out 2>&1 < /dev/null &
   fi
 fi

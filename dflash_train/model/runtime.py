@@ -188,8 +188,10 @@ class Replayable:
                         t.copy_(before)
                 torch.cuda.current_stream().wait_stream(side)
                 self.graph = torch.cuda.CUDAGraph()
-                # thread_local: a CUDA call from another thread (a compile worker) does not void the capture
-                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                # thread_local: a CUDA call from another thread (a compile worker) does not void the capture.
+                # Captured on the warm-up's stream: its cuBLAS workspace exists before the capture (on a
+                # fresh capture stream a GEMM of the Qwen3-8B geometry at batch 1 failed inside it)
+                with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
                     self.out = self.fn()
         self.graph.replay()
         return self.out

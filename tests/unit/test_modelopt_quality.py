@@ -98,6 +98,13 @@ def test_the_schedule_ends_with_the_budget():
     assert mo.last_step(20, 300.0, 299.9, 0.5) == 21  # never fewer steps than the one being run
 
 
+def test_the_schedule_end_is_refitted_up_to_its_middle():
+    # probe at step 8: refits at 108, 208, ... while the step is at most half the planned end
+    assert [s for s in range(1, 1500) if mo.refit_due(s, 8, 1000)] == [108, 208, 308, 408]
+    assert not mo.refit_due(108, 8, None)  # nothing planned yet
+    assert not mo.refit_due(8, 8, 1000)  # the probe itself fixes the first end
+
+
 def test_the_table_has_dflash_qualitys_columns():
     trained = {"train_minutes": 5.04, "steps": 1200, "conversations": 1200}
     evals = {"mtbench": {"tau": 1.81, "num_prompts": 40}, "humaneval": {"tau": 1.9, "num_prompts": 40},
@@ -124,7 +131,7 @@ def test_the_table_has_dflash_qualitys_columns():
     (["seconds_per_step=0.2"], "seconds_per_step=0.2 startup_s=0 are dflash-train's timings; Model-Optimizer's "
                                "steps are timed in the run itself (probe_steps, warmup_steps)"),
     (["data.val_rows=0"], "data.val_rows=0: the held-out expected tau needs at least one held-out row"),
-    (["budget_min=-1"], "budget_min=-1 must be a positive number"),  # dflash-quality's own checks
+    (["budget_min=-1"], "budget_min=-1 must be a finite number >= 0"),  # the schema's range check, before dflash-quality's own
     (["~data.path", "datagen_budget_min=3"], "datagen_budget_min=3: this comparison trains on a given data set; give "
                                              "data.path=DIR (a dflash-datagen output, the one dflash-quality trains on)"),
 ])
