@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dflash_train.model.dflash import DFlashConfig
+from dflash_train.model.kinds import KINDS, check_kind
 from dflash_train.model.target import decoder_layers
 
 if TYPE_CHECKING:
@@ -31,11 +32,17 @@ if TYPE_CHECKING:
 
 
 def drafter_config(cfg: TrainConfig, target_hf_config) -> DFlashConfig:
-    """The drafter's config for a recipe: attention geometry and RoPE follow the target."""
+    """The drafter's config for a recipe: attention geometry and RoPE follow the target;
+    ``drafter.kind`` picks the config class, and its own settings come from drafter.<kind>."""
     d = cfg.drafter
-    return DFlashConfig.from_target(
+    kind_settings = {}
+    if d.kind == "dflash2":
+        s = d.dflash2
+        kind_settings = dict(conv_kernel_size=s.conv_kernel_size, conv_group_size=s.conv_group_size,
+                             selector_rank=s.selector_rank, selector_top_k=s.selector_top_k)
+    return KINDS[check_kind(d.kind)][0].from_target(
         target_hf_config, mask_token_id=cfg.target.mask_token_id, num_hidden_layers=d.num_hidden_layers,
-        block_size=d.block_size, target_layer_ids=d.target_layer_ids, num_features=d.num_features,
+        block_size=d.block_size, target_layer_ids=d.target_layer_ids, num_features=d.num_features, **kind_settings,
     )
 
 
