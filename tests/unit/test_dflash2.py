@@ -323,3 +323,27 @@ def test_greedy_speculation_is_lossless_on_tiny_targets():
             out = drafter.spec_generate(target, ids, new, return_stats=True)
             assert torch.equal(out.output_ids, target.generate(ids, max_new_tokens=new, do_sample=False))
             assert out.num_new_tokens == new and sum(out.acceptance_lengths) == new - 1
+
+
+def test_bundled_runtime_is_lossless_with_the_real_small_target(smollm2, smollm2_tokenizer):
+    """runtime.spec_generate (what dflash-eval calls) with a DFlash2 drafter on SmolLM2-135M:
+    the greedy output is the target's own greedy output, token for token (float32, CPU)."""
+    from dflash_train.model.runtime import spec_generate
+    from tests.conftest import SMOLLM2_MASK_ID
+
+    config = DFlash2Config.from_target(smollm2.config, mask_token_id=SMOLLM2_MASK_ID, num_hidden_layers=1,
+                                       block_size=4, target_layer_ids=[2, 6], selector_rank=16)
+    torch.manual_seed(0)
+    drafter = DFlash2DraftModel(config).eval()
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "conv" in name or "selector" in name:
+                p.normal_(0, 0.3)
+    text = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "Count from one to ten."}],
+                                                 tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]])
+    out = spec_generate(drafter, smollm2.model, ids, 24, return_stats=True)
+    assert torch.equal(out.output_ids, smollm2.model.generate(ids, max_new_tokens=24, do_sample=False))
+    assert out.num_new_tokens == 24
+    with pytest.raises(ValueError, match="static=True cannot serve a DFlash2DraftModel"):
+        spec_generate(drafter, smollm2.model, ids, 4, static=True)
