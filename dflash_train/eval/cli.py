@@ -130,7 +130,8 @@ def _load_prompts(entries: list[dict]) -> dict[str, tuple[str, list[BenchmarkPro
 
 
 def _setup_drafter(cfg: EvalConfig, target):
-    from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
+    from dflash_train.model.init import kind_settings
+    from dflash_train.model.kinds import KINDS, check_kind
 
     dtype = target.model.dtype
     if cfg.drafter_path != RANDOM_DRAFTER:
@@ -143,15 +144,17 @@ def _setup_drafter(cfg: EvalConfig, target):
         return drafter
     torch.manual_seed(cfg.seed)  # the fresh drafter's weights are part of the run's identity
     d = cfg.drafter
-    config = DFlashConfig.from_target(
+    config_class, model_class = KINDS[check_kind(d.kind)]
+    config = config_class.from_target(
         target.config,
         mask_token_id=cfg.target.mask_token_id,
         num_hidden_layers=d.num_hidden_layers,
         block_size=d.block_size,
         num_features=d.num_features,
         target_layer_ids=None if d.target_layer_ids is None else list(d.target_layer_ids),
+        **kind_settings(d),
     )
-    return DFlashDraftModel(config).to(device=cfg.device, dtype=dtype).eval()
+    return model_class(config).to(device=cfg.device, dtype=dtype).eval()
 
 
 def encode_prompt(tokenizer, prompt: BenchmarkPrompt, system_prompt: str | None, enable_thinking: bool) -> list[int]:

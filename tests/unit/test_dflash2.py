@@ -236,10 +236,10 @@ def tiny(tmp_path_factory):
     return tiny_inputs(tmp_path_factory.mktemp("dflash2"))
 
 
-def _cfg(tiny, out, **kw):
+def _cfg(tiny, out, drafter=None, **kw):
     # A random drafter ranks the gold token far down a 49K vocabulary: a wide top-K lets some
     # slots cover it, so the selector gets a gradient from the first steps.
-    drafter = {"kind": "dflash2", "dflash2": {"selector_rank": 8, "selector_top_k": 2048}}
+    drafter = {"kind": "dflash2", "dflash2": {"selector_rank": 8, "selector_top_k": 2048}, **(drafter or {})}
     return tiny_train_config(tiny["target"], tiny["data"], out, drafter=drafter, **kw)
 
 
@@ -347,3 +347,10 @@ def test_bundled_runtime_is_lossless_with_the_real_small_target(smollm2, smollm2
     assert out.num_new_tokens == 24
     with pytest.raises(ValueError, match="static=True cannot serve a DFlash2DraftModel"):
         spec_generate(drafter, smollm2.model, ids, 4, static=True)
+
+
+def test_init_from_a_drafter_of_another_kind_is_a_one_line_error(tiny, tmp_path):
+    plain = Trainer(tiny_train_config(tiny["target"], tiny["data"], tmp_path / "plain", max_steps=1, export=True))
+    plain.fit()
+    with pytest.raises(ValueError, match="the checkpoint is a dflash drafter but this run builds drafter.kind=dflash2"):
+        Trainer(_cfg(tiny, tmp_path / "two", max_steps=1, drafter={"init_from": str(tmp_path / "plain" / "export")}))
