@@ -354,3 +354,24 @@ def test_init_from_a_drafter_of_another_kind_is_a_one_line_error(tiny, tmp_path)
     plain.fit()
     with pytest.raises(ValueError, match="the checkpoint is a dflash drafter but this run builds drafter.kind=dflash2"):
         Trainer(_cfg(tiny, tmp_path / "two", max_steps=1, drafter={"init_from": str(tmp_path / "plain" / "export")}))
+
+
+@torch.inference_mode()
+def test_the_inference_forward_equals_the_training_forward_of_the_same_block():
+    """A draft step over a context cache gives the hidden states the training layout gives
+    the block at that anchor (convolutions included): one model, two paths."""
+    from dflash_train.model.dflash import ContextCache, target_features
+
+    target = make_tiny_target("qwen3", layers=4, seed=3)
+    drafter = _drafter(target, num_hidden_layers=2, target_layer_ids=[1, 2])
+    t, anchor = 12, 7
+    seq = torch.randint(0, 90, (t,), generator=torch.Generator().manual_seed(5))
+    feats = target_features(target(seq[None], output_hidden_states=True).hidden_states, drafter.target_layer_ids)
+    anchors = torch.tensor([[3, anchor]])
+    blocks = block_input_ids(seq, anchors[0], 4, MASK_ID).flatten()[None]  # (1, 8)
+    positions = torch.cat([torch.arange(t), block_position_ids(torch.arange(t), anchors[0], 4).flatten()])[None]
+    training = drafter(target.get_input_embeddings()(blocks), feats, positions,
+                       {FULL_ATTENTION: visible_mask(anchors, t, 4)})[:, 4:]  # the block at `anchor`
+    cache = ContextCache()
+    inference = drafter.draft_hidden(target, blocks[:, 4:], feats[:, :anchor], anchor, cache)
+    assert torch.allclose(inference, training, atol=1e-5)
