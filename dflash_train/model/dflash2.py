@@ -201,7 +201,7 @@ class CandidateSelector(nn.Module):
         nn.init.normal_(self.predecessor_codebook, std=std)
         self.successor_codebook.zero_()
 
-    def transition(self, h: torch.Tensor, pred: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, pred: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
         """(M, K) float32 pair scores. h (M, H), pred (M,) token ids, cand (M, K) token ids."""
         query = self.predecessor_codebook[pred] * self.hidden_projection(h.to(self.hidden_projection.weight.dtype))
         return torch.einsum("mr,mkr->mk", query.float(), self.successor_codebook[cand].float())
@@ -212,6 +212,12 @@ class DFlash2DraftModel(DFlashDraftModel):
     layer_class = DFlash2DecoderLayer
     _no_split_modules = ["DFlash2DecoderLayer"]
     static_runtime = False  # the CUDA-graph runtime has no selector walk (see model/runtime.py)
+
+    @property
+    def modules_called_outside_forward(self) -> list[nn.Module]:
+        """Modules the training loss calls itself, after the forward: a sharding backend
+        wraps each on its own so that calling it gathers its parameters (FSDP2, ZeRO-3)."""
+        return [self.candidate_selector]
 
     def __init__(self, config):
         check_dflash2(config)
@@ -254,7 +260,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         unary = torch.einsum("mh,mkh->mk", h, head_w[cand]).float()  # (M, K) the candidates' logits
         if head_b is not None:
             unary = unary + head_b[cand].float()
-        score = unary + self.candidate_selector.transition(h, pred, cand)  # (M, K)
+        score = unary + self.candidate_selector(h, pred, cand)  # (M, K)
         match = cand == gold[:, None]  # (M, K)
         covered = match.any(dim=1)
         ce = F.cross_entropy(score, match.float().argmax(dim=1), reduction="none")  # (M,)
@@ -274,7 +280,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         probs = None if sampling.greedy else torch.zeros_like(logits)
         pred = block_ids[0, :1]  # (1,) the anchor
         for j in range(count):
-            score = unary[j] + self.candidate_selector.transition(hidden[j:j + 1], pred, cand[j:j + 1])[0]  # (K,)
+            score = unary[j] + self.candidate_selector(hidden[j:j + 1], pred, cand[j:j + 1])[0]  # (K,)
             if sampling.greedy:
                 choice = score.argmax()
             else:

@@ -165,10 +165,10 @@ def _hand_selector():
 def test_pair_score_golden_numbers():
     # h = (3, 1): P h = (3, 2); A[1] * P h = (3, -2); <., B[0]> = 1, <., B[2]> = 1.5 - 4 = -2.5.
     sel = _hand_selector()
-    scores = sel.transition(torch.tensor([[3.0, 1.0]]), torch.tensor([1]), torch.tensor([[0, 2, 3]]))
+    scores = sel(torch.tensor([[3.0, 1.0]]), torch.tensor([1]), torch.tensor([[0, 2, 3]]))
     assert scores.tolist() == [[1.0, -2.5, 0.0]]
     # another predecessor (A[0] = 0) adds nothing
-    assert sel.transition(torch.tensor([[3.0, 1.0]]), torch.tensor([0]), torch.tensor([[0, 2, 3]])).tolist() == \
+    assert sel(torch.tensor([[3.0, 1.0]]), torch.tensor([0]), torch.tensor([[0, 2, 3]])).tolist() == \
         [[0.0, 0.0, 0.0]]
 
 
