@@ -180,3 +180,47 @@ def test_round_trip_drafts_equal(export, target):
         for drafts, probs in proposals[1:]:
             assert torch.equal(drafts, proposals[0][0])
             assert (probs is None) == sampling.greedy and (probs is None or torch.equal(probs, proposals[0][1]))
+
+
+TF457_SCRIPT = """
+import sys, torch, transformers
+from safetensors.torch import load_file
+from transformers import AutoModel, AutoModelForCausalLM
+assert transformers.__version__.startswith("4.57"), transformers.__version__
+out, target_dir, io_file = sys.argv[1:]
+model = AutoModel.from_pretrained(out, trust_remote_code=True).eval()
+target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+t = load_file(io_file)
+with torch.no_grad():
+    got = model(noise_embedding=t["noise"], target_hidden=t["ctx"], position_ids=t["positions"])
+print("maxdiff", float((got - t["expected"]).abs().max()))
+spec = model.spec_generate(input_ids=t["ids"], max_new_tokens=20, temperature=0.0, target=target, stop_token_ids=None)
+print("lossless", bool(torch.equal(spec, target.generate(t["ids"], max_new_tokens=20, do_sample=False))))
+"""
+
+
+def test_export_loads_and_drafts_under_transformers_457(export, target, tmp_path):
+    """The dflash2.py and dflash.py beside the weights, under the transformers version
+    published DFlash model cards pin."""
+    import subprocess
+
+    from safetensors.torch import save_file
+
+    from tests.unit.test_export import TF457_PYTHON
+
+    assert TF457_PYTHON.exists(), f"{TF457_PYTHON} missing: run `make setup` (it builds the transformers 4.57 venv)"
+    drafter, out = export
+    target.save_pretrained(tmp_path / "target")
+    g = torch.Generator().manual_seed(0)
+    noise, ctx = torch.randn(1, BLOCK, 64, generator=g), torch.randn(1, 7, 128, generator=g)
+    positions = (torch.arange(7 + BLOCK) + 3)[None]
+    with torch.no_grad():
+        expected = drafter(noise, ctx, positions)
+    ids = torch.randint(0, 90, (1, 9), generator=torch.Generator().manual_seed(7))
+    save_file({"noise": noise, "ctx": ctx, "positions": positions, "expected": expected, "ids": ids},
+              str(tmp_path / "io.safetensors"))
+    run = subprocess.run([str(TF457_PYTHON), "-c", TF457_SCRIPT, str(out), str(tmp_path / "target"),
+                          str(tmp_path / "io.safetensors")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = dict(line.split() for line in run.stdout.splitlines() if line.startswith(("maxdiff", "lossless")))
+    assert float(lines["maxdiff"]) < 1e-5 and lines["lossless"] == "True"
