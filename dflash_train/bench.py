@@ -13,6 +13,8 @@ real training step, a per-phase breakdown (target forward, mask build, drafter
 forward+backward, loss, optimizer) timed with device syncs, MFU against this GPU's measured
 bf16 matmul rate (useful work only: padding is not counted), peak memory, and how many
 graphs torch.compile built after warm-up (anything but 0 means recompilation on this data).
+Any ``drafter.kind`` runs (its own loss is part of the step); the MFU counts the DFlash
+backbone's FLOPs only, so a DFlash2 drafter's convolutions and selector are not in it.
 
 With ``data.path=DIR`` the recipe runs on that dataset exactly as training would: its row
 lengths, loss masks, packing and fixed shapes, and its validation (one validation pass is
@@ -289,6 +291,7 @@ def run(trainer: Trainer, steps: int, warmup: int) -> dict:
         "block_fill": held["blocks"] / (held["rows"] * shape[1]) if shape else None,
         "phase_ms": {k: 1000 * sum(p[k] for p in phases) / steps for k in PHASES},
         "peak_memory_gib": flops.peak_memory_gib(dev),
+        "drafter_kind": trainer.cfg.drafter.kind,
         "drafter_params_m": sum(p.numel() for p in trainer.drafter.parameters()) / 1e6,
         "graphs_compiled_after_warmup": recompiled,
     }
@@ -307,7 +310,8 @@ def run(trainer: Trainer, steps: int, warmup: int) -> dict:
 def format_result(r: dict) -> str:
     lines = [
         f"device {r['device']} x{r['world_size']}  global batch {r['global_batch']} rows of {r['seq_len']} tokens, "
-        f"{r['queries_per_row']} block queries per row, drafter {r['drafter_params_m']:.1f}M params",
+        f"{r['queries_per_row']} block queries per row, {r['drafter_kind']} drafter "
+        f"{r['drafter_params_m']:.1f}M params",
         f"step {r['step_s'] * 1000:.1f} ms  {r['samples_per_s']:.2f} samples/s (conversations)  "
         f"{r['rows_per_s']:.2f} rows/s  {r['tokens_per_s']:.0f} tokens/s  "
         f"{r['supervised_tokens_per_s']:.0f} supervised slots/s  peak memory {r['peak_memory_gib']:.2f} GiB",

@@ -24,6 +24,7 @@ SCHEDULES = ("cosine", "constant", "wsd")
 WANDB_MODES = ("offline", "online", "disabled")
 RESUME_CHOICES = (True, False, "force")
 POSITION_WEIGHTINGS = ("decay", "dpace")
+DRAFTER_KINDS = ("dflash", "dflash2")  # model/kinds.py builds each
 COMPILE_ROUNDINGS = ("eager", "fused")  # target.compile_rounding (model/target.py COMPILE_OPTIONS)
 
 
@@ -43,7 +44,22 @@ class TargetConfig:
 
 
 @dataclass
+class DFlash2Settings:
+    """drafter.kind=dflash2's own settings (model/dflash2.py; the public checkpoints' values)."""
+
+    conv_kernel_size: int = 2  # taps of the block-local dynamic convolutions
+    conv_group_size: int = 16  # channels sharing one predicted kernel
+    selector_rank: int = 256  # r of the candidate selector's codebooks
+    selector_top_k: int = 16  # unary candidates the selector rescores per slot
+    selector_loss_weight: float = 1.0  # alpha of the selector's K-way CE beside the unary CE
+
+
+@dataclass
 class DrafterConfig:
+    # dflash: the contract's drafter; dflash2: z-lab's DFlash2 (convolutions and a candidate
+    # selector on the same backbone, model/dflash2.py). The kind's own settings: drafter.<kind>.
+    kind: str = "dflash"
+    dflash2: DFlash2Settings = field(default_factory=DFlash2Settings)
     num_hidden_layers: int = 5
     block_size: int = DEFAULT_BLOCK_SIZE
     num_features: int | None = None  # None: one feature layer per draft layer
@@ -226,9 +242,22 @@ def _check_flash(d: DrafterConfig) -> None:
                          "add DIR/nvidia_cutlass_dsl/dsl_packages to PYTHONPATH")
 
 
+def _check_dflash2(d: DrafterConfig) -> None:
+    """The drafter.dflash2 settings that need no target (the hidden size is checked with it)."""
+    s = d.dflash2
+    _check_positive(**{f"drafter.dflash2.{k}": getattr(s, k)
+                       for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")})
+    if s.conv_kernel_size > d.block_size:
+        raise ValueError(f"drafter.dflash2.conv_kernel_size={s.conv_kernel_size} exceeds drafter.block_size="
+                         f"{d.block_size}: a tap would always read before the block")
+    if s.selector_loss_weight < 0:
+        raise ValueError(f"drafter.dflash2.selector_loss_weight={s.selector_loss_weight} must be >= 0")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks; each error names the offending values."""
     d, o = cfg.drafter, cfg.optim
+    _check_choice("drafter.kind", d.kind, DRAFTER_KINDS)
     _check_choice("drafter.attention", d.attention, ATTENTION_KINDS)
     _check_choice("drafter.flex_backend", d.flex_backend, FLEX_BACKENDS)
     if d.flex_backend == "flash":
@@ -253,6 +282,8 @@ def validate(cfg: TrainConfig) -> None:
     )
     if d.block_size < 2:
         raise ValueError(f"drafter.block_size={d.block_size}: a block needs the anchor and at least one draft slot")
+    if d.kind == "dflash2":
+        _check_dflash2(d)
     if cfg.loss.gamma is None:
         default_gamma(d.block_size)  # raises for block sizes without a paper value
     elif cfg.loss.gamma <= 0:

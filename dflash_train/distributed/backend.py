@@ -55,8 +55,11 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 def shardable_blocks(module: nn.Module) -> list[nn.Module]:
     """The repeated blocks to shard one by one: every element of every nn.ModuleList
     (decoder layers in HF models and in the drafter). Sharding per block lets FSDP2 gather
-    one layer at a time instead of the whole model."""
-    return [block for child in module.modules() if isinstance(child, nn.ModuleList) for block in child]
+    one layer at a time instead of the whole model. Also the modules a model lists as
+    `modules_called_outside_forward` (DFlash2's candidate selector, which its loss calls
+    after the forward): outside the root's forward only their own wrapping gathers them."""
+    blocks = [block for child in module.modules() if isinstance(child, nn.ModuleList) for block in child]
+    return blocks + list(getattr(module, "modules_called_outside_forward", ()))
 
 
 class Backend(ABC):

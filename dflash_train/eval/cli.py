@@ -130,7 +130,8 @@ def _load_prompts(entries: list[dict]) -> dict[str, tuple[str, list[BenchmarkPro
 
 
 def _setup_drafter(cfg: EvalConfig, target):
-    from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
+    from dflash_train.model.init import kind_settings
+    from dflash_train.model.kinds import KINDS, check_kind
 
     dtype = target.model.dtype
     if cfg.drafter_path != RANDOM_DRAFTER:
@@ -143,15 +144,17 @@ def _setup_drafter(cfg: EvalConfig, target):
         return drafter
     torch.manual_seed(cfg.seed)  # the fresh drafter's weights are part of the run's identity
     d = cfg.drafter
-    config = DFlashConfig.from_target(
+    config_class, model_class = KINDS[check_kind(d.kind)]
+    config = config_class.from_target(
         target.config,
         mask_token_id=cfg.target.mask_token_id,
         num_hidden_layers=d.num_hidden_layers,
         block_size=d.block_size,
         num_features=d.num_features,
         target_layer_ids=None if d.target_layer_ids is None else list(d.target_layer_ids),
+        **kind_settings(d),
     )
-    return DFlashDraftModel(config).to(device=cfg.device, dtype=dtype).eval()
+    return model_class(config).to(device=cfg.device, dtype=dtype).eval()
 
 
 def encode_prompt(tokenizer, prompt: BenchmarkPrompt, system_prompt: str | None, enable_thinking: bool) -> list[int]:
@@ -196,11 +199,14 @@ def _previous_results(out: Path) -> bool:
     return isinstance(report, dict) and {"drafter", "target", "config", "datasets"} <= set(report)
 
 
-def resolve_runtime(cfg: EvalConfig, target) -> bool:
+def resolve_runtime(cfg: EvalConfig, target, drafter) -> bool:
     """Whether both runs use the static runtime (``runtime``: auto, static or dynamic)."""
     from dflash_train.model.runtime import use_static
 
-    if cfg.runtime == "dynamic" or (cfg.runtime == "auto" and cfg.batch_size != 1):
+    if not drafter.static_runtime and (cfg.runtime == "static" or cfg.batch_size != 1):
+        raise ValueError(f"runtime={cfg.runtime} batch_size={cfg.batch_size}: a {type(drafter).__name__} drafts in "
+                         "the reference loop only; use runtime=dynamic (or auto) and batch_size=1")
+    if cfg.runtime == "dynamic" or (cfg.runtime == "auto" and cfg.batch_size != 1) or not drafter.static_runtime:
         return False
     return use_static(True if cfg.runtime == "static" else None, target.model, cfg.device)
 
@@ -220,7 +226,7 @@ def setup(cfg: EvalConfig):
     drafter = _setup_drafter(cfg, target)
     drafter.compile_static_draft = cfg.compile_drafter
     check_verify_tokens(cfg.verify_tokens, drafter.block_size)  # the bound is the drafter's block size
-    resolve_runtime(cfg, target)  # runtime=static on a target it cannot serve fails here
+    resolve_runtime(cfg, target, drafter)  # runtime=static on a target it cannot serve fails here
     datasets = {}
     for label, (name, items) in prompts.items():
         encoded = [encode_prompt(tokenizer, p, cfg.system_prompt, cfg.enable_thinking) for p in items]
@@ -233,7 +239,7 @@ def _compare(cfg: EvalConfig, drafter, target, prompt_ids: list[str], prompts: l
              stops: list[int], seed: int, turn: int = 1) -> list[PromptResult]:
     """One turn of several prompts: one by one (the latency numbers) or as one batch."""
     if cfg.batch_size == 1:
-        static = resolve_runtime(cfg, target)
+        static = resolve_runtime(cfg, target, drafter)
         return [compare_prompt(drafter, target.model, pid, torch.tensor([ids], device=target.device), max_new_tokens,
                                stops, cfg.temperature, seed, turn=turn, time_steps=cfg.step_timing, static=static,
                                verify_tokens=cfg.verify_tokens)
@@ -303,7 +309,7 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
     _compare(cfg, drafter, target, [p.id for p, _ in first], [x[0].tolist() for _, x in first], WARMUP_TOKENS, stops,
              cfg.seed)
 
-    runtime = "static" if resolve_runtime(cfg, target) else "dynamic"
+    runtime = "static" if resolve_runtime(cfg, target, drafter) else "dynamic"
     verify_tokens = check_verify_tokens(cfg.verify_tokens, block_size)
     report = {"target": cfg.target.name, "drafter": cfg.drafter_path, "block_size": block_size, "runtime": runtime,
               "verify_tokens": verify_tokens, "config": asdict(cfg), "datasets": {}}

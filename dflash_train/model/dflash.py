@@ -310,13 +310,15 @@ class DFlashDraftModel(PreTrainedModel):
     config_class = DFlashConfig
     base_model_prefix = ""
     _no_split_modules = ["DecoderLayer"]
+    layer_class = DecoderLayer  # a drafter kind with other layers (dflash2.py) names its own
+    static_runtime = True  # whether model/runtime.py's CUDA-graph runtime can draft for it
 
     def __init__(self, config):
         super().__init__(config)
         self.target_layer_ids = [int(i) for i in dflash_field(config, "target_layer_ids")]
         self.mask_token_id = dflash_field(config, "mask_token_id")
         self.block_size = block_size_of(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -375,14 +377,31 @@ class DFlashDraftModel(PreTrainedModel):
         return {FULL_ATTENTION: None, SLIDING_ATTENTION: sliding}
 
     @torch.inference_mode()
-    def draft(self, target, block_ids, new_features, start: int, cache: ContextCache) -> torch.Tensor:
-        """One denoising step: logits for slots 1..L-1 of the block at `start`: (1, L-1, V)."""
+    def draft_hidden(self, target, block_ids, new_features, start: int, cache: ContextCache) -> torch.Tensor:
+        """One denoising step: hidden states of the block at `start`, after the final norm: (1, L, H)."""
         width = block_ids.shape[1]
         c = new_features.shape[1]
         positions = torch.arange(start - c, start + width, device=block_ids.device)[None]
         noise = target.get_input_embeddings()(block_ids)
-        hidden = self(noise, new_features, positions, self.inference_masks(start, width, block_ids.device), cache, True)
+        return self(noise, new_features, positions, self.inference_masks(start, width, block_ids.device), cache, True)
+
+    @torch.inference_mode()
+    def draft(self, target, block_ids, new_features, start: int, cache: ContextCache) -> torch.Tensor:
+        """One denoising step: logits for slots 1..L-1 of the block at `start`: (1, L-1, V)."""
+        hidden = self.draft_hidden(target, block_ids, new_features, start, cache)
         return target.get_output_embeddings()(hidden[:, 1:])
+
+    @torch.inference_mode()
+    def propose(self, target, block_ids, new_features, start: int, cache: ContextCache, count: int,
+                sampling: "Sampling", generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first `count` drafts of the block at `start` (count,) and the distribution each
+        was sampled from (count, V), None when greedy. A drafter kind with its own way of
+        picking drafts from the block (dflash2.py's selector) overrides this."""
+        logits = self.draft(target, block_ids, new_features, start, cache)[0, :count]  # (count, V)
+        if sampling.greedy:
+            return logits.argmax(-1), None
+        probs = sampling.probs(logits)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0], probs
 
     def spec_generate(
         self,
@@ -628,12 +647,9 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
         checked = min(width, verify_width)  # the block's first slots, the ones the target verifies
         draft_probs = None
         if width > 1:
-            logits = model.draft(target, block, new_features, start, draft_cache)[0, : checked - 1]  # (k, V)
-            if sampling.greedy:
-                block[0, 1:checked] = logits.argmax(-1)
-            else:
-                draft_probs = sampling.probs(logits)
-                block[0, 1:checked] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
+            drafts, draft_probs = model.propose(target, block, new_features, start, draft_cache, checked - 1, sampling,
+                                                generator)  # (k,), (k, V) or None
+            block[0, 1:checked] = drafts
         clock.lap("draft")
         block = block[:, :checked]
         positions = torch.arange(start, start + checked, device=device)[None]

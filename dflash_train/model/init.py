@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dflash_train.model.dflash import DFlashConfig
+from dflash_train.model.kinds import KINDS, check_kind, kind_of
 from dflash_train.model.target import decoder_layers
 
 if TYPE_CHECKING:
@@ -31,12 +32,23 @@ if TYPE_CHECKING:
 
 
 def drafter_config(cfg: TrainConfig, target_hf_config) -> DFlashConfig:
-    """The drafter's config for a recipe: attention geometry and RoPE follow the target."""
+    """The drafter's config for a recipe: attention geometry and RoPE follow the target;
+    ``drafter.kind`` picks the config class, and its own settings come from drafter.<kind>."""
     d = cfg.drafter
-    return DFlashConfig.from_target(
+    return KINDS[check_kind(d.kind)][0].from_target(
         target_hf_config, mask_token_id=cfg.target.mask_token_id, num_hidden_layers=d.num_hidden_layers,
         block_size=d.block_size, target_layer_ids=d.target_layer_ids, num_features=d.num_features,
+        **kind_settings(d),
     )
+
+
+def kind_settings(d) -> dict:
+    """The model settings of ``d.kind`` (a DrafterConfig) that its config class takes."""
+    if d.kind != "dflash2":
+        return {}
+    s = d.dflash2
+    return dict(conv_kernel_size=s.conv_kernel_size, conv_group_size=s.conv_group_size, selector_rank=s.selector_rank,
+                selector_top_k=s.selector_top_k)
 
 
 def source_layers(num_draft_layers: int, num_target_layers: int) -> list[int]:
@@ -124,6 +136,9 @@ def init_from_checkpoint(drafter: nn.Module, path: str, target, target_weights: 
             check_target_weights(loaded.config, target_weights, "drafter.init_from_other_target=true")
     except ValueError as err:
         raise ValueError(f"drafter.init_from={path}: {err}") from None
+    if kind_of(loaded.config) != kind_of(drafter.config):
+        raise ValueError(f"drafter.init_from={path}: the checkpoint is a {kind_of(loaded.config)} drafter but this run "
+                         f"builds drafter.kind={kind_of(drafter.config)}")
     mine, theirs = _geometry(drafter.config), _geometry(loaded.config)
     diff = [name for name in SAME_AS_RECIPE if mine[name] != theirs[name]]
     if diff:

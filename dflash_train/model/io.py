@@ -2,7 +2,10 @@
 
 An export directory holds `config.json`, `model.safetensors` (unprefixed names, no
 embedding, no LM head) and `dflash.py` (a verbatim copy of `dflash_train/model/dflash.py`,
-so `AutoModel.from_pretrained(dir, trust_remote_code=True)` runs our own code).
+so `AutoModel.from_pretrained(dir, trust_remote_code=True)` runs our own code). A DFlash2
+drafter (`drafter.kind=dflash2`) also carries `dflash2.py`, which imports `dflash.py`
+beside it; its config.json names `DFlash2DraftModel` and holds the four DFlash2 keys in
+`dflash_config`, the layout SGLang and vLLM read (model/dflash2.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_train.atomic import atomic_write
-from dflash_train.model import dflash
+from dflash_train.model import dflash, dflash2
 from dflash_train.model.dflash import (
     DFlashConfig,
     DFlashDraftModel,
@@ -24,6 +27,7 @@ from dflash_train.model.dflash import (
     rope_parameters,
 )
 from dflash_train.model.foreign import read_foreign, read_raw_config, read_weights
+from dflash_train.model.kinds import ARCHITECTURES, config_class, kind_of, model_class
 from dflash_train.model.serving import layer_types, serving_conflicts, serving_fields
 
 CONFIG_NAME = "config.json"
@@ -33,7 +37,9 @@ CODE_NAME = "dflash.py"
 CARD_NAME = "README.md"
 RECIPE_NAME = "recipe.yaml"
 MANIFEST_NAME = "data_manifest.json"
-EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME, CODE_NAME, CARD_NAME, RECIPE_NAME, MANIFEST_NAME)
+EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME, CODE_NAME, dflash2.CODE_NAME, CARD_NAME, RECIPE_NAME, MANIFEST_NAME)
+# The modelling files beside each kind's weights: {kind: (module, file name)}.
+CODE_FILES = {"dflash": ((dflash, CODE_NAME),), "dflash2": ((dflash, CODE_NAME), (dflash2, dflash2.CODE_NAME))}
 REQUIRED_KEYS = (
     "architectures", "model_type", "auto_map", "block_size", "num_target_layers", "num_hidden_layers",
     "dflash_config", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -53,16 +59,21 @@ def export_config(config) -> dict:
     for key in FORBIDDEN_KEYS:
         out.pop(key, None)
     serving_top, serving_nested = serving_fields(config)  # what vLLM and SGLang read (model/serving.py)
+    kind = kind_of(config)
+    # DFlash2's keys: SGLang and vLLM read them in dflash_config only.
+    kind_nested = {k: int(dflash_field(config, k)) for k in dflash2.DEFAULTS} if kind == "dflash2" else {}
+    architecture = next(a for a, k in ARCHITECTURES.items() if k == kind)
     out.update(
-        architectures=["DFlashDraftModel"],
+        architectures=[architecture],
         model_type="qwen3",
-        auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+        auto_map={"AutoModel": f"{CODE_FILES[kind][-1][1].removesuffix('.py')}.{architecture}"},
         block_size=block_size_of(config),
         num_target_layers=int(config.num_target_layers),
         dflash_config={
             "mask_token_id": int(dflash_field(config, "mask_token_id")),
             "target_layer_ids": [int(i) for i in dflash_field(config, "target_layer_ids")],
             **serving_nested,
+            **kind_nested,
         },
         rope_theta=rope["rope_theta"],
         rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
@@ -78,7 +89,9 @@ def export_config(config) -> dict:
 def _write_export(state: dict, config_dict: dict, tmp: Path) -> None:
     (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-    shutil.copyfile(dflash.__file__, tmp / CODE_NAME)
+    kind = ARCHITECTURES[config_dict["architectures"][0]]
+    for module, name in CODE_FILES[kind]:
+        shutil.copyfile(module.__file__, tmp / name)
 
 
 def is_export_dir(path: Path) -> bool:
@@ -91,7 +104,7 @@ def is_export_dir(path: Path) -> bool:
         config = json.loads((path / CONFIG_NAME).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and config.get("architectures") == ["DFlashDraftModel"]
+    return isinstance(config, dict) and config.get("architectures") in [[a] for a in ARCHITECTURES]
 
 
 def check_export_destination(out_dir: str | Path, prog: str = "dflash-export") -> None:
@@ -129,12 +142,12 @@ def save_drafter(model: DFlashDraftModel, out_dir, extra_files: dict | None = No
         config_dict[TARGET_WEIGHTS_KEY] = target_weights
     # The names and shapes the exported config implies, from a weightless (meta) model:
     # a real one would allocate and initialise a full drafter just to be compared.
-    written = DFlashConfig(**_config_fields(config_dict))
+    written = config_class(config_dict)(**_config_fields(config_dict))
     conflicts = serving_conflicts(written)  # a drafter vLLM or SGLang would run otherwise is not exported
     if conflicts:
         raise ValueError(f"{out_dir}: " + "; ".join(conflicts))
     with torch.device("meta"):
-        expected = DFlashDraftModel(written).state_dict()
+        expected = model_class(written)(written).state_dict()
     check_weights(state, expected, out_dir)
     check_finite(state, out_dir)
 
@@ -163,7 +176,7 @@ def read_config(path) -> DFlashConfig:
     for key in ("mask_token_id", "target_layer_ids"):
         if key not in nested:
             raise ValueError(f"{file}: missing required key dflash_config.{key}")
-    config = DFlashConfig(**_config_fields(raw))
+    config = config_class(raw)(**_config_fields(raw))
     validate_config(config)
     return config
 
@@ -180,6 +193,8 @@ def validate_config(config) -> None:
         raise ValueError(f"mask_token_id={mask_id} is outside the vocabulary (0..{config.vocab_size - 1})")
     if block_size_of(config) < 2:
         raise ValueError(f"block_size={dflash_field(config, 'block_size')} must be at least 2")
+    if kind_of(config) == "dflash2":
+        dflash2.check_dflash2(config)
     conflicts = serving_conflicts(config)
     if conflicts:
         raise ValueError("; ".join(conflicts))
@@ -238,7 +253,7 @@ def load_drafter(path, target=None, dtype: torch.dtype | None = None, device="cp
         validate_against_target(config, target)
     file = path / WEIGHTS_NAME
     state = read_weights(path) if mapped is None else mapped.state
-    model = DFlashDraftModel(config)
+    model = model_class(config)(config)
     check_weights(state, model.state_dict(), file)
     check_finite(state, file)
     model.load_state_dict(state, strict=True)

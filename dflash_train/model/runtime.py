@@ -552,6 +552,10 @@ def spec_generate(drafter, target, input_ids: torch.LongTensor, max_new_tokens: 
     drafter.eval()
     device = input_ids.device
     check_verify_tokens(verify_tokens, drafter.block_size)
+    if not drafter.static_runtime:  # a drafter kind whose drafts the static runtime cannot pick (DFlash2's walk)
+        if static:
+            raise ValueError(f"static=True cannot serve a {type(drafter).__name__}: use static=False")
+        static = False
     run = speculate_static if use_static(static, target, device) else speculate
     result = run(drafter, target, input_ids, max_new_tokens, Sampling(temperature, top_p, top_k), stop_token_ids,
                  mask_token_id, generator, StepClock(device) if time_steps else NO_CLOCK,

@@ -337,6 +337,28 @@ def soft_target_index(index: torch.Tensor, anchors: torch.Tensor, block_size: in
     return row * seq_len + anchors.flatten().index_select(0, block) + slot - 1
 
 
+def selector_term(drafter: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, input_ids: torch.Tensor,
+                  anchors: torch.Tensor, lm_head: nn.Module, weights: torch.Tensor, chunk_size: int,
+                  index: torch.Tensor | None = None) -> torch.Tensor:
+    """() float32: a DFlash2 drafter's selector loss over the supervised slots, weighted by
+    the per-slot ``weights`` (B,) and summed like ``dflash_loss``'s numerator.
+
+    Each supervised slot k of the block at anchor p is scored with its teacher-forced
+    predecessor x[p + k - 1] (the anchor for slot 1), read from ``input_ids`` (b, T) at the
+    position ``soft_target_index`` names; the rest is ``DFlash2DraftModel.selector_loss``.
+    """
+    block_size = weights.numel()
+    if index is None:
+        index = (labels.flatten() != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
+    index = index.to(labels.device, non_blocking=True)
+    pred = input_ids.flatten().index_select(0, soft_target_index(index, anchors, block_size, input_ids.shape[1]))
+    h = hidden.flatten(0, 1).index_select(0, index)  # (M, H)
+    gold = labels.flatten().index_select(0, index)  # (M,)
+    w = weights.to(hidden.device, torch.float32).index_select(0, index % labels.shape[1] % block_size)  # (M,)
+    total, _hits = drafter.selector_loss(h, pred, gold, lm_head, w, chunk_size)
+    return total
+
+
 @dataclass
 class LossOutput:
     weighted_sum: torch.Tensor  # () float32, differentiable: sum of w_k * loss over valid slots

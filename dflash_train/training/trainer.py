@@ -34,9 +34,9 @@ from dflash_train.distributed.build import build_backend
 from dflash_train.errors import RunError, check_writable_dir
 from dflash_train.eval.report import results_table
 from dflash_train.model.card import model_card_files
-from dflash_train.model.dflash import DFlashDraftModel
 from dflash_train.model.init import drafter_config, init_from_checkpoint, init_from_target, init_summary
 from dflash_train.model.io import check_export_destination, save_drafter
+from dflash_train.model.kinds import model_class
 from dflash_train.model.masks import build_training_masks
 from dflash_train.model.target import (
     TargetModel,
@@ -63,7 +63,7 @@ from dflash_train.training.checkpoint import (
 )
 from dflash_train.training.feature_cache import FeatureCache, bytes_needed
 from dflash_train.training.logging import MetricsLogger, MetricWindow, check_sinks, position_accuracy
-from dflash_train.training.loss import Distillation, LossOutput, dflash_loss, supervised_blocks
+from dflash_train.training.loss import Distillation, LossOutput, dflash_loss, selector_term, supervised_blocks
 from dflash_train.training.optim import optimizer_factory, scheduler_factory
 from dflash_train.training.run_dir import (
     EXPORT_DIR,
@@ -177,7 +177,7 @@ class Trainer:
         d = cfg.drafter
         self.drafter_config = drafter_config(cfg, target.config)
         torch.manual_seed(cfg.seed)  # the drafter's initial weights depend on the seed only
-        self.drafter = DFlashDraftModel(self.drafter_config)
+        self.drafter = model_class(self.drafter_config)(self.drafter_config)
         # {drafter weight: target weight}, written to the run folder by fit (INIT_MAP_FILE)
         self.copied_from_target = init_from_target(self.drafter, target.model) if d.init_from_target else {}
         if d.init_from:  # every weight, so after init_from_target (which it then replaces)
@@ -309,8 +309,13 @@ class Trainer:
         lc = self.cfg.loss
         distill = None if final is None else Distillation(final, batch.anchors, lc.distill_weight,
                                                           lc.distill_temperature)
-        return dflash_loss(hidden, batch.labels, self.target.lm_head, self.slot_weights, lc.chunk_size,
-                           index=batch.supervised_index, distill=distill, dpace_alpha=self.dpace_alpha)
+        out = dflash_loss(hidden, batch.labels, self.target.lm_head, self.slot_weights, lc.chunk_size,
+                          index=batch.supervised_index, distill=distill, dpace_alpha=self.dpace_alpha)
+        if self.cfg.drafter.kind == "dflash2":  # its candidate selector's K-way CE (model/dflash2.py)
+            selector = selector_term(self.drafter, hidden, batch.labels, batch.input_ids, batch.anchors,
+                                     self.target.lm_head, self.slot_weights, lc.chunk_size, batch.supervised_index)
+            out.weighted_sum = out.weighted_sum + self.cfg.drafter.dflash2.selector_loss_weight * selector
+        return out
 
     def loss_normaliser(self, labels: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the loss denominator (see ``LossOutput.weight_sum``)."""

@@ -17,9 +17,11 @@ from tests.train_data import tiny_train_config
 
 
 def run(target: str, data: str, output_dir: Path, backend: str, micro_batch_size: int, grad_accum_steps: int,
-        max_steps: int, val_rows: int = 0) -> dict | None:
-    """Trains (resuming from output_dir's latest checkpoint, if any) up to max_steps."""
-    cfg = tiny_train_config(target, Path(data), output_dir, max_steps=max_steps,
+        max_steps: int, val_rows: int = 0, kind: str = "dflash") -> dict | None:
+    """Trains (resuming from output_dir's latest checkpoint, if any) up to max_steps; ``kind``:
+    drafter.kind (dflash2 with a small selector whose top-K covers some gold tokens)."""
+    drafter = {"kind": kind, "dflash2": {"selector_rank": 8, "selector_top_k": 2048}}
+    cfg = tiny_train_config(target, Path(data), output_dir, max_steps=max_steps, drafter=drafter,
                             backend={"name": backend, "device": "cpu"}, data={"val_rows": val_rows},
                             optim={"micro_batch_size": micro_batch_size, "grad_accum_steps": grad_accum_steps})
     trainer = Trainer(cfg)
@@ -41,6 +43,7 @@ def main() -> None:
     for name in ("micro_batch_size", "grad_accum_steps", "max_steps"):
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--val_rows", type=int, default=0)
+    parser.add_argument("--kind", default="dflash")
     args = vars(parser.parse_args())
     out = args.pop("out")
     skip_deepspeed_shm_op()

@@ -103,3 +103,17 @@ def test_validation_on_two_sharded_processes_matches_one(backend, tiny, tmp_path
     assert "val_loss" in want and "val_loss" not in one["metrics"][0]
     for key in ("val_loss", "val_expected_tau", "val_acc_pos_1"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "zero2", "zero3"])
+def test_dflash2_on_two_processes_matches_one(backend, tiny, tmp_path):
+    # The selector's loss calls the drafter's candidate_selector after the wrapped forward:
+    # the sharding backends gather it through its own wrapping (modules_called_outside_forward).
+    if backend.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    want = run(tiny["target"], tiny["data"], tmp_path / "one", "single", micro_batch_size=1, grad_accum_steps=4,
+               max_steps=FIRST, kind="dflash2")["metrics"]
+    two = launch(2, tmp_path / "two.pt", script=WORKER, target=tiny["target"], data=tiny["data"],
+                 output_dir=tmp_path / "run", backend=backend, micro_batch_size=1, grad_accum_steps=2,
+                 max_steps=FIRST, kind="dflash2")
+    _assert_same_steps(two["metrics"], want)

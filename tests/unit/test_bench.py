@@ -65,6 +65,20 @@ def test_random_rows_stay_full_length(tiny, tmp_path):
     assert result["tokens_per_s"] == pytest.approx(64 * result["rows_per_s"], rel=1e-6)
 
 
+def test_a_dflash2_drafter_is_benchmarked_with_its_own_loss(tiny):
+    target, data = tiny
+    args = [f"target.name={target}", "target.mask_token_id=16", "target.num_layers=6", "drafter=cpu_small",
+            "drafter.target_layer_ids=[1,3]", f"data.path={data}", "data.max_length=64", "data.num_anchors=4",
+            "bench.steps=1", "bench.warmup=1"]
+    plain = bench.main(args)
+    two = bench.main([*args, "drafter.kind=dflash2", "drafter.dflash2.selector_rank=8"])
+    assert (plain["drafter_kind"], two["drafter_kind"]) == ("dflash", "dflash2")
+    # the selector's two V x 8 codebooks, its 64 -> 8 projection and 4 convolutions of 2 x 2 x 64 + 16 x 64
+    extra = (2 * 49152 * 8 + 8 * 64 + 2 * 2 * (2 * 2 * 64 + 16 * 64)) / 1e6
+    assert two["drafter_params_m"] == pytest.approx(plain["drafter_params_m"] + extra)
+    assert two["step_s"] > 0
+
+
 def test_steps_that_skip_their_update_are_not_timed(tiny):
     """A step with a non-finite loss skips the optimizer's pass, so it is faster than a real
     one: a kernel option or learning rate that makes every step NaN must not pass for speed."""

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dflash_train", "data_gen")
 LAYERS = (
     ("dflash_train.errors", "dflash_train.resources", "dflash_train.atomic", "dflash_train.contract",
-     "dflash_train.model.dflash", "dflash_train.recipe", "dflash_train.console"),
+     "dflash_train.model.dflash", "dflash_train.model.dflash2", "dflash_train.recipe", "dflash_train.console"),
     ("dflash_train.data.format", "dflash_train.data.prompts"),
     ("dflash_train.config",),
     ("dflash_train.data",),
@@ -173,6 +173,15 @@ def test_a_planted_cycle_is_caught(module, source, cycle):
 def test_cycles_are_found_at_any_length():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
     assert import_cycles(graph) == [["a", "b", "c", "a"], ["e", "e"]]
+
+
+def test_the_dflash2_file_imports_only_the_drafter_file_beside_it():
+    # model/dflash2.py is copied beside a DFlash2 export next to dflash.py, which it imports
+    # relatively (trust_remote_code resolves it there).
+    source = (ROOT / "dflash_train/model/dflash2.py").read_text(encoding="utf-8")
+    ours = [name for _, name in imported_modules(source, "dflash_train.model.dflash2") if layer_of(name) is not None]
+    assert ours == ["dflash_train.model.dflash"]
+    assert "from .dflash import" in source
 
 
 def test_the_drafter_file_imports_nothing_of_ours():

@@ -1,0 +1,292 @@
+"""DFlash2 drafter: DFlash plus block-local dynamic convolutions and a candidate selector.
+
+Copied beside a DFlash2 export as `dflash2.py`, next to `dflash.py`, which it imports
+relatively (so `AutoModel.from_pretrained(dir, trust_remote_code=True)` finds both); like
+that file it imports only torch and transformers.
+
+What DFlash2 is, as z-lab (Inco AI) define it in their inference code: z-lab/dflash
+`dflash/model.py` @ 10129599dffb338ff38cfd235a53ca6d3667b4dd (`GroupedDynamicCausalConv`,
+`CandidateSelector`, `DFlash2DraftModel`, `dflash_generate`), checked against SGLang's
+`models/dflash.py` after PR #35371 and `speculative/dflash_utils.py`
+(`parse_dflash_draft_config`) @ 00731f0bc9fa81c39802754fb4b62e9cce967582, vLLM PR #52816
+`qwen3_dflash2.py` @ 030da624231c394ea975df15248edd9adc9315da and z-lab's
+`tests/fixtures/dflash2-config.json` @ 0a7587c0 / `dflash2-safetensors-header.json` @ 0698f537
+(the research note: docs/design/dspark-dflash2.md section 4). Written from that description;
+no code of theirs is copied.
+
+The backbone, the block `[x[p], MASK * (B-1)]`, the same-position labels (slot k predicts
+x[p+k], slot 0 unsupervised), the anchors and the visibility mask are DFlash's. Two things
+are added:
+
+1. In every layer, a grouped dynamic depthwise causal convolution (`attention_conv`,
+   `mlp_conv`) wraps the input and the output of the attention and of the MLP sublayer:
+       y[i, c] = sum_t (base[side, t, c] + delta[i, side, t, c // G]) * x[i - t, c]
+   with Kc = conv_kernel_size taps (t = 0 the token itself), G = conv_group_size channels
+   per group, and delta = kernel_projection(h) computed once from the sublayer's (normed)
+   input h for both sides (side 0: the input, side 1: the output). Taps that reach before
+   the block's first slot read zero: the convolution is causal and never crosses a block,
+   so the anchor sees only itself. Only block tokens are convolved; the context features
+   enter the attention's keys and values exactly as in DFlash.
+2. A candidate selector over the unary logits U_j = lm_head(h_j) (h_j after the final
+   norm): keep the top K = selector_top_k tokens of each slot and score a candidate c after
+   the predecessor token `pred` with
+       score_j(c) = U_j(c) + <A[pred] * P h_j, B[c]>
+   (A, B: V x r codebooks, P: H -> r, r = selector_rank). Drafting walks one path from the
+   anchor: pred_1 is the anchor token, pred_j the candidate chosen at slot j-1; greedy takes
+   the best score, sampling draws from softmax(score / T) over the K candidates, and that
+   distribution, scattered onto the vocabulary, is the q the target's rejection step reads.
+
+Decisions where the authors published nothing (their repository is inference-only):
+  * Training objective: DFlash's decayed CE on the unary logits (unchanged: the trainer's
+    own loss, D-PACE and distillation options included) plus alpha * a K-way CE over the
+    top-K candidates of each supervised slot, with the teacher-forced predecessor x[p+k-1]
+    (the anchor for slot 1), weighted by the same per-slot weights (`selector_loss`).
+    This is the consensus of the public trainers (SpecForge, speculators, TorchSpec, NeMo
+    AutoModel); the details follow SpecForge and NeMo, the SGLang-aligned ones: a slot
+    whose gold token is not in the unary top-K adds no selector term (what serving can
+    pick from is exactly the top-K, so injecting the gold would train a case that never
+    occurs), and the selector term is added to the unary numerator over the trainer's one
+    global denominator. alpha = 1 (every public trainer's default). Under D-PACE the
+    selector term keeps the contract's decay weights (D-PACE reweights the unary CE only).
+    The top-K indices are chosen without gradient; the gradient reaches the K unary logits
+    (so the backbone through the LM head), h through P, and A and B.
+  * Initialisation (SpecForge's): each convolution starts as the identity (base tap 0 = 1,
+    other taps 0, kernel_projection 0) and the successor codebook B at 0, so a fresh DFlash2
+    drafter computes exactly what a fresh DFlash drafter with the same backbone weights
+    does, and its walk is the unary argmax; A and P start N(0, initializer_range).
+  * output_multiplier, final_logit_softcapping and input_embedding_scale (for targets such
+    as Muse/Gemma) are not implemented: a config setting them to anything but their
+    neutral value is refused rather than served differently.
+  * The static (CUDA-graph) runtime and the batched evaluation loops do not run the
+    selector's walk; a DFlash2 drafter runs in the reference loop (`speculate`).
+
+Shape legend (as dflash.py): b batch, Q block tokens, H hidden, V vocab, M supervised rows,
+K candidates, r selector rank, Kc taps, G channels per group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .dflash import DecoderLayer, DFlashConfig, DFlashDraftModel, block_size_of, dflash_field
+
+ARCHITECTURE = "DFlash2DraftModel"
+CODE_NAME = "dflash2.py"
+# The public checkpoints' values (z-lab/Qwen3.8-27B-DFlash2, incoai/Muse-Glimmer-30B-DFlash2).
+DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+SIDES = 2  # a convolution's kernels: index 0 wraps the sublayer's input, 1 its output
+INPUT_SIDE, OUTPUT_SIDE = 0, 1
+# Keys other DFlash2 checkpoints use that this drafter does not implement: {key: neutral values}.
+NEUTRAL = {"output_multiplier": (None, 1, 1.0), "final_logit_softcapping": (None, 0, 0.0),
+           "input_embedding_scale": (None, 1, 1.0)}
+
+
+def check_dflash2(config) -> None:
+    """ValueError naming the setting a DFlash2 config gets wrong."""
+    nested = getattr(config, "dflash_config", None) or {}
+    missing = [k for k in DEFAULTS if k not in nested]
+    if missing:
+        raise ValueError(f"a DFlash2 drafter needs dflash_config.{missing[0]} (SGLang and vLLM read it there only)")
+    kc, g = nested["conv_kernel_size"], nested["conv_group_size"]
+    r, k = nested["selector_rank"], nested["selector_top_k"]
+    block, hidden, vocab = block_size_of(config), config.hidden_size, config.vocab_size
+    if not isinstance(kc, int) or not 1 <= kc <= block:
+        raise ValueError(f"conv_kernel_size={kc!r} must be an integer in 1..block_size={block}")
+    if not isinstance(g, int) or g < 1 or hidden % g:
+        raise ValueError(f"conv_group_size={g!r} must be a positive divisor of hidden_size={hidden}")
+    if not isinstance(r, int) or r < 1:
+        raise ValueError(f"selector_rank={r!r} must be a positive integer")
+    if not isinstance(k, int) or not 1 <= k <= vocab:
+        raise ValueError(f"selector_top_k={k!r} must be an integer in 1..vocab_size={vocab}")
+    for key, neutral in NEUTRAL.items():
+        value = dflash_field(config, key)
+        if value not in neutral:
+            raise ValueError(f"dflash_config.{key}={value!r} is not implemented here (only {neutral[-1]})")
+
+
+class DFlash2Config(DFlashConfig):
+    """DFlashConfig plus the four DFlash2 fields, kept in `dflash_config` (where SGLang and
+    vLLM read them, with no top-level fallback)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.architectures = [ARCHITECTURE]
+        self.auto_map = {"AutoModel": "dflash2.DFlash2DraftModel"}
+
+    @classmethod
+    def from_target(cls, target_config, *, conv_kernel_size: int = DEFAULTS["conv_kernel_size"],
+                    conv_group_size: int = DEFAULTS["conv_group_size"], selector_rank: int = DEFAULTS["selector_rank"],
+                    selector_top_k: int = DEFAULTS["selector_top_k"], **kwargs) -> "DFlash2Config":
+        config = super().from_target(target_config, **kwargs)
+        config.dflash_config.update(conv_kernel_size=int(conv_kernel_size), conv_group_size=int(conv_group_size),
+                                    selector_rank=int(selector_rank), selector_top_k=int(selector_top_k))
+        check_dflash2(config)
+        return config
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """Depthwise causal convolution inside each block, with per-token per-group kernels."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(SIDES, kernel_size, hidden_size))  # (2, Kc, H)
+        self.kernel_projection = nn.Linear(hidden_size, SIDES * kernel_size * self.groups, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The identity: tap 0 passes each channel through, nothing is predicted yet."""
+        self.base_kernel.zero_()
+        self.base_kernel[:, 0] = 1.0
+        self.kernel_projection.weight.zero_()
+
+    def kernels(self, h: torch.Tensor) -> torch.Tensor:
+        """(b, Q, 2, Kc, H) per-token kernels of both sides, from the sublayer input h (b, Q, H)."""
+        delta = self.kernel_projection(h).view(*h.shape[:2], SIDES, self.kernel_size, self.groups)
+        delta = delta.repeat_interleave(self.group_size, dim=-1)  # group g covers channels g*G..g*G+G-1
+        return (delta + self.base_kernel).to(h.dtype)
+
+    def convolve(self, x: torch.Tensor, kernels: torch.Tensor, side: int) -> torch.Tensor:
+        """y[i] = sum_t kernels[i, side, t] * x[i - t], zero where i - t is before i's block: (b, Q, H).
+
+        The query stream is whole blocks of `block_size` (training: N*B tokens) or one block
+        of at most `block_size` (inference), so a token's slot is its index mod block_size.
+        """
+        q = x.shape[1]
+        slot = torch.arange(q, device=x.device) % self.block_size  # (Q,)
+        out = x * kernels[:, :, side, 0]
+        for t in range(1, self.kernel_size):
+            earlier = F.pad(x, (0, 0, t, 0))[:, :q]  # (b, Q, H): x[i - t]
+            earlier = earlier.masked_fill((slot < t)[None, :, None], 0.0)  # before the block: zero
+            out = out + earlier * kernels[:, :, side, t]
+        return out
+
+    def wrap(self, sublayer: nn.Module, h: torch.Tensor, *args) -> torch.Tensor:
+        """sublayer(conv_in(h)) convolved again; both kernels come from the sublayer input h."""
+        kernels = self.kernels(h)
+        return self.convolve(sublayer(self.convolve(h, kernels, INPUT_SIDE), *args), kernels, OUTPUT_SIDE)
+
+
+class DFlash2DecoderLayer(DecoderLayer):
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        nested = config.dflash_config
+        args = (config.hidden_size, nested["conv_kernel_size"], nested["conv_group_size"], block_size_of(config))
+        self.attention_conv = GroupedDynamicCausalConv(*args)
+        self.mlp_conv = GroupedDynamicCausalConv(*args)
+
+    def forward(self, x, ctx, cos, sin, mask, cache):
+        x = x + self.attention_conv.wrap(self.self_attn, self.input_layernorm(x), ctx, cos, sin, mask, cache)
+        return x + self.mlp_conv.wrap(self.mlp, self.post_attention_layernorm(x))
+
+
+class CandidateSelector(nn.Module):
+    """Pair scores <A[pred] * P h, B[c]> of candidate tokens c after a predecessor token."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int):
+        super().__init__()
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)  # P
+        # Raw tensors, no `.weight`: the checkpoint names SGLang and vLLM load.
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))  # A (V, r)
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))  # B (V, r)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        """B = 0: a fresh selector adds nothing and the walk is the unary argmax."""
+        nn.init.normal_(self.hidden_projection.weight, std=std)
+        nn.init.normal_(self.predecessor_codebook, std=std)
+        self.successor_codebook.zero_()
+
+    def forward(self, h: torch.Tensor, pred: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+        """(M, K) float32 pair scores. h (M, H), pred (M,) token ids, cand (M, K) token ids."""
+        query = self.predecessor_codebook[pred] * self.hidden_projection(h.to(self.hidden_projection.weight.dtype))
+        return torch.einsum("mr,mkr->mk", query.float(), self.successor_codebook[cand].float())
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    config_class = DFlash2Config
+    layer_class = DFlash2DecoderLayer
+    _no_split_modules = ["DFlash2DecoderLayer"]
+    static_runtime = False  # the CUDA-graph runtime has no selector walk (see model/runtime.py)
+
+    @property
+    def modules_called_outside_forward(self) -> list[nn.Module]:
+        """Modules the training loss calls itself, after the forward: a sharding backend
+        wraps each on its own so that calling it gathers its parameters (FSDP2, ZeRO-3)."""
+        return [self.candidate_selector]
+
+    def __init__(self, config):
+        check_dflash2(config)
+        super().__init__(config)
+        nested = config.dflash_config
+        self.selector_top_k = nested["selector_top_k"]
+        self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, nested["selector_rank"])
+        self.reset_dflash2_parameters()
+
+    def reset_dflash2_parameters(self) -> None:
+        """The DFlash2 modules' starting values (the module docstring's initialisation)."""
+        for module in self.modules():
+            if isinstance(module, GroupedDynamicCausalConv):
+                module.reset_parameters()
+        self.candidate_selector.reset_parameters(getattr(self.config, "initializer_range", 0.02))
+
+    def _init_weights(self, module):
+        # Also reached when transformers initialises weights a checkpoint lacks.
+        super()._init_weights(module)
+        if isinstance(module, GroupedDynamicCausalConv):
+            module.reset_parameters()
+        elif isinstance(module, CandidateSelector):
+            module.reset_parameters(getattr(self.config, "initializer_range", 0.02))
+
+    def selector_loss(self, h: torch.Tensor, pred: torch.Tensor, gold: torch.Tensor, lm_head: nn.Module,
+                      weights: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum_i w_i * covered_i * CE_K(score_i, gold_i), selector hits (M,) bool).
+
+        h (M, H): supervised rows of the drafter's output (after the final norm); pred (M,):
+        each row's teacher-forced predecessor x[p+k-1]; gold (M,): its label x[p+k];
+        weights (M,) float32. A row whose gold token is outside its unary top-K adds nothing
+        (and counts as a miss).
+        """
+        head_w, head_b = lm_head.weight, getattr(lm_head, "bias", None)
+        h = h.to(head_w.dtype)
+        with torch.no_grad():  # which K tokens: a choice, not something to differentiate
+            cand = torch.cat([F.linear(h[i:i + chunk_size], head_w, head_b).topk(self.selector_top_k, dim=-1).indices
+                              for i in range(0, h.shape[0], chunk_size)]) if h.shape[0] else \
+                torch.empty(0, self.selector_top_k, dtype=torch.long, device=h.device)  # (M, K)
+        unary = torch.einsum("mh,mkh->mk", h, head_w[cand]).float()  # (M, K) the candidates' logits
+        if head_b is not None:
+            unary = unary + head_b[cand].float()
+        score = unary + self.candidate_selector(h, pred, cand)  # (M, K)
+        match = cand == gold[:, None]  # (M, K)
+        covered = match.any(dim=1)
+        ce = F.cross_entropy(score, match.float().argmax(dim=1), reduction="none")  # (M,)
+        total = (ce * weights * covered).sum()
+        hits = covered & (score.argmax(dim=1) == match.float().argmax(dim=1))
+        return total, hits
+
+    @torch.inference_mode()
+    def propose(self, target, block_ids, new_features, start: int, cache, count: int, sampling, generator):
+        """The first `count` drafts of the block by the selector's walk from the anchor, and
+        the distribution each was drawn from (count, V) (None when greedy): softmax(score / T)
+        over the slot's K candidates, zero elsewhere."""
+        hidden = self.draft_hidden(target, block_ids, new_features, start, cache)[0, 1:count + 1]  # (k, H)
+        logits = target.get_output_embeddings()(hidden).float()  # (k, V)
+        unary, cand = logits.topk(self.selector_top_k, dim=-1)  # (k, K)
+        drafts = torch.empty(count, dtype=torch.long, device=block_ids.device)
+        probs = None if sampling.greedy else torch.zeros_like(logits)
+        pred = block_ids[0, :1]  # (1,) the anchor
+        for j in range(count):
+            score = unary[j] + self.candidate_selector(hidden[j:j + 1], pred, cand[j:j + 1])[0]  # (K,)
+            if sampling.greedy:
+                choice = score.argmax()
+            else:
+                q = torch.softmax(score / sampling.temperature, dim=-1)
+                choice = torch.multinomial(q, 1, generator=generator)[0]
+                probs[j, cand[j]] = q
+            drafts[j] = cand[j, choice]
+            pred = drafts[j:j + 1]
+        return drafts, probs

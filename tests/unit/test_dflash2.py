@@ -1,0 +1,377 @@
+"""drafter.kind=dflash2 (model/dflash2.py): the block-local convolution, the candidate
+selector's scores and loss on hand-checkable numbers, training and resuming on CPU, and the
+selector's walk in the reference runtime."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dflash_train.contract import block_input_ids, block_position_ids
+from dflash_train.model.dflash import FULL_ATTENTION, DFlashConfig, DFlashDraftModel, Sampling, visible_mask
+from dflash_train.model.dflash2 import (
+    CandidateSelector,
+    DFlash2Config,
+    DFlash2DraftModel,
+    GroupedDynamicCausalConv,
+)
+from dflash_train.training.loss import selector_term
+from dflash_train.training.trainer import Trainer
+from tests.conftest import make_tiny_target
+from tests.train_data import tiny_inputs, tiny_train_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MASK_ID = 96  # the tiny target's last row
+
+
+def _drafter(target, seed=0, randomise=True, **kw):
+    kw = {"num_hidden_layers": 2, "block_size": 4, "selector_rank": 8, "selector_top_k": 4, **kw}
+    config = DFlash2Config.from_target(target.config, mask_token_id=MASK_ID, **kw)
+    torch.manual_seed(seed)
+    model = DFlash2DraftModel(config).eval()
+    if randomise:  # the identity / zero starting values would hide the convolution and the selector
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "conv" in name or "selector" in name:
+                    p.normal_(0, 0.3)
+    return model
+
+
+# ----------------------------------------------------------------------------- convolution
+def test_kernel_shapes_follow_the_public_layout():
+    conv = GroupedDynamicCausalConv(hidden_size=64, kernel_size=2, group_size=16, block_size=4)
+    assert tuple(conv.base_kernel.shape) == (2, 2, 64)  # (side, tap, channel)
+    assert tuple(conv.kernel_projection.weight.shape) == (2 * 2 * 64 // 16, 64)
+    names = set(_drafter(make_tiny_target()).state_dict())
+    for i in range(2):
+        for which in ("attention_conv", "mlp_conv"):
+            assert {f"layers.{i}.{which}.base_kernel", f"layers.{i}.{which}.kernel_projection.weight"} <= names
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight"} <= names
+
+
+def test_a_group_of_channels_shares_one_predicted_kernel():
+    # H = 8 in 2 groups of 4, 2 taps; only the row of (side 0, tap 1, group 1) reads h[..., 0].
+    conv = GroupedDynamicCausalConv(hidden_size=8, kernel_size=2, group_size=4, block_size=4)
+    with torch.no_grad():
+        conv.base_kernel.zero_()
+        conv.kernel_projection.weight.zero_()
+        conv.kernel_projection.weight[0 * 4 + 1 * 2 + 1, 0] = 1.0  # index (side, tap, group) in a (2, 2, 2) view
+    h = torch.zeros(1, 3, 8)
+    h[0, :, 0] = torch.tensor([1.0, 2.0, 3.0])
+    k = conv.kernels(h)  # (1, 3, 2, 2, 8)
+    assert torch.equal(k[0, :, 0, 1], torch.tensor([[0.0] * 4 + [1.0] * 4, [0.0] * 4 + [2.0] * 4,
+                                                    [0.0] * 4 + [3.0] * 4]))
+    assert k[0, :, 1].abs().sum() == 0 and k[0, :, 0, 0].abs().sum() == 0
+
+
+def test_the_convolution_by_hand():
+    # y[i] = k0[i] * x[i] + k1[i] * x[i-1], and x[i-1] reads zero at a block's first slot.
+    conv = GroupedDynamicCausalConv(hidden_size=2, kernel_size=2, group_size=1, block_size=2)
+    x = torch.tensor([[[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0]]])  # two blocks of 2
+    kernels = torch.zeros(1, 4, 2, 2, 2)
+    kernels[:, :, 1, 0] = 2.0  # side 1: 2 * x[i] + 0.5 * x[i-1]
+    kernels[:, :, 1, 1] = 0.5
+    y = conv.convolve(x, kernels, side=1)
+    assert torch.equal(y, torch.tensor([[[2.0, 20.0], [4.5, 45.0], [6.0, 60.0], [9.5, 95.0]]]))
+
+
+def test_fresh_convolutions_are_the_identity():
+    conv = GroupedDynamicCausalConv(hidden_size=64, kernel_size=2, group_size=16, block_size=4)
+    x = torch.randn(2, 8, 64)
+    assert torch.equal(conv.wrap(nn.Identity(), x), x)
+
+
+def test_convolution_is_causal_and_never_crosses_a_block():
+    torch.manual_seed(0)
+    conv = GroupedDynamicCausalConv(hidden_size=64, kernel_size=3, group_size=16, block_size=4)
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_(0, 0.3)
+    x = torch.randn(1, 12, 64)  # three blocks of 4
+    y = conv.wrap(nn.Identity(), x)
+    for changed in range(12):
+        x2 = x.clone()
+        x2[0, changed] += 1.0
+        y2 = conv.wrap(nn.Identity(), x2)
+        block, slot = divmod(changed, 4)
+        same = [i for i in range(12) if i // 4 != block or i % 4 < slot]
+        moved = [i for i in range(12) if i // 4 == block and i % 4 >= slot]
+        assert torch.equal(y2[0, same], y[0, same]), changed  # exactly unchanged
+        assert all(not torch.equal(y2[0, i], y[0, i]) for i in moved), changed
+
+
+def test_training_forward_of_one_block_ignores_every_other_block():
+    target = make_tiny_target("qwen3", layers=4, seed=3)
+    drafter = _drafter(target, num_hidden_layers=1, target_layer_ids=[1, 2])
+    t = 12
+    seq = torch.randint(0, 90, (t,), generator=torch.Generator().manual_seed(1))
+    anchors = torch.tensor([[2, 5, 8]])
+    feats = torch.randn(1, t, 2 * target.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(t), block_position_ids(torch.arange(t), anchors[0], 4).flatten()])[None]
+    masks = {FULL_ATTENTION: visible_mask(anchors, t, 4)}
+
+    def hidden(blocks):
+        return drafter(target.get_input_embeddings()(blocks), feats, positions, masks)
+
+    blocks = block_input_ids(seq, anchors[0], 4, MASK_ID).flatten()[None]  # (1, 12)
+    base = hidden(blocks)
+    other = blocks.clone()
+    other[0, 4] = 7  # the second block's anchor token
+    changed = hidden(other)
+    assert torch.equal(changed[:, :4], base[:, :4]) and torch.equal(changed[:, 8:], base[:, 8:])
+    assert not torch.equal(changed[:, 4:8], base[:, 4:8])
+
+
+def test_fresh_dflash2_computes_what_dflash_does():
+    # Identity convolutions and a zero successor codebook: the backbone is DFlash's exactly.
+    target = make_tiny_target("qwen3", layers=4, seed=3)
+    torch.manual_seed(0)
+    two = DFlash2DraftModel(DFlash2Config.from_target(target.config, mask_token_id=MASK_ID, num_hidden_layers=2,
+                                                      block_size=4, selector_rank=8, selector_top_k=4))
+    one = DFlashDraftModel(DFlashConfig.from_target(target.config, mask_token_id=MASK_ID, num_hidden_layers=2,
+                                                    block_size=4))
+    one.load_state_dict({k: v for k, v in two.state_dict().items() if "conv" not in k and "selector" not in k})
+    noise = torch.randn(1, 8, 64)
+    feats = torch.randn(1, 5, 2 * 64)
+    positions = torch.arange(13)[None]
+    assert torch.equal(two(noise, feats, positions), one(noise, feats, positions))
+
+
+@pytest.mark.parametrize("key, value", [("conv_group_size", 7), ("conv_kernel_size", 5), ("selector_top_k", 0),
+                                        ("selector_rank", 0)])
+def test_bad_settings_are_one_line_errors_naming_the_value(key, value):
+    target = make_tiny_target()
+    with pytest.raises(ValueError, match=rf"{key}={value}"):
+        DFlash2Config.from_target(target.config, mask_token_id=MASK_ID, block_size=4, **{key: value})
+
+
+# ------------------------------------------------------------------------------ selector
+def _hand_selector():
+    # H = 2, V = 4, r = 2: P = diag(1, 2), A[1] = (1, -1), B[0] = (1, 1), B[2] = (0.5, 2).
+    sel = CandidateSelector(hidden_size=2, vocab_size=4, rank=2)
+    with torch.no_grad():
+        sel.hidden_projection.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
+        sel.predecessor_codebook.zero_()
+        sel.predecessor_codebook[1] = torch.tensor([1.0, -1.0])
+        sel.successor_codebook.zero_()
+        sel.successor_codebook[0] = torch.tensor([1.0, 1.0])
+        sel.successor_codebook[2] = torch.tensor([0.5, 2.0])
+    return sel
+
+
+def test_pair_score_golden_numbers():
+    # h = (3, 1): P h = (3, 2); A[1] * P h = (3, -2); <., B[0]> = 1, <., B[2]> = 1.5 - 4 = -2.5.
+    sel = _hand_selector()
+    scores = sel(torch.tensor([[3.0, 1.0]]), torch.tensor([1]), torch.tensor([[0, 2, 3]]))
+    assert scores.tolist() == [[1.0, -2.5, 0.0]]
+    # another predecessor (A[0] = 0) adds nothing
+    assert sel(torch.tensor([[3.0, 1.0]]), torch.tensor([0]), torch.tensor([[0, 2, 3]])).tolist() == \
+        [[0.0, 0.0, 0.0]]
+
+
+def _hand_loss_model():
+    """A drafter shell whose selector is `_hand_selector` at top-K 2, and a head with
+    logits h0 * (2, 1, 0, -1) for tokens 0..3."""
+    config = DFlash2Config.from_target(make_tiny_target().config, mask_token_id=MASK_ID, block_size=4,
+                                       num_hidden_layers=1, selector_rank=2, selector_top_k=2)
+    model = DFlash2DraftModel(config)
+    model.candidate_selector = _hand_selector()
+    head = nn.Linear(2, 4, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[2.0, 0.0], [1.0, 0.0], [0.0, 0.0], [-1.0, 0.0]]))
+    return model, head
+
+
+def test_selector_loss_golden_numbers():
+    model, head = _hand_loss_model()
+    h = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]])  # unary top-2: tokens 0 (U=2) and 1 (U=1)
+    pred = torch.tensor([0, 1, 0])  # row 1's predecessor adds <(1, -1) * (1, 0), B[c]> = B[c][0]: 1 for token 0
+    gold = torch.tensor([1, 1, 3])  # row 2's gold is outside the top-2: no selector term
+    weights = torch.tensor([0.5, 1.0, 1.0])
+    total, hits = model.selector_loss(h, pred, gold, head, weights, chunk_size=2)
+    loss = float(total.detach())
+    ce0 = math.log(math.exp(2) + math.exp(1)) - 1  # scores (2, 1), gold index 1
+    ce1 = math.log(math.exp(3) + math.exp(1)) - 1  # scores (2 + 1, 1 + 0)
+    assert loss == pytest.approx(0.5 * ce0 + ce1, rel=1e-6)
+    assert hits.tolist() == [False, False, False]
+    total.backward()
+    assert model.candidate_selector.successor_codebook.grad[0].abs().sum() > 0
+
+
+def test_selector_term_reads_the_teacher_forced_predecessor():
+    model, head = _hand_loss_model()
+    # one block of 4 at anchor 2: slot k predicts x[2 + k]
+    input_ids = torch.tensor([[3, 3, 1, 0, 1, 3]])
+    labels = torch.tensor([[-100, 0, 1, -100]])  # slots 1, 2 supervised (slot 3 is outside the answer)
+    hidden = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 0.0]]])
+    weights = torch.tensor([0.0, 1.0, 0.5, 0.25])
+    got = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, weights, chunk_size=8)
+    # slot 1: predecessor x[2] = 1, gold 0; slot 2: predecessor x[3] = 0, gold 1
+    expected, _ = model.selector_loss(hidden[0, 1:3], torch.tensor([1, 0]), torch.tensor([0, 1]), head,
+                                      weights[1:3], chunk_size=8)
+    assert float(got) == float(expected)
+
+
+@torch.inference_mode()
+def test_fresh_selector_walk_is_the_unary_argmax():
+    # A zero successor codebook adds nothing: a fresh drafter drafts DFlash's argmax tokens.
+    from dflash_train.model.dflash import ContextCache, target_features
+
+    target = make_tiny_target("qwen3", layers=4, seed=3)
+    drafter = _drafter(target, randomise=False, num_hidden_layers=1, target_layer_ids=[1, 2])
+    ids = torch.randint(0, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    feats = target_features(target(ids, output_hidden_states=True).hidden_states, drafter.target_layer_ids)
+    block = torch.full((1, 4), MASK_ID)
+    block[0, 0] = 42
+    drafts, _ = drafter.propose(target, block, feats, 7, ContextCache(), 3, Sampling(), None)
+    assert drafts.tolist() == drafter.draft(target, block, feats, 7, ContextCache())[0].argmax(-1).tolist()
+
+
+# ------------------------------------------------------------------------------ training
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_inputs(tmp_path_factory.mktemp("dflash2"))
+
+
+def _cfg(tiny, out, drafter=None, **kw):
+    # A random drafter ranks the gold token far down a 49K vocabulary: a wide top-K lets some
+    # slots cover it, so the selector gets a gradient from the first steps.
+    drafter = {"kind": "dflash2", "dflash2": {"selector_rank": 8, "selector_top_k": 2048}, **(drafter or {})}
+    return tiny_train_config(tiny["target"], tiny["data"], out, drafter=drafter, **kw)
+
+
+def test_dflash2_trains_and_resumes_to_the_same_weights(tiny, tmp_path):
+    straight = Trainer(_cfg(tiny, tmp_path / "a", max_steps=4))
+    assert isinstance(straight.drafter, DFlash2DraftModel)
+    straight.fit()
+    first = Trainer(_cfg(tiny, tmp_path / "b", max_steps=2))
+    first.fit()
+    resumed = Trainer(_cfg(tiny, tmp_path / "b", max_steps=4))
+    resumed.resume()
+    assert resumed.state.step == 2
+    resumed.fit()
+    after = resumed.drafter.state_dict()
+    for k, v in straight.drafter.state_dict().items():
+        assert torch.equal(v, after[k]), k
+    # every DFlash2 module learned something
+    fresh = Trainer(_cfg(tiny, tmp_path / "c", max_steps=1)).drafter.state_dict()
+    for k in ("layers.0.attention_conv.kernel_projection.weight", "layers.0.mlp_conv.base_kernel",
+              "candidate_selector.successor_codebook", "candidate_selector.hidden_projection.weight"):
+        assert not torch.equal(after[k], fresh[k]), k
+
+
+def test_unknown_kind_is_a_one_line_error(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"drafter.kind='dflash3'"):
+        tiny_train_config(tiny["target"], tiny["data"], tmp_path, drafter={"kind": "dflash3"})
+
+
+# ------------------------------------------------------------------------------ runtime
+@torch.inference_mode()
+def test_greedy_walk_follows_the_pair_scores_from_the_anchor():
+    target = make_tiny_target("qwen3", layers=4, seed=3)
+    drafter = _drafter(target, num_hidden_layers=1, target_layer_ids=[1, 2])
+    from dflash_train.model.dflash import ContextCache, target_features
+
+    ids = torch.randint(0, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    out = target(ids, output_hidden_states=True)
+    feats = target_features(out.hidden_states, drafter.target_layer_ids)
+    block = torch.full((1, 4), MASK_ID)
+    block[0, 0] = 42
+    drafts, probs = drafter.propose(target, block, feats, 7, ContextCache(), 3, Sampling(), None)
+    assert probs is None
+    hidden = drafter.draft_hidden(target, block, feats, 7, ContextCache())[0, 1:]  # (3, H)
+    unary, cand = target.get_output_embeddings()(hidden).topk(4, dim=-1)
+    sel = drafter.candidate_selector
+    pred, walked = 42, []
+    for j in range(3):  # the walk written out with the codebooks' rows
+        pair = ((sel.predecessor_codebook[pred] * sel.hidden_projection(hidden[j])) * sel.successor_codebook[cand[j]])
+        pred = int(cand[j, (unary[j] + pair.sum(-1)).argmax()])
+        walked.append(pred)
+    assert drafts.tolist() == walked
+    assert walked != cand[:, 0].tolist()  # the pair scores changed the path: the check has power
+
+
+@torch.inference_mode()
+def test_sampled_drafts_come_from_the_scattered_candidate_distribution():
+    target = make_tiny_target("qwen3", layers=4, seed=3)
+    drafter = _drafter(target, num_hidden_layers=1, target_layer_ids=[1, 2])
+    from dflash_train.model.dflash import ContextCache, target_features
+
+    ids = torch.randint(0, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    feats = target_features(target(ids, output_hidden_states=True).hidden_states, drafter.target_layer_ids)
+    block = torch.full((1, 4), MASK_ID)
+    block[0, 0] = 42
+    drafts, probs = drafter.propose(target, block, feats, 7, ContextCache(), 3, Sampling(temperature=0.7),
+                                    torch.Generator().manual_seed(0))
+    unary, cand = target.get_output_embeddings()(drafter.draft_hidden(target, block, feats, 7, ContextCache())[0, 1:]
+                                                 ).topk(4, dim=-1)
+    assert torch.allclose(probs.sum(-1), torch.ones(3))
+    for j in range(3):
+        support = set(probs[j].nonzero().flatten().tolist())
+        assert support <= set(cand[j].tolist()) and int(drafts[j]) in support
+
+
+def test_greedy_speculation_is_lossless_on_tiny_targets():
+    for arch in ("llama", "qwen3"):
+        target = make_tiny_target(arch)
+        drafter = _drafter(target, block_size=5)
+        ids = torch.randint(0, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+        for new in (1, 2, 9, 23):
+            out = drafter.spec_generate(target, ids, new, return_stats=True)
+            assert torch.equal(out.output_ids, target.generate(ids, max_new_tokens=new, do_sample=False))
+            assert out.num_new_tokens == new and sum(out.acceptance_lengths) == new - 1
+
+
+def test_bundled_runtime_is_lossless_with_the_real_small_target(smollm2, smollm2_tokenizer):
+    """runtime.spec_generate (what dflash-eval calls) with a DFlash2 drafter on SmolLM2-135M:
+    the greedy output is the target's own greedy output, token for token (float32, CPU)."""
+    from dflash_train.model.runtime import spec_generate
+    from tests.conftest import SMOLLM2_MASK_ID
+
+    config = DFlash2Config.from_target(smollm2.config, mask_token_id=SMOLLM2_MASK_ID, num_hidden_layers=1,
+                                       block_size=4, target_layer_ids=[2, 6], selector_rank=16)
+    torch.manual_seed(0)
+    drafter = DFlash2DraftModel(config).eval()
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "conv" in name or "selector" in name:
+                p.normal_(0, 0.3)
+    text = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "Count from one to ten."}],
+                                                 tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]])
+    out = spec_generate(drafter, smollm2.model, ids, 24, return_stats=True)
+    assert torch.equal(out.output_ids, smollm2.model.generate(ids, max_new_tokens=24, do_sample=False))
+    assert out.num_new_tokens == 24
+    with pytest.raises(ValueError, match="static=True cannot serve a DFlash2DraftModel"):
+        spec_generate(drafter, smollm2.model, ids, 4, static=True)
+
+
+def test_init_from_a_drafter_of_another_kind_is_a_one_line_error(tiny, tmp_path):
+    plain = Trainer(tiny_train_config(tiny["target"], tiny["data"], tmp_path / "plain", max_steps=1, export=True))
+    plain.fit()
+    with pytest.raises(ValueError, match="the checkpoint is a dflash drafter but this run builds drafter.kind=dflash2"):
+        Trainer(_cfg(tiny, tmp_path / "two", max_steps=1, drafter={"init_from": str(tmp_path / "plain" / "export")}))
+
+
+@torch.inference_mode()
+def test_the_inference_forward_equals_the_training_forward_of_the_same_block():
+    """A draft step over a context cache gives the hidden states the training layout gives
+    the block at that anchor (convolutions included): one model, two paths."""
+    from dflash_train.model.dflash import ContextCache, target_features
+
+    target = make_tiny_target("qwen3", layers=4, seed=3)
+    drafter = _drafter(target, num_hidden_layers=2, target_layer_ids=[1, 2])
+    t, anchor = 12, 7
+    seq = torch.randint(0, 90, (t,), generator=torch.Generator().manual_seed(5))
+    feats = target_features(target(seq[None], output_hidden_states=True).hidden_states, drafter.target_layer_ids)
+    anchors = torch.tensor([[3, anchor]])
+    blocks = block_input_ids(seq, anchors[0], 4, MASK_ID).flatten()[None]  # (1, 8)
+    positions = torch.cat([torch.arange(t), block_position_ids(torch.arange(t), anchors[0], 4).flatten()])[None]
+    training = drafter(target.get_input_embeddings()(blocks), feats, positions,
+                       {FULL_ATTENTION: visible_mask(anchors, t, 4)})[:, 4:]  # the block at `anchor`
+    cache = ContextCache()
+    inference = drafter.draft_hidden(target, blocks[:, 4:], feats[:, :anchor], anchor, cache)
+    assert torch.allclose(inference, training, atol=1e-5)
