@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dflash_train.model.dflash import DFlashConfig
+from dflash_train.contract import DSPARK
+from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
+from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel, is_dspark
 from dflash_train.model.target import decoder_layers
 
 if TYPE_CHECKING:
@@ -33,10 +35,20 @@ if TYPE_CHECKING:
 def drafter_config(cfg: TrainConfig, target_hf_config) -> DFlashConfig:
     """The drafter's config for a recipe: attention geometry and RoPE follow the target."""
     d = cfg.drafter
-    return DFlashConfig.from_target(
+    config_class, extra = DFlashConfig, {}
+    if d.kind == DSPARK:
+        config_class = DSparkConfig
+        extra = dict(markov_rank=d.markov_rank, markov_head_type=d.markov_head_type,
+                     num_anchors=cfg.data.num_anchors)
+    return config_class.from_target(
         target_hf_config, mask_token_id=cfg.target.mask_token_id, num_hidden_layers=d.num_hidden_layers,
-        block_size=d.block_size, target_layer_ids=d.target_layer_ids, num_features=d.num_features,
+        block_size=d.block_size, target_layer_ids=d.target_layer_ids, num_features=d.num_features, **extra,
     )
+
+
+def new_drafter(config) -> DFlashDraftModel:
+    """A freshly initialised drafter of the kind ``config`` describes."""
+    return DSparkDraftModel(config) if is_dspark(config) else DFlashDraftModel(config)
 
 
 def source_layers(num_draft_layers: int, num_target_layers: int) -> list[int]:

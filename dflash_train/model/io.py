@@ -3,6 +3,10 @@
 An export directory holds `config.json`, `model.safetensors` (unprefixed names, no
 embedding, no LM head) and `dflash.py` (a verbatim copy of `dflash_train/model/dflash.py`,
 so `AutoModel.from_pretrained(dir, trust_remote_code=True)` runs our own code).
+
+A DSpark drafter (model/dspark.py) is written in DeepSpec's layout, the one SGLang and vLLM
+read: `architectures: ["Qwen3DSparkModel"]`, its fields at the top level of config.json,
+`markov_head.*` and `confidence_head.*` weights, and no code file (no engine runs ours).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from dflash_train.model.dflash import (
     dflash_field,
     rope_parameters,
 )
+from dflash_train.model.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
+from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel, is_dspark, top_level_fields
 from dflash_train.model.foreign import read_foreign, read_raw_config, read_weights
 from dflash_train.model.serving import layer_types, serving_conflicts, serving_fields
 
@@ -38,6 +44,11 @@ REQUIRED_KEYS = (
     "architectures", "model_type", "auto_map", "block_size", "num_target_layers", "num_hidden_layers",
     "dflash_config", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
     "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size",
+)
+# A DSpark export has no code file, so no auto_map; DeepSpec's own model class asserts these top-level keys.
+DSPARK_REQUIRED_KEYS = tuple(k for k in REQUIRED_KEYS if k != "auto_map") + (
+    "mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type", "enable_confidence_head",
+    "confidence_head_with_markov", "num_anchors",
 )
 # Keys that make a runtime read the checkpoint differently than our semantics.
 FORBIDDEN_KEYS = ("eagle_aux_hidden_state_layer_ids",)
@@ -75,23 +86,38 @@ def export_config(config) -> dict:
     return out
 
 
+def dspark_export_config(config) -> dict:
+    """A DSpark drafter's config.json: the DFlash keys (backbone geometry, serving keys) plus
+    DeepSpec's top-level DSpark fields, architecture Qwen3DSparkModel, no auto_map. Never
+    ``speculators_model_type``: SGLang refuses a checkpoint that names speculators' dspark."""
+    out = export_config(config)
+    out.pop("auto_map", None)
+    out.update(architectures=[DSPARK_ARCHITECTURE], **top_level_fields(config))
+    return out
+
+
 def _write_export(state: dict, config_dict: dict, tmp: Path) -> None:
     (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-    shutil.copyfile(dflash.__file__, tmp / CODE_NAME)
+    if config_dict.get("architectures") != [DSPARK_ARCHITECTURE]:
+        shutil.copyfile(dflash.__file__, tmp / CODE_NAME)
 
 
 def is_export_dir(path: Path) -> bool:
     """Whether ``path`` is one of our exports: config.json naming DFlashDraftModel, the
     weights and dflash.py, and no file we do not write ourselves."""
     names = {p.name for p in path.iterdir()}
-    if not {CONFIG_NAME, WEIGHTS_NAME, CODE_NAME} <= names or not names <= set(EXPORT_FILES):
+    if not {CONFIG_NAME, WEIGHTS_NAME} <= names or not names <= set(EXPORT_FILES):
         return False
     try:
         config = json.loads((path / CONFIG_NAME).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and config.get("architectures") == ["DFlashDraftModel"]
+    if not isinstance(config, dict):
+        return False
+    if config.get("architectures") == [DSPARK_ARCHITECTURE]:
+        return True
+    return CODE_NAME in names and config.get("architectures") == ["DFlashDraftModel"]
 
 
 def check_export_destination(out_dir: str | Path, prog: str = "dflash-export") -> None:
@@ -124,17 +150,18 @@ def save_drafter(model: DFlashDraftModel, out_dir, extra_files: dict | None = No
     """
     state = state_dict if state_dict is not None else model.state_dict()
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    config_dict = export_config(model.config)
+    dspark = is_dspark(model.config)
+    config_dict = dspark_export_config(model.config) if dspark else export_config(model.config)
     if target_weights:
         config_dict[TARGET_WEIGHTS_KEY] = target_weights
     # The names and shapes the exported config implies, from a weightless (meta) model:
     # a real one would allocate and initialise a full drafter just to be compared.
-    written = DFlashConfig(**_config_fields(config_dict))
+    written = (DSparkConfig if dspark else DFlashConfig)(**_config_fields(config_dict))
     conflicts = serving_conflicts(written)  # a drafter vLLM or SGLang would run otherwise is not exported
     if conflicts:
         raise ValueError(f"{out_dir}: " + "; ".join(conflicts))
     with torch.device("meta"):
-        expected = DFlashDraftModel(written).state_dict()
+        expected = (DSparkDraftModel if dspark else DFlashDraftModel)(written).state_dict()
     check_weights(state, expected, out_dir)
     check_finite(state, out_dir)
 
@@ -156,14 +183,20 @@ def read_config(path) -> DFlashConfig:
     """Parse and check an export's config.json without touching the weights."""
     raw = read_raw_config(Path(path))
     file = Path(path) / CONFIG_NAME
-    missing = [k for k in REQUIRED_KEYS if k not in raw]
+    dspark = raw.get("architectures") == [DSPARK_ARCHITECTURE]
+    missing = [k for k in (DSPARK_REQUIRED_KEYS if dspark else REQUIRED_KEYS) if k not in raw]
     if missing:
         raise ValueError(f"{file}: missing required key(s) {missing}")
     nested = raw["dflash_config"]
     for key in ("mask_token_id", "target_layer_ids"):
         if key not in nested:
             raise ValueError(f"{file}: missing required key dflash_config.{key}")
-    config = DFlashConfig(**_config_fields(raw))
+    if dspark:
+        for key in ("mask_token_id", "target_layer_ids"):
+            if raw[key] != nested[key]:
+                raise ValueError(f"{file}: {key}={raw[key]!r} but dflash_config.{key}={nested[key]!r}; "
+                                 "the serving engines read the top-level one, our runtime the nested one")
+    config = (DSparkConfig if dspark else DFlashConfig)(**_config_fields(raw))
     validate_config(config)
     return config
 
@@ -230,7 +263,8 @@ def load_drafter(path, target=None, dtype: torch.dtype | None = None, device="cp
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"drafter path {str(path)!r} is not a directory")
-    mapped = read_foreign(path, None if target is None else target.num_layers)
+    dspark = read_raw_config(path).get("architectures") == [DSPARK_ARCHITECTURE]
+    mapped = None if dspark else read_foreign(path, None if target is None else target.num_layers)
     if mapped is not None:
         validate_config(mapped.config)
     config = read_config(path) if mapped is None else mapped.config
@@ -238,7 +272,7 @@ def load_drafter(path, target=None, dtype: torch.dtype | None = None, device="cp
         validate_against_target(config, target)
     file = path / WEIGHTS_NAME
     state = read_weights(path) if mapped is None else mapped.state
-    model = DFlashDraftModel(config)
+    model = DSparkDraftModel(config) if dspark else DFlashDraftModel(config)
     check_weights(state, model.state_dict(), file)
     check_finite(state, file)
     model.load_state_dict(state, strict=True)

@@ -1,0 +1,226 @@
+"""drafter.kind=dspark: DSpark's slot convention, Markov head, loss, training and resume
+(model/dspark.py, training/dspark_loss.py, docs/design/dspark-dflash2.md section 3)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dflash_train import contract
+from dflash_train.contract import IGNORE_INDEX
+from dflash_train.data.dataset import build_example
+from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel
+from dflash_train.model.io import load_drafter
+from dflash_train.training.checkpoint import list_checkpoints
+from dflash_train.training.dspark_loss import DSparkLossWeights, dspark_loss, previous_tokens
+from dflash_train.training.trainer import Trainer
+from tests.train_data import tiny_inputs, tiny_train_config
+
+DSPARK = {"kind": "dspark", "markov_rank": 16}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_inputs(tmp_path_factory.mktemp("dspark"))
+
+
+def _cfg(tiny, out, **kw):
+    drafter = {**DSPARK, **kw.pop("drafter", {})}
+    return tiny_train_config(tiny["target"], tiny["data"], out, drafter=drafter, **kw)
+
+
+# ------------------------------------------------------------------------- slot convention
+def test_slot_k_is_labelled_with_the_token_k_plus_one_after_the_anchor():
+    ids = torch.arange(10, 20)  # x[i] = 10 + i
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1, 1])
+    anchors = torch.tensor([2, 7])
+    labels = contract.dspark_block_labels(ids, mask, anchors, 4)
+    # anchor 2: slots 0..3 -> x[3], x[4], x[5], then x[6] has loss_mask 0
+    # anchor 7: x[8], x[9], then past the row
+    assert labels.tolist() == [[13, 14, 15, IGNORE_INDEX], [18, 19, IGNORE_INDEX, IGNORE_INDEX]]
+    # the DFlash convention on the same blocks: slot 0 never, slot k -> x[p + k]
+    assert contract.block_labels(ids, mask, anchors, 4).tolist() == [[IGNORE_INDEX, 13, 14, 15],
+                                                                     [IGNORE_INDEX, 18, 19, IGNORE_INDEX]]
+
+
+def test_a_hole_in_the_loss_mask_ends_the_block_and_documents_are_kept_apart():
+    ids = torch.arange(10, 20)
+    mask = torch.tensor([1, 1, 0, 1, 1, 1, 1, 1, 1, 1])
+    # x[2] is not trained on: slot 1 of the block at 0 is cut, and so is every later slot
+    assert contract.dspark_block_labels(ids, mask, torch.tensor([0]), 4).tolist() == [[11] + [IGNORE_INDEX] * 3]
+    docs = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 1, 1])
+    assert contract.dspark_block_labels(ids, torch.ones(10, dtype=torch.long), torch.tensor([2]), 4,
+                                        docs).tolist() == [[13, 14, IGNORE_INDEX, IGNORE_INDEX]]
+
+
+def test_dspark_anchors_need_both_the_anchor_and_the_next_token_trained():
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1, 1])
+    assert contract.anchor_candidates(mask, kind="dspark").tolist() == [2, 3, 4, 7, 8]
+    assert contract.anchor_candidates(mask).tolist() == [1, 2, 3, 4, 6, 7, 8]
+
+
+def test_slot_weights_exp_minus_k_over_gamma_from_the_anchor_slot():
+    w = contract.slot_weights(4, 2.0, "dspark")
+    assert w.tolist() == pytest.approx([1.0, math.exp(-0.5), math.exp(-1.0), math.exp(-1.5)])
+    # the j-th predicted token weighs the same in both kinds
+    assert contract.slot_weights(5, 2.0)[1:].tolist() == pytest.approx(w.tolist())
+
+
+def test_teacher_forced_previous_token_is_the_anchor_then_the_gold_tokens():
+    ids = torch.arange(10, 20)
+    ex = build_example(ids, torch.ones(10, dtype=torch.long), None, torch.tensor([1, 5]), block_size=3,
+                       mask_token_id=0, kind="dspark")
+    labels, block_ids = ex["labels"].reshape(1, -1), ex["block_ids"].reshape(1, -1)
+    assert labels.tolist() == [[12, 13, 14, 16, 17, 18]]
+    assert previous_tokens(labels, block_ids, 3).tolist() == [[11, 12, 13, 15, 16, 17]]
+
+
+def test_the_trainer_batches_follow_the_dspark_convention(tiny, tmp_path):
+    t = Trainer(_cfg(tiny, tmp_path))
+    batch = t.host_batches(0)[0]
+    b = t.drafter.block_size
+    seen = 0
+    for row in range(batch.labels.shape[0]):
+        for n in range(batch.anchors.shape[1]):
+            if not batch.anchor_valid[row, n]:
+                continue
+            p = int(batch.anchors[row, n])
+            for k in range(b):
+                y = int(batch.labels[row, n * b + k])
+                if y != IGNORE_INDEX:
+                    assert y == int(batch.input_ids[row, p + k + 1])
+                    seen += k == 0
+    assert seen > 0  # the anchor slot is supervised
+
+
+# ----------------------------------------------------------------------------- the model
+def _tiny_config(**kw) -> DSparkConfig:
+    fields = dict(hidden_size=4, intermediate_size=8, num_attention_heads=1, num_key_value_heads=1, head_dim=4,
+                  vocab_size=3, num_hidden_layers=1, num_target_layers=2, block_size=2, markov_rank=1,
+                  dflash_config={"mask_token_id": 0, "target_layer_ids": [0]})
+    fields.update(kw)
+    return DSparkConfig(**fields)
+
+
+def test_markov_logits_are_the_base_logits_plus_w2_w1_of_the_previous_token():
+    torch.manual_seed(0)
+    model = DSparkDraftModel(_tiny_config(vocab_size=5, markov_rank=2))
+    base = torch.randn(5)
+    w1, w2 = model.markov_head.markov_w1.weight, model.markov_head.markov_w2.weight  # (V, r), (V, r)
+    assert tuple(w1.shape) == (5, 2) and tuple(w2.shape) == (5, 2)
+    for prev in range(5):
+        expected = base + w2 @ w1[prev]
+        got = model.markov_logits(base, torch.tensor(prev))
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert model.drafts_per_block == model.block_size == 2
+
+
+def _golden_case():
+    """One block of 2 at anchor 0 of x = [0, 1, 2], vocabulary 3, hidden 4, rank 1, gamma 1.
+
+    The head reads the first 3 hidden dims (logits = h[:3]); the drafter's outputs are 0, so
+    the base logits are 0. W1 = [0, 1, 0]^T (only token 1 has a Markov embedding, 1), W2 =
+    [0, 0, ln 2]^T; the confidence head is 0 (logit 0). The target's final states give the
+    teacher [1/3, 1/3, 1/3] after position 0 and softmax([ln 2, ln 2, 0]) = [2/5, 2/5, 1/5]
+    after position 1.
+      slot 0: prev = x[0] = 0, bias 0, q = [1/3]*3, label x[1] = 1: CE = ln 3, L1 = 0,
+              target accept 1, BCE(0, 1) = ln 2, weight 1
+      slot 1: prev = x[1] = 1, bias [0, 0, ln 2], q = [1/4, 1/4, 1/2], label x[2] = 2:
+              CE = ln 2, L1 = .15 + .15 + .3 = .6, accept .7, BCE(0, .7) = ln 2, weight 1/e
+    """
+    model = DSparkDraftModel(_tiny_config())
+    with torch.no_grad():
+        model.markov_head.markov_w1.weight.copy_(torch.tensor([[0.0], [1.0], [0.0]]))
+        model.markov_head.markov_w2.weight.copy_(torch.tensor([[0.0], [0.0], [math.log(2)]]))
+        model.confidence_head.proj.weight.zero_()
+        model.confidence_head.proj.bias.zero_()
+    head = nn.Linear(4, 3, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.eye(3, 4))
+    head.requires_grad_(False)
+    hidden = torch.zeros(1, 2, 4, requires_grad=True)
+    final = torch.tensor([[[0.0, 0, 0, 0], [math.log(2), math.log(2), 0, 0], [0, 0, 0, 0]]])
+    ex = build_example(torch.tensor([0, 1, 2]), torch.ones(3, dtype=torch.long), None, torch.tensor([0]),
+                       block_size=2, mask_token_id=0, kind="dspark")
+    weights = contract.slot_weights(2, 1.0, "dspark")
+    return model, head, hidden, final, ex, weights
+
+
+@pytest.mark.parametrize("chunk_size", [1, 1024])
+def test_loss_terms_on_a_hand_checked_block(chunk_size):
+    model, head, hidden, final, ex, weights = _golden_case()
+    labels, block_ids = ex["labels"].reshape(1, -1), ex["block_ids"].reshape(1, -1)
+    assert labels.tolist() == [[1, 2]]
+    out = dspark_loss(model, hidden, labels, block_ids, ex["anchors"][None], final, head, weights, chunk_size,
+                      DSparkLossWeights(0.1, 0.9, 1.0))
+    ln2, ln3, e1 = math.log(2), math.log(3), math.exp(-1)
+    slot0 = 0.1 * ln3 + 0.9 * 0.0 + ln2
+    slot1 = 0.1 * ln2 + 0.9 * 0.6 + ln2
+    total = float(out.weighted_sum.detach())
+    assert total == pytest.approx(slot0 + e1 * slot1, abs=1e-5)  # 1.28215...
+    assert total == pytest.approx(1.282152, abs=1e-5)
+    assert float(out.weight_sum) == pytest.approx(1 + e1, abs=1e-6)
+    # entry k + 1 is slot k: slot 0's argmax (0 of a tie) misses label 1, slot 1's hits label 2
+    assert out.count.tolist() == [0.0, 1.0, 1.0] and out.correct.tolist() == [0.0, 0.0, 1.0]
+    # each term alone
+    terms = {}
+    for name, alphas in {"ce": (1, 0, 0), "l1": (0, 1, 0), "bce": (0, 0, 1)}.items():
+        terms[name] = float(dspark_loss(model, hidden, labels, block_ids, ex["anchors"][None], final, head, weights,
+                                        chunk_size, DSparkLossWeights(*alphas)).weighted_sum.detach())
+    assert terms["ce"] == pytest.approx(ln3 + e1 * ln2, abs=1e-5)
+    assert terms["l1"] == pytest.approx(e1 * 0.6, abs=1e-5)
+    assert terms["bce"] == pytest.approx((1 + e1) * ln2, abs=1e-5)
+
+
+def test_loss_gradients_reach_the_backbone_output_and_both_markov_matrices():
+    model, head, hidden, final, ex, weights = _golden_case()
+    out = dspark_loss(model, hidden, ex["labels"].reshape(1, -1), ex["block_ids"].reshape(1, -1), ex["anchors"][None],
+                      final, head, weights, 1, DSparkLossWeights())
+    out.weighted_sum.backward()
+    assert hidden.grad.abs().sum() > 0
+    assert model.markov_head.markov_w2.weight.grad.abs().sum() > 0
+    assert model.markov_head.markov_w1.weight.grad[1].abs().sum() > 0  # token 1 was a previous token
+    assert model.confidence_head.proj.weight.grad is not None
+    assert head.weight.grad is None  # the target's head stays frozen
+
+
+# ----------------------------------------------------------------------- training, resume
+def test_dspark_trains_exports_and_resumes_to_the_same_weights(tiny, tmp_path):
+    straight = Trainer(_cfg(tiny, tmp_path / "straight", max_steps=3, export=True))
+    export = straight.fit()
+    assert isinstance(straight.drafter, DSparkDraftModel)
+    Trainer(_cfg(tiny, tmp_path / "split", max_steps=2, checkpoint={"every": 1})).fit()
+    assert [c.name for c in list_checkpoints(tmp_path / "split")][-1].endswith("2")
+    resumed = Trainer(_cfg(tiny, tmp_path / "split", max_steps=3))
+    resumed.resume()
+    assert resumed.state.step == 2
+    resumed.fit()
+    for (name, a), b in zip(straight.drafter.state_dict().items(), resumed.drafter.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    loaded = load_drafter(export)
+    assert isinstance(loaded, DSparkDraftModel)
+    for name, value in straight.drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_resume_from_a_dflash_run_as_dspark_is_refused(tiny, tmp_path):
+    tiny_dflash = tiny_train_config(tiny["target"], tiny["data"], tmp_path, max_steps=1)
+    Trainer(tiny_dflash).fit()
+    with pytest.raises(ValueError, match=r"drafter.kind: 'dflash' -> 'dspark'"):
+        Trainer(_cfg(tiny, tmp_path, max_steps=2)).resume()
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"drafter": {"kind": "medusa"}}, "drafter.kind"),
+    ({"drafter": {"markov_head_type": "rnn"}}, "drafter.markov_head_type"),
+    ({"drafter": {"markov_rank": 0}}, "drafter.markov_rank=0"),
+    ({"loss": {"distill_weight": 0.5}}, "loss.distill_weight=0.5 with drafter.kind=dspark"),
+    ({"loss": {"position_weighting": "dpace"}}, "loss.position_weighting='dpace' with drafter.kind=dspark"),
+    ({"backend": {"name": "fsdp2", "device": "cpu"}}, "backend.name=fsdp2 with drafter.kind=dspark"),
+])
+def test_bad_dspark_settings_are_one_line_errors(tiny, tmp_path, override, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        _cfg(tiny, tmp_path, **override)
