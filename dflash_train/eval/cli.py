@@ -40,6 +40,7 @@ from dflash_train.eval.acceptance import PromptResult, compare_prompt, summarize
 from dflash_train.eval.batched import compare_batch
 from dflash_train.eval.plot import model_name, plot_acceptance
 from dflash_train.eval.report import format_table
+from dflash_train.contract import check_kind
 from dflash_train.model.dflash import check_sampling, check_verify_tokens
 from dflash_train.recipe import HINT, load_command, log_to_stdout
 
@@ -91,6 +92,7 @@ def validate(cfg: EvalConfig, static_batches: bool = False) -> None:
     if cfg.verify_tokens is not None and (isinstance(cfg.verify_tokens, bool) or cfg.verify_tokens < 1):
         raise ValueError(f"verify_tokens={cfg.verify_tokens}: must be >= 1 (and below the drafter's block size), "
                          "or null for the whole block")
+    check_kind(cfg.drafter.kind)
     if cfg.runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {cfg.runtime!r}")
     if cfg.runtime == "static" and cfg.batch_size != 1 and not static_batches:
@@ -131,6 +133,7 @@ def _load_prompts(entries: list[dict]) -> dict[str, tuple[str, list[BenchmarkPro
 
 def _setup_drafter(cfg: EvalConfig, target):
     from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
+    from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel
 
     dtype = target.model.dtype
     if cfg.drafter_path != RANDOM_DRAFTER:
@@ -143,15 +146,18 @@ def _setup_drafter(cfg: EvalConfig, target):
         return drafter
     torch.manual_seed(cfg.seed)  # the fresh drafter's weights are part of the run's identity
     d = cfg.drafter
-    config = DFlashConfig.from_target(
+    dspark = d.kind == "dspark"  # drafter.kind: the fresh drafter's model, as in training
+    extra = dict(markov_rank=d.markov_rank, markov_head_type=d.markov_head_type) if dspark else {}
+    config = (DSparkConfig if dspark else DFlashConfig).from_target(
         target.config,
         mask_token_id=cfg.target.mask_token_id,
         num_hidden_layers=d.num_hidden_layers,
         block_size=d.block_size,
         num_features=d.num_features,
         target_layer_ids=None if d.target_layer_ids is None else list(d.target_layer_ids),
+        **extra,
     )
-    return DFlashDraftModel(config).to(device=cfg.device, dtype=dtype).eval()
+    return (DSparkDraftModel if dspark else DFlashDraftModel)(config).to(device=cfg.device, dtype=dtype).eval()
 
 
 def encode_prompt(tokenizer, prompt: BenchmarkPrompt, system_prompt: str | None, enable_thinking: bool) -> list[int]:
@@ -196,10 +202,20 @@ def _previous_results(out: Path) -> bool:
     return isinstance(report, dict) and {"drafter", "target", "config", "datasets"} <= set(report)
 
 
-def resolve_runtime(cfg: EvalConfig, target) -> bool:
+def drafts_whole_block(drafter) -> bool:
+    """A DSpark drafter: B drafts a block, verified B + 1 wide, by the reference loop only."""
+    return drafter.drafts_per_block == drafter.block_size
+
+
+def resolve_runtime(cfg: EvalConfig, target, drafter) -> bool:
     """Whether both runs use the static runtime (``runtime``: auto, static or dynamic)."""
     from dflash_train.model.runtime import use_static
 
+    if drafts_whole_block(drafter):
+        if cfg.runtime == "static" or cfg.batch_size != 1:
+            raise ValueError(f"runtime={cfg.runtime} batch_size={cfg.batch_size}: a {type(drafter).__name__} decodes "
+                             "with the reference loop only; use runtime=dynamic (or auto) and batch_size=1")
+        return False
     if cfg.runtime == "dynamic" or (cfg.runtime == "auto" and cfg.batch_size != 1):
         return False
     return use_static(True if cfg.runtime == "static" else None, target.model, cfg.device)
@@ -219,8 +235,8 @@ def setup(cfg: EvalConfig):
     tokenizer = load_tokenizer(cfg.target.name)
     drafter = _setup_drafter(cfg, target)
     drafter.compile_static_draft = cfg.compile_drafter
-    check_verify_tokens(cfg.verify_tokens, drafter.block_size)  # the bound is the drafter's block size
-    resolve_runtime(cfg, target)  # runtime=static on a target it cannot serve fails here
+    check_verify_tokens(cfg.verify_tokens, drafter.drafts_per_block + 1)  # the bound is the drafts of a block
+    resolve_runtime(cfg, target, drafter)  # runtime=static on a target it cannot serve fails here
     datasets = {}
     for label, (name, items) in prompts.items():
         encoded = [encode_prompt(tokenizer, p, cfg.system_prompt, cfg.enable_thinking) for p in items]
@@ -233,7 +249,7 @@ def _compare(cfg: EvalConfig, drafter, target, prompt_ids: list[str], prompts: l
              stops: list[int], seed: int, turn: int = 1) -> list[PromptResult]:
     """One turn of several prompts: one by one (the latency numbers) or as one batch."""
     if cfg.batch_size == 1:
-        static = resolve_runtime(cfg, target)
+        static = resolve_runtime(cfg, target, drafter)
         return [compare_prompt(drafter, target.model, pid, torch.tensor([ids], device=target.device), max_new_tokens,
                                stops, cfg.temperature, seed, turn=turn, time_steps=cfg.step_timing, static=static,
                                verify_tokens=cfg.verify_tokens)
@@ -297,14 +313,15 @@ def decode_datasets(cfg: EvalConfig, drafter, target, tokenizer, datasets, stops
 def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], tokenizer) -> dict:
     """Decode every prompt both ways; write results.json and acceptance.png; print the table."""
     block_size = drafter.config.block_size
+    width = drafter.drafts_per_block + 1  # the widest verify: B for DFlash, B + 1 for DSpark
     # Warm both paths once so one-time costs (allocator growth, kernel selection) stay
     # out of the first timed prompt.
     first = next(iter(datasets.values()))[1][: cfg.batch_size]
     _compare(cfg, drafter, target, [p.id for p, _ in first], [x[0].tolist() for _, x in first], WARMUP_TOKENS, stops,
              cfg.seed)
 
-    runtime = "static" if resolve_runtime(cfg, target) else "dynamic"
-    verify_tokens = check_verify_tokens(cfg.verify_tokens, block_size)
+    runtime = "static" if resolve_runtime(cfg, target, drafter) else "dynamic"
+    verify_tokens = check_verify_tokens(cfg.verify_tokens, width)
     report = {"target": cfg.target.name, "drafter": cfg.drafter_path, "block_size": block_size, "runtime": runtime,
               "verify_tokens": verify_tokens, "config": asdict(cfg), "datasets": {}}
     summaries = {}
@@ -320,7 +337,7 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
     bar.close()
     for label, (name, _) in datasets.items():
         results = decoded[label]
-        summaries[label] = {**summarize(results, block_size, greedy=cfg.temperature == 0),
+        summaries[label] = {**summarize(results, width, greedy=cfg.temperature == 0),
                             "temperature": cfg.temperature, "batch_size": cfg.batch_size, "runtime": runtime,
                             "device": str(cfg.device)}  # on a CPU the table gives the speedup beside the GPU's
         report["datasets"][label] = {"source": name, **summaries[label], "prompts": [r.to_dict() for r in results]}

@@ -549,8 +549,14 @@ def spec_generate(drafter, target, input_ids: torch.LongTensor, max_new_tokens: 
     """
     drafter.eval()
     device = input_ids.device
-    check_verify_tokens(verify_tokens, drafter.block_size)
-    run = speculate_static if use_static(static, target, device) else speculate
+    check_verify_tokens(verify_tokens, drafter.drafts_per_block + 1)
+    # A drafter that drafts its whole block (DSpark) runs the reference loop only: the static
+    # runtime's shapes (B-wide block, drafts at slots 1..k) are DFlash's.
+    drafts_whole_block = drafter.drafts_per_block == drafter.block_size
+    if drafts_whole_block and static:
+        raise ValueError(f"static=True: the static runtime serves DFlash drafters only, not {type(drafter).__name__}; "
+                         "use static=False")
+    run = speculate_static if not drafts_whole_block and use_static(static, target, device) else speculate
     result = run(drafter, target, input_ids, max_new_tokens, Sampling(temperature, top_p, top_k), stop_token_ids,
                  mask_token_id, generator, StepClock(device) if time_steps else NO_CLOCK,
                  verify_tokens=verify_tokens)

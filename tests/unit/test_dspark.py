@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -17,6 +18,7 @@ from dflash_train.model.io import load_drafter
 from dflash_train.training.checkpoint import list_checkpoints
 from dflash_train.training.dspark_loss import DSparkLossWeights, dspark_loss, previous_tokens
 from dflash_train.training.trainer import Trainer
+from tests.cli_helpers import assert_one_line_error, run_cli
 from tests.train_data import tiny_inputs, tiny_train_config
 
 DSPARK = {"kind": "dspark", "markov_rank": 16}
@@ -224,3 +226,19 @@ def test_resume_from_a_dflash_run_as_dspark_is_refused(tiny, tmp_path):
 def test_bad_dspark_settings_are_one_line_errors(tiny, tmp_path, override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         _cfg(tiny, tmp_path, **override)
+
+
+def test_dflash_eval_runs_a_trained_dspark_export_with_a_verify_of_b_plus_one(tiny, tmp_path):
+    export = Trainer(_cfg(tiny, tmp_path / "run", max_steps=2, export=True)).fit()
+    args = [f"drafter_path={export}", f"target.name={tiny['target']}", "target.mask_token_id=16",
+            "datasets=[mtbench]", "limit=1", "max_new_tokens=6"]
+    done = run_cli("dflash-eval", *args, f"output_dir={tmp_path / 'eval'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert report["block_size"] == 8 and report["verify_tokens"] == 8 and report["runtime"] == "dynamic"
+    result = report["datasets"]["mtbench"]
+    assert result["num_prompts"] == 1 and result["tau"] >= 1.0
+    # greedy: the speculative output is the target's own, prompt by prompt
+    assert all(p["exact_match"] for p in result["prompts"])
+    done = run_cli("dflash-eval", *args, "runtime=static", f"output_dir={tmp_path / 'eval2'}")
+    assert_one_line_error(done, "dflash-eval", "decodes with the reference loop only; use runtime=dynamic")
