@@ -171,7 +171,7 @@ def random_data(cfg, rows: int, vocab: int) -> TrainingData:
     # Every row already has max_length tokens and num_anchors blocks: no packing, no padding.
     return TrainingData(ds, max_length=length, packing=False, seed=cfg.seed, shuffle=False,
                         num_anchors=cfg.data.num_anchors, block_size=cfg.drafter.block_size,
-                        mask_token_id=cfg.target.mask_token_id)
+                        mask_token_id=cfg.target.mask_token_id, kind=cfg.drafter.kind)
 
 
 def phase_times(trainer: Trainer, step: int) -> dict[str, float]:
@@ -290,6 +290,7 @@ def run(trainer: Trainer, steps: int, warmup: int) -> dict:
         "phase_ms": {k: 1000 * sum(p[k] for p in phases) / steps for k in PHASES},
         "peak_memory_gib": flops.peak_memory_gib(dev),
         "drafter_params_m": sum(p.numel() for p in trainer.drafter.parameters()) / 1e6,
+        "drafter_kind": trainer.cfg.drafter.kind,  # dspark: its loss also runs the target to its head
         "graphs_compiled_after_warmup": recompiled,
     }
     result["samples_per_s_at_data_mean"] = result["rows_per_s"] * result["data_conversations_per_row"]
@@ -307,7 +308,7 @@ def run(trainer: Trainer, steps: int, warmup: int) -> dict:
 def format_result(r: dict) -> str:
     lines = [
         f"device {r['device']} x{r['world_size']}  global batch {r['global_batch']} rows of {r['seq_len']} tokens, "
-        f"{r['queries_per_row']} block queries per row, drafter {r['drafter_params_m']:.1f}M params",
+        f"{r['queries_per_row']} block queries per row, {r['drafter_kind']} drafter {r['drafter_params_m']:.1f}M params",
         f"step {r['step_s'] * 1000:.1f} ms  {r['samples_per_s']:.2f} samples/s (conversations)  "
         f"{r['rows_per_s']:.2f} rows/s  {r['tokens_per_s']:.0f} tokens/s  "
         f"{r['supervised_tokens_per_s']:.0f} supervised slots/s  peak memory {r['peak_memory_gib']:.2f} GiB",
