@@ -100,7 +100,7 @@ class ConfidenceHead(nn.Module):
     def forward(self, hidden: torch.Tensor, markov_embedding: torch.Tensor) -> torch.Tensor:
         """hidden (..., H), markov_embedding (..., r) -> (...,) float32 logits."""
         x = torch.cat([hidden, markov_embedding.to(hidden.dtype)], dim=-1) if self.with_markov else hidden
-        return self.proj(x).squeeze(-1).float()
+        return self.proj(x.to(self.proj.weight.dtype)).squeeze(-1).float()
 
 
 class DSparkDraftModel(DFlashDraftModel):

@@ -56,7 +56,8 @@ def teacher_index(index: torch.Tensor, anchors: torch.Tensor, block_size: int, s
 def _chunk_terms(h, e, s, y, weight, bias, w2):
     """One chunk: (c,) CE, (c,) L1 and (c,) argmax hits. h (c, H) drafter outputs, e (c, r)
     W1[prev], s (c, H) target final hidden states, y (c,) labels."""
-    z = (F.linear(h, weight, bias) + F.linear(e, w2)).float()  # (c, V)
+    # The head in its own dtype (the target's), the Markov bias in the drafter's.
+    z = F.linear(h, weight, bias).float() + F.linear(e, w2).float()  # (c, V)
     log_q = torch.log_softmax(z, dim=-1)
     ce = -log_q.gather(1, y[:, None]).squeeze(1)
     p_target = torch.softmax(F.linear(s, weight, bias).float(), dim=-1)  # (c, V), no gradient
@@ -93,7 +94,7 @@ def dspark_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, block_ids: 
     ce, l1, hits = [], [], []
     for start in range(0, index.numel(), chunk_size):
         sl = slice(start, start + chunk_size)
-        args = (h[sl].to(dtype), e[sl].to(dtype), s[sl], y[sl], lm_head.weight, getattr(lm_head, "bias", None), w2)
+        args = (h[sl].to(dtype), e[sl], s[sl], y[sl], lm_head.weight, getattr(lm_head, "bias", None), w2)
         c_ce, c_l1, c_hit = checkpoint(_chunk_terms, *args, use_reentrant=False) if torch.is_grad_enabled() \
             else _chunk_terms(*args)
         ce.append(c_ce)

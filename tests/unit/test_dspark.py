@@ -11,15 +11,19 @@ import torch
 from torch import nn
 
 from dflash_train import contract
+from dflash_train.config import TrainConfig, validate
 from dflash_train.contract import IGNORE_INDEX
 from dflash_train.data.dataset import build_example
 from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel
 from dflash_train.model.io import load_drafter
+from dflash_train.recipe import load_command
 from dflash_train.training.checkpoint import list_checkpoints
 from dflash_train.training.dspark_loss import DSparkLossWeights, dspark_loss, previous_tokens
+from dflash_train.training.logging import METRICS_FILE
 from dflash_train.training.trainer import Trainer
 from tests.cli_helpers import assert_one_line_error, run_cli
-from tests.train_data import tiny_inputs, tiny_train_config
+from tests.conftest import SMOLLM2
+from tests.train_data import tiny_inputs, tiny_train_config, write_datagen_dir
 
 DSPARK = {"kind": "dspark", "markov_rank": 16}
 
@@ -242,3 +246,25 @@ def test_dflash_eval_runs_a_trained_dspark_export_with_a_verify_of_b_plus_one(ti
     assert all(p["exact_match"] for p in result["prompts"])
     done = run_cli("dflash-eval", *args, "runtime=static", f"output_dir={tmp_path / 'eval2'}")
     assert_one_line_error(done, "dflash-eval", "decodes with the reference loop only; use runtime=dynamic")
+
+
+def test_the_quickstart_recipe_trains_a_dspark_drafter_on_smollm2(tmp_path, smollm2_tokenizer):
+    """train_quickstart as shipped (SmolLM2 in bf16, bf16 autocast, the cpu_small drafter, blocks
+    of 4, cached target features, held-out rows) with drafter.kind=dspark: the second epoch
+    reads the features and the final hidden states from the cache, then the run resumes."""
+    data = write_datagen_dir(tmp_path / "data", SMOLLM2, smollm2_tokenizer)  # 8 conversations
+    args = ["drafter.kind=dspark", "drafter.markov_rank=32", f"data.path={data}", f"output_dir={tmp_path / 'run'}",
+            "data.val_rows=2", "data.val_every=6", "logging.every=1", "logging.progress_bar=false",
+            "checkpoint.every=6", "export=false"]
+    trainer = Trainer(load_command(TrainConfig, [*args, "max_steps=8"], "train_quickstart", "", validate))
+    assert trainer.feature_cache is not None and trainer.needs_final
+    trainer.fit()
+    assert len(trainer.feature_cache) == 6  # every training row's features and final states, kept once
+    lines = [json.loads(x) for x in (tmp_path / "run" / METRICS_FILE).read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 9)) and all(math.isfinite(x["loss"]) for x in lines)
+    assert "val_expected_tau" in lines[5] and "acc_pos_4" in lines[0] and "acc_pos_5" not in lines[0]
+    resumed = Trainer(load_command(TrainConfig, [*args, "max_steps=9"], "train_quickstart", "", validate))
+    resumed.resume()
+    assert resumed.state.step == 8
+    resumed.fit()
+    assert all(torch.isfinite(p).all() for p in resumed.drafter.parameters())
