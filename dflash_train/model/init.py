@@ -136,6 +136,13 @@ def init_from_checkpoint(drafter: nn.Module, path: str, target, target_weights: 
             check_target_weights(loaded.config, target_weights, "drafter.init_from_other_target=true")
     except ValueError as err:
         raise ValueError(f"drafter.init_from={path}: {err}") from None
+    kinds = [DSPARK if is_dspark(c) else "dflash" for c in (drafter.config, loaded.config)]
+    if kinds[0] != kinds[1]:
+        raise ValueError(f"drafter.init_from={path}: the checkpoint is a {kinds[1]} drafter but this run builds a "
+                         f"{kinds[0]} one (drafter.kind); set drafter.kind={kinds[1]}")
+    if kinds[0] == DSPARK and drafter.config.markov_rank != loaded.config.markov_rank:
+        raise ValueError(f"drafter.init_from={path}: the checkpoint has markov_rank={loaded.config.markov_rank} but "
+                         f"this run builds {drafter.config.markov_rank} (drafter.markov_rank); set the run to match")
     mine, theirs = _geometry(drafter.config), _geometry(loaded.config)
     diff = [name for name in SAME_AS_RECIPE if mine[name] != theirs[name]]
     if diff:

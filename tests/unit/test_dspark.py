@@ -268,3 +268,15 @@ def test_the_quickstart_recipe_trains_a_dspark_drafter_on_smollm2(tmp_path, smol
     assert resumed.state.step == 8
     resumed.fit()
     assert all(torch.isfinite(p).all() for p in resumed.drafter.parameters())
+
+
+def test_a_dspark_export_warm_starts_a_dspark_run_only(tiny, tmp_path):
+    export = Trainer(_cfg(tiny, tmp_path / "run", max_steps=1, export=True)).fit()
+    warm = Trainer(_cfg(tiny, tmp_path / "warm", drafter={"init_from": str(export)}))
+    saved = load_drafter(export).state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in warm.drafter.state_dict().items())
+    with pytest.raises(ValueError, match=r"the checkpoint is a dspark drafter but this run builds a dflash one "
+                                         r"\(drafter.kind\); set drafter.kind=dspark"):
+        Trainer(tiny_train_config(tiny["target"], tiny["data"], tmp_path / "other", drafter={"init_from": str(export)}))
+    with pytest.raises(ValueError, match=r"markov_rank=16 but this run builds 8 \(drafter.markov_rank\)"):
+        Trainer(_cfg(tiny, tmp_path / "rank", drafter={"init_from": str(export), "markov_rank": 8}))
