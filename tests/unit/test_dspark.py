@@ -14,6 +14,7 @@ from dflash_train import contract
 from dflash_train.config import TrainConfig, validate
 from dflash_train.contract import IGNORE_INDEX
 from dflash_train.data.dataset import build_example
+from dflash_train.export.cli import export_checkpoint
 from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel
 from dflash_train.model.io import load_drafter
 from dflash_train.recipe import load_command
@@ -280,3 +281,15 @@ def test_a_dspark_export_warm_starts_a_dspark_run_only(tiny, tmp_path):
         Trainer(tiny_train_config(tiny["target"], tiny["data"], tmp_path / "other", drafter={"init_from": str(export)}))
     with pytest.raises(ValueError, match=r"markov_rank=16 but this run builds 8 \(drafter.markov_rank\)"):
         Trainer(_cfg(tiny, tmp_path / "rank", drafter={"init_from": str(export), "markov_rank": 8}))
+
+
+def test_dflash_export_of_a_dspark_checkpoint_equals_the_trainers_export(tiny, tmp_path):
+    trainer = Trainer(_cfg(tiny, tmp_path / "run", max_steps=2, checkpoint={"every": 1}, export=True))
+    trained = trainer.fit()
+    path, _ = export_checkpoint(list_checkpoints(tmp_path / "run")[-1], tmp_path / "exported")
+    assert json.loads((path / "config.json").read_text()) == json.loads((trained / "config.json").read_text())
+    a, b = load_drafter(path).state_dict(), load_drafter(trained).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    card = (trained / "README.md").read_text()
+    assert '"method": "dspark"' in card and '"num_speculative_tokens": 8' in card
+    assert "--speculative-algorithm DSPARK" in card and "--speculative-num-draft-tokens 9" in card

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.model.dflash import ContextCache, Sampling, target_features
+from dflash_train import contract
+from dflash_train.model.dflash import FULL_ATTENTION, ContextCache, Sampling, target_features, visible_mask
 from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel
 from dflash_train.model.io import load_drafter, save_drafter
 from dflash_train.model.runtime import spec_generate
+from dflash_train.training.dspark_loss import previous_tokens
 from tests.conftest import SMOLLM2_MASK_ID
 
 BLOCK = 4
@@ -152,3 +154,26 @@ def test_export_round_trip_drafts_the_same(smollm2, prompt, reference, tmp_path)
 def test_the_static_runtime_refuses_a_dspark_drafter_in_one_line(smollm2, prompt):
     with pytest.raises(ValueError, match="static=True: the static runtime serves DFlash drafters only"):
         spec_generate(dspark_drafter(smollm2.model), smollm2.model, prompt, 4, static=True)
+
+
+def test_the_training_forward_and_the_runtime_agree_on_a_block(smollm2, prompt, reference):
+    """The block at anchor p in the training layout (all features, the dense visibility mask,
+    teacher-forced previous tokens) against the runtime's block at start p (the features of
+    positions before p only): the same drafter outputs, and the training's previous token of
+    slot k is x[p + k], the token the runtime feeds when the drafts before it are right."""
+    drafter = dspark_drafter(smollm2.model, seed=3)
+    seq = torch.tensor([reference])
+    t, p = seq.shape[1], prompt.shape[1] + 3  # an anchor inside the answer
+    feats = smollm2.features(seq, drafter.target_layer_ids)  # (1, T, n*H)
+    anchors = torch.tensor([p])
+    block = contract.block_input_ids(seq[0], anchors, BLOCK, SMOLLM2_MASK_ID).reshape(1, -1)  # (1, B)
+    labels = contract.dspark_block_labels(seq[0], torch.ones(t, dtype=torch.long), anchors, BLOCK).reshape(1, -1)
+    prev = previous_tokens(labels, block, BLOCK)
+    assert labels[0].tolist() == seq[0, p + 1 : p + 1 + BLOCK].tolist()
+    assert prev[0].tolist() == seq[0, p : p + BLOCK].tolist()
+    positions = torch.cat([torch.arange(t), torch.arange(p, p + BLOCK)])[None]
+    with torch.no_grad():
+        noise = smollm2.model.get_input_embeddings()(block)
+        trained = drafter(noise, feats, positions, {FULL_ATTENTION: visible_mask(anchors[None], t, BLOCK)})
+    served = drafter.block_hidden(smollm2.model, int(seq[0, p]), feats[:, :p], p, ContextCache())
+    torch.testing.assert_close(served, trained, rtol=0, atol=1e-4)
