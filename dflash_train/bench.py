@@ -308,7 +308,8 @@ def run(trainer: Trainer, steps: int, warmup: int) -> dict:
 def format_result(r: dict) -> str:
     lines = [
         f"device {r['device']} x{r['world_size']}  global batch {r['global_batch']} rows of {r['seq_len']} tokens, "
-        f"{r['queries_per_row']} block queries per row, {r['drafter_kind']} drafter {r['drafter_params_m']:.1f}M params",
+        f"{r['queries_per_row']} block queries per row, {r['drafter_kind']} drafter "
+        f"{r['drafter_params_m']:.1f}M params",
         f"step {r['step_s'] * 1000:.1f} ms  {r['samples_per_s']:.2f} samples/s (conversations)  "
         f"{r['rows_per_s']:.2f} rows/s  {r['tokens_per_s']:.0f} tokens/s  "
         f"{r['supervised_tokens_per_s']:.0f} supervised slots/s  peak memory {r['peak_memory_gib']:.2f} GiB",

@@ -423,8 +423,8 @@ class DFlashDraftModel(PreTrainedModel):
         time_steps: fill `SpecOutput.step_times` (draft, verify, bookkeeping seconds); on a
         GPU this synchronises the device at every boundary, so leave it off when only
         throughput matters.
-        verify_tokens: drafts the target verifies per step, 1..block_size-1 (None: all of
-        them). The drafter still drafts the whole block it was trained on; a shorter
+        verify_tokens: drafts the target verifies per step, 1..drafts_per_block (None: all
+        of them; B-1 for DFlash). The drafter still drafts the whole block it was trained on; a shorter
         verify costs the target less per step and commits at most verify_tokens + 1 tokens.
         """
         self.eval()
