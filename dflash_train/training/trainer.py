@@ -316,7 +316,8 @@ class Trainer:
         return self.backend.model(noise, feats, position_ids, attention_mask=masks)  # (b, Q, H)
 
     def loss(self, batch: Batch, hidden: torch.Tensor, final: torch.Tensor | None = None) -> LossOutput:
-        """The step's loss; ``final`` (b, T, H): the target's final hidden states when distilling."""
+        """The step's loss (DSpark's for drafter.kind=dspark); ``final`` (b, T, H): the target's
+        final hidden states when distilling or training DSpark."""
         lc = self.cfg.loss
         if self.dspark:
             alphas = DSparkLossWeights(lc.dspark_ce_alpha, lc.dspark_l1_alpha, lc.dspark_confidence_alpha)
