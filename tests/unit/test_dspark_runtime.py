@@ -13,7 +13,8 @@ from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel
 from dflash_train.model.io import load_drafter, save_drafter
 from dflash_train.model.runtime import spec_generate
 from dflash_train.training.dspark_loss import previous_tokens
-from tests.conftest import SMOLLM2_MASK_ID
+from tests.conftest import SMOLLM2_MASK_ID, make_tiny_target
+from tests.unit.test_runtime import CHI2_CRIT_7DF, DRAWS, NEW, VOCAB, chi_square, exact_marginals
 
 BLOCK = 4
 NEW_TOKENS = 24
@@ -177,3 +178,27 @@ def test_the_training_forward_and_the_runtime_agree_on_a_block(smollm2, prompt, 
         trained = drafter(noise, feats, positions, {FULL_ATTENTION: visible_mask(anchors[None], t, BLOCK)})
     served = drafter.block_hidden(smollm2.model, int(seq[0, p]), feats[:, :p], p, ContextCache())
     torch.testing.assert_close(served, trained, rtol=0, atol=1e-4)
+
+
+def test_sampled_dspark_drafts_keep_the_targets_distribution(one_thread):
+    """Rejection sampling against the Markov-corrected q the drafts were drawn from keeps the
+    target's distribution exactly (the chi-square check of tests/unit/test_runtime.py, on the
+    same tiny target, exact marginals by enumeration)."""
+    target = make_tiny_target("llama", vocab=VOCAB, layers=3, initializer_range=0.4, seed=11)
+    cfg = DSparkConfig.from_target(target.config, mask_token_id=VOCAB - 1, num_hidden_layers=1, block_size=4,
+                                   markov_rank=4, initializer_range=0.4)
+    torch.manual_seed(13)
+    drafter = DSparkDraftModel(cfg).eval()
+    prompt = torch.tensor([[1, 5, 2, 3]])
+    exact = exact_marginals(target, prompt, 0.6)
+    gen = torch.Generator().manual_seed(4321)
+    counts = torch.zeros(NEW, VOCAB)
+    steps = []
+    for _ in range(DRAWS):
+        out = spec_generate(drafter, target, prompt, NEW, temperature=0.6, return_stats=True, generator=gen,
+                            static=False)
+        counts[torch.arange(NEW), out.output_ids[0, prompt.shape[1]:]] += 1
+        steps.append(out.acceptance_lengths)
+    chi2 = [chi_square(counts[k], exact[k]) for k in range(NEW)]
+    assert max(chi2) < CHI2_CRIT_7DF, chi2
+    assert any(len(s) > 1 for s in steps) and any(s[0] > 1 for s in steps)  # rejections and acceptances
