@@ -13,7 +13,7 @@ from torch import nn
 from dflash_train import contract
 from dflash_train.config import TrainConfig, validate
 from dflash_train.contract import IGNORE_INDEX
-from dflash_train.data.dataset import build_example
+from dflash_train.data.dataset import anchor_counts, build_example
 from dflash_train.export.cli import export_checkpoint
 from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel
 from dflash_train.model.io import load_drafter
@@ -293,3 +293,15 @@ def test_dflash_export_of_a_dspark_checkpoint_equals_the_trainers_export(tiny, t
     card = (trained / "README.md").read_text()
     assert '"method": "dspark"' in card and '"num_speculative_tokens": 8' in card
     assert "--speculative-algorithm DSPARK" in card and "--speculative-num-draft-tokens 9" in card
+
+
+def test_packing_counts_the_dspark_anchors_the_rows_will_draw():
+    import datasets
+
+    masks = [[0, 0, 1, 1, 1, 1, 0, 1, 1, 1], [1, 0, 1, 0, 1, 1], [0, 1], [1, 1, 1]]
+    ds = datasets.Dataset.from_dict({"input_ids": [list(range(len(m))) for m in masks], "loss_mask": masks})
+    for kind in ("dflash", "dspark"):
+        for max_length in (3, 10):
+            expected = [min(contract.anchor_candidates(torch.tensor(m[:max_length]), kind=kind).numel(), 4)
+                        for m in masks]
+            assert anchor_counts(ds, max_length, 4, rows_per_pass=3, kind=kind).tolist() == expected, (kind, max_length)
