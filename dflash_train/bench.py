@@ -173,7 +173,7 @@ def random_data(cfg, rows: int, vocab: int) -> TrainingData:
     # Every row already has max_length tokens and num_anchors blocks: no packing, no padding.
     return TrainingData(ds, max_length=length, packing=False, seed=cfg.seed, shuffle=False,
                         num_anchors=cfg.data.num_anchors, block_size=cfg.drafter.block_size,
-                        mask_token_id=cfg.target.mask_token_id)
+                        mask_token_id=cfg.target.mask_token_id, kind=cfg.drafter.kind)
 
 
 def phase_times(trainer: Trainer, step: int) -> dict[str, float]:
@@ -291,8 +291,8 @@ def run(trainer: Trainer, steps: int, warmup: int) -> dict:
         "block_fill": held["blocks"] / (held["rows"] * shape[1]) if shape else None,
         "phase_ms": {k: 1000 * sum(p[k] for p in phases) / steps for k in PHASES},
         "peak_memory_gib": flops.peak_memory_gib(dev),
-        "drafter_kind": trainer.cfg.drafter.kind,
         "drafter_params_m": sum(p.numel() for p in trainer.drafter.parameters()) / 1e6,
+        "drafter_kind": trainer.cfg.drafter.kind,  # dspark: its loss also runs the target to its head
         "graphs_compiled_after_warmup": recompiled,
     }
     result["samples_per_s_at_data_mean"] = result["rows_per_s"] * result["data_conversations_per_row"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from dflash_train.contract import DEFAULT_BLOCK_SIZE, default_gamma
+from dflash_train.contract import DEFAULT_BLOCK_SIZE, DRAFTER_KINDS, DSPARK, default_gamma
 from dflash_train.recipe import HINT, to_config
 
 ATTENTION_KINDS = ("flex", "dense")
@@ -24,7 +24,7 @@ SCHEDULES = ("cosine", "constant", "wsd")
 WANDB_MODES = ("offline", "online", "disabled")
 RESUME_CHOICES = (True, False, "force")
 POSITION_WEIGHTINGS = ("decay", "dpace")
-DRAFTER_KINDS = ("dflash", "dflash2")  # model/kinds.py builds each
+MARKOV_HEAD_TYPES = ("vanilla",)  # DeepSpec's gated and rnn heads are not implemented (model/dspark.py)
 COMPILE_ROUNDINGS = ("eager", "fused")  # target.compile_rounding (model/target.py COMPILE_OPTIONS)
 
 
@@ -56,10 +56,14 @@ class DFlash2Settings:
 
 @dataclass
 class DrafterConfig:
-    # dflash: the contract's drafter; dflash2: z-lab's DFlash2 (convolutions and a candidate
-    # selector on the same backbone, model/dflash2.py). The kind's own settings: drafter.<kind>.
+    # The model trained: dflash (the contract's drafter), dflash2 (z-lab's DFlash2: convolutions
+    # and a candidate selector on the same backbone, model/dflash2.py) or dspark (DeepSeek's
+    # DSpark: slot k predicts x[p + k + 1], a low-rank Markov head on the logits and a confidence
+    # head; model/dspark.py). Data, anchors, masks, trainer and backends are shared.
     kind: str = "dflash"
-    dflash2: DFlash2Settings = field(default_factory=DFlash2Settings)
+    dflash2: DFlash2Settings = field(default_factory=DFlash2Settings)  # read when kind=dflash2
+    markov_rank: int = 256  # dspark: the rank r of the Markov head's W1 (V x r) and W2 (r -> V)
+    markov_head_type: str = "vanilla"  # dspark: the only head implemented (DeepSpec's default)
     num_hidden_layers: int = 5
     block_size: int = DEFAULT_BLOCK_SIZE
     num_features: int | None = None  # None: one feature layer per draft layer
@@ -133,6 +137,11 @@ class LossConfig:
     # per-slot confidences (arXiv 2605.18810), smoothed by dpace_alpha.
     position_weighting: str = "decay"
     dpace_alpha: float = 0.5
+    # drafter.kind=dspark: DeepSpec's loss a * CE + b * L1(p_draft, p_target) + c * BCE(confidence, 1 - L1/2),
+    # each term weighted by exp(-k/gamma) per slot (model/dspark.py). DeepSpec's defaults.
+    dspark_ce_alpha: float = 0.1
+    dspark_l1_alpha: float = 0.9
+    dspark_confidence_alpha: float = 1.0
 
 
 @dataclass
@@ -254,11 +263,36 @@ def _check_dflash2(d: DrafterConfig) -> None:
         raise ValueError(f"drafter.dflash2.selector_loss_weight={s.selector_loss_weight} must be >= 0")
 
 
+def _check_dspark(cfg: TrainConfig) -> None:
+    d, lc = cfg.drafter, cfg.loss
+    _check_choice("drafter.markov_head_type", d.markov_head_type, MARKOV_HEAD_TYPES)
+    if d.markov_rank <= 0:
+        raise ValueError(f"drafter.markov_rank={d.markov_rank} must be positive for drafter.kind=dspark")
+    alphas = {"loss.dspark_ce_alpha": lc.dspark_ce_alpha, "loss.dspark_l1_alpha": lc.dspark_l1_alpha,
+              "loss.dspark_confidence_alpha": lc.dspark_confidence_alpha}
+    bad = {k: v for k, v in alphas.items() if v < 0}
+    if bad or not any(alphas.values()):
+        raise ValueError(f"drafter.kind=dspark needs non-negative loss alphas, not all zero; got {alphas}")
+    # DSpark's own loss already distils from the target (its L1 term); the DFlash options do not combine with it.
+    if lc.distill_weight > 0:
+        raise ValueError(f"loss.distill_weight={lc.distill_weight} with drafter.kind=dspark: DSpark's loss has its "
+                         "own distillation term (loss.dspark_l1_alpha); set loss.distill_weight=0")
+    if lc.position_weighting != "decay":
+        raise ValueError(f"loss.position_weighting={lc.position_weighting!r} with drafter.kind=dspark: DSpark "
+                         "weights slots by exp(-k/gamma) (decay) only")
+    if cfg.backend.name in ("fsdp2", "zero3"):
+        raise ValueError(f"backend.name={cfg.backend.name} with drafter.kind=dspark: the loss reads the Markov "
+                         "head's weights outside the drafter's forward, where these backends keep them sharded; "
+                         "use single, ddp or zero2")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks; each error names the offending values."""
     d, o = cfg.drafter, cfg.optim
     _check_choice("drafter.kind", d.kind, DRAFTER_KINDS)
     _check_choice("drafter.attention", d.attention, ATTENTION_KINDS)
+    if d.kind == DSPARK:
+        _check_dspark(cfg)
     _check_choice("drafter.flex_backend", d.flex_backend, FLEX_BACKENDS)
     if d.flex_backend == "flash":
         _check_flash(d)

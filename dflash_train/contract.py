@@ -23,6 +23,18 @@ ANCHOR_SLOT = 0
 DEFAULT_BLOCK_SIZE = 16
 # The paper's loss decay per block size: w_k = exp(-(k-1)/gamma).
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+# drafter.kind: the model a recipe trains. "dflash" is the contract's drafter; "dflash2" is
+# z-lab's DFlash2 (model/dflash2.py: the same slots and labels); "dspark" is DeepSeek's DSpark
+# (model/dspark.py), whose slot k of the block at anchor p predicts x[p + k + 1] (every slot,
+# the anchor's included, is a prediction) instead of x[p + k].
+DFLASH, DFLASH2, DSPARK = "dflash", "dflash2", "dspark"
+DRAFTER_KINDS = (DFLASH, DFLASH2, DSPARK)
+
+
+def check_kind(kind: str) -> str:
+    if kind not in DRAFTER_KINDS:
+        raise ValueError(f"drafter.kind={kind!r}: expected one of {list(DRAFTER_KINDS)}")
+    return kind
 
 
 def default_gamma(block_size: int) -> float:
@@ -34,11 +46,18 @@ def default_gamma(block_size: int) -> float:
     return DEFAULT_GAMMA[block_size]
 
 
-def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """(B,) float32 loss weight per block slot: 0 for the anchor, exp(-(k-1)/gamma) for k >= 1."""
+def slot_weights(block_size: int, gamma: float, kind: str = DFLASH) -> torch.Tensor:
+    """(B,) float32 loss weight per block slot: 0 for the anchor, exp(-(k-1)/gamma) for k >= 1.
+
+    dspark: exp(-k/gamma) for every slot k = 0..B-1 (DeepSpec's ``loss_decay_gamma``); its
+    slot k predicts the (k+1)-th token after the anchor, so the j-th predicted token of a
+    block gets the same weight under both kinds.
+    """
     if gamma <= 0:
         raise ValueError(f"loss gamma must be positive, got {gamma}")
     k = torch.arange(block_size, dtype=torch.float32)
+    if check_kind(kind) == DSPARK:
+        return torch.exp(-k / gamma)
     weights = torch.exp(-(k - 1) / gamma)
     weights[ANCHOR_SLOT] = 0.0
     return weights
@@ -69,13 +88,18 @@ def anchor_seed(seed: int, epoch: int, sample_index: int) -> int:
     return derive_seed("anchors", seed, epoch, sample_index)
 
 
-def anchor_candidates(loss_mask: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+def anchor_candidates(loss_mask: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                      kind: str = DFLASH) -> torch.Tensor:
     """(M,) positions p with p + 1 < T and loss_mask[p + 1] == 1 (and p + 1 in p's document).
 
     The first label of a block is x[p + 1], so an anchor is only worth drawing when that
     token is trained on; a packed row never anchors on one conversation to predict the next.
+    dspark also needs loss_mask[p] == 1, DeepSpec's rule (``build_anchor_candidate_mask``):
+    its anchors are generated tokens, as every anchor at inference is.
     """
     nxt = loss_mask[1:].bool()  # (T-1,) is position p + 1 supervised
+    if check_kind(kind) == DSPARK:
+        nxt = nxt & loss_mask[:-1].bool()
     if doc_ids is not None:
         nxt = nxt & (doc_ids[1:] == doc_ids[:-1])
     return torch.nonzero(nxt, as_tuple=False).flatten()
@@ -134,6 +158,32 @@ def block_labels(
     if doc_ids is not None:
         valid &= doc_ids[safe] == doc_ids[anchors][:, None]
     valid[:, ANCHOR_SLOT] = False
+    return torch.where(valid, input_ids[safe], torch.full_like(safe, IGNORE_INDEX))
+
+
+def dspark_block_labels(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    block_size: int,
+    doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(N, B) DSpark labels: slot k predicts x[p + k + 1] for k = 0..B-1; IGNORE_INDEX where not supervised.
+
+    A slot is supervised when its label lies inside the row, has loss_mask == 1 and (packed
+    rows) is in the anchor's document, and every earlier slot of its block is supervised
+    (DeepSpec multiplies its ``eval_mask`` cumulatively along the block). So the gold token
+    before slot k's label, which the Markov head is teacher-forced with, is x[p] for slot 0
+    and slot k-1's label otherwise: always a real token where slot k is trained.
+    """
+    T = input_ids.numel()
+    pos = block_offsets(anchors, block_size) + 1  # (N, B) the label positions p + k + 1
+    inside = pos < T
+    safe = pos.clamp(max=T - 1)
+    valid = inside & loss_mask[safe].bool()
+    if doc_ids is not None:
+        valid &= doc_ids[safe] == doc_ids[anchors][:, None]
+    valid = valid.long().cumprod(dim=1).bool()
     return torch.where(valid, input_ids[safe], torch.full_like(safe, IGNORE_INDEX))
 
 

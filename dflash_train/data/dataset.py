@@ -24,10 +24,11 @@ def row_lengths(ds) -> list[int]:
     return pc.list_value_length(ds.data.column("input_ids")).to_pylist()
 
 
-def anchor_counts(ds, max_length: int, num_anchors: int, rows_per_pass: int = 16384) -> np.ndarray:
+def anchor_counts(ds, max_length: int, num_anchors: int, rows_per_pass: int = 16384,
+                  kind: str = contract.DFLASH) -> np.ndarray:
     """(rows,) how many anchors each conversation gets: min(candidates, num_anchors), where the
     candidates of a conversation truncated to L = min(len, max_length) tokens are the p < L - 1
-    with loss_mask[p + 1] == 1 (``contract.anchor_candidates``).
+    with loss_mask[p + 1] == 1, and for dspark also loss_mask[p] == 1 (``contract.anchor_candidates``).
 
     Read from the Arrow column a slice at a time (a paper-sized dataset holds a billion mask
     values), without decoding rows: packing needs every count before the first step.
@@ -40,6 +41,10 @@ def anchor_counts(ds, max_length: int, num_anchors: int, rows_per_pass: int = 16
             offsets = part.offsets.to_numpy().astype(np.int64)  # (rows + 1,) absolute
             first = offsets[:-1] - offsets[0]  # (rows,) start of each row in the slice's values
             values = part.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+            if kind == contract.DSPARK:
+                # value j becomes mask[j - 1] * mask[j]: "p = j - 1 is a candidate" for j >= 1 of a row;
+                # a row's own first value is never counted below, so the product across rows is harmless.
+                values = values * np.concatenate([[0], values[:-1]])
             csum = np.concatenate([[0], np.cumsum(values)])  # csum[j] = sum of values[:j]
             length = np.minimum(offsets[1:] - offsets[:-1], max_length)
             # candidates p + 1 run over positions 1 .. L-1 of each conversation (none when L <= 1)
@@ -56,8 +61,11 @@ def build_example(
     *,
     block_size: int,
     mask_token_id: int,
+    kind: str = contract.DFLASH,
 ) -> dict:
-    """One row's tensors for ``collate``: block inputs and labels of the given sorted anchors."""
+    """One row's tensors for ``collate``: block inputs and labels of the given sorted anchors
+    (labels by the drafter ``kind``'s slot convention)."""
+    labels = contract.dspark_block_labels if kind == contract.DSPARK else contract.block_labels
     position_ids = torch.arange(input_ids.numel()) if doc_ids is None else document_positions(doc_ids)
     return {
         "input_ids": input_ids,
@@ -66,7 +74,7 @@ def build_example(
         "anchors": anchors,
         "block_ids": contract.block_input_ids(input_ids, anchors, block_size, mask_token_id),  # (N, B)
         "block_position_ids": contract.block_position_ids(position_ids, anchors, block_size),  # (N, B)
-        "labels": contract.block_labels(input_ids, loss_mask, anchors, block_size, doc_ids),  # (N, B)
+        "labels": labels(input_ids, loss_mask, anchors, block_size, doc_ids),  # (N, B)
     }
 
 
@@ -104,8 +112,9 @@ class TrainingData:
 
     def __init__(self, ds, *, max_length: int, packing: bool, seed: int, shuffle: bool,
                  num_anchors: int, block_size: int, mask_token_id: int, indices: list[int] | None = None,
-                 blocks_per_row: int | None = None):
-        """``indices``: the dataset rows to use (a training or validation split); all by default."""
+                 blocks_per_row: int | None = None, kind: str = contract.DFLASH):
+        """``indices``: the dataset rows to use (a training or validation split); all by default.
+        ``kind``: the drafter kind, whose anchor and label rules the examples follow."""
         self.indices = list(range(len(ds))) if indices is None else list(indices)
         if not self.indices:
             raise ValueError("the training dataset is empty")
@@ -117,6 +126,7 @@ class TrainingData:
         self.max_length = max_length
         self.num_anchors, self.block_size, self.mask_token_id = num_anchors, block_size, mask_token_id
         self.blocks_per_row = blocks_per_row
+        self.kind = contract.check_kind(kind)
         all_lengths = row_lengths(ds)
         lengths = [all_lengths[i] for i in self.indices]
         self.num_truncated = sum(n > max_length for n in lengths)
@@ -126,7 +136,7 @@ class TrainingData:
         if packing:
             blocks = None
             if blocks_per_row is not None:
-                counts = anchor_counts(ds, max_length, num_anchors)
+                counts = anchor_counts(ds, max_length, num_anchors, kind=kind)
                 blocks = [int(counts[i]) for i in self.indices]
             self.groups = pack_rows(lengths, max_length, blocks, blocks_per_row)
         else:
@@ -156,7 +166,7 @@ class TrainingData:
     def _anchors(self, index: int, loss_mask: torch.Tensor, epoch: int) -> torch.Tensor:
         """Conversation ``index``'s sorted anchors in ``epoch``, as positions in the conversation."""
         seed = contract.anchor_seed(self.seed, epoch, index)
-        return contract.sample_anchors(contract.anchor_candidates(loss_mask), self.num_anchors, seed)
+        return contract.sample_anchors(contract.anchor_candidates(loss_mask, kind=self.kind), self.num_anchors, seed)
 
     def example(self, row: int, epoch: int) -> dict:
         parts = [self._conversation(i) for i in self.groups[row]]
@@ -168,4 +178,4 @@ class TrainingData:
             anchors.append(self._anchors(i, conv_mask, epoch) + offset)
             offset += conv_ids.numel()
         return build_example(ids, mask, docs, torch.cat(anchors), block_size=self.block_size,
-                             mask_token_id=self.mask_token_id)
+                             mask_token_id=self.mask_token_id, kind=self.kind)

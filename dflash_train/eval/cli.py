@@ -40,6 +40,7 @@ from dflash_train.eval.acceptance import PromptResult, compare_prompt, summarize
 from dflash_train.eval.batched import compare_batch
 from dflash_train.eval.plot import model_name, plot_acceptance
 from dflash_train.eval.report import format_table
+from dflash_train.contract import check_kind
 from dflash_train.model.dflash import check_sampling, check_verify_tokens
 from dflash_train.recipe import HINT, load_command, log_to_stdout
 
@@ -91,6 +92,7 @@ def validate(cfg: EvalConfig, static_batches: bool = False) -> None:
     if cfg.verify_tokens is not None and (isinstance(cfg.verify_tokens, bool) or cfg.verify_tokens < 1):
         raise ValueError(f"verify_tokens={cfg.verify_tokens}: must be >= 1 (and below the drafter's block size), "
                          "or null for the whole block")
+    check_kind(cfg.drafter.kind)
     if cfg.runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {cfg.runtime!r}")
     if cfg.runtime == "static" and cfg.batch_size != 1 and not static_batches:
@@ -225,7 +227,7 @@ def setup(cfg: EvalConfig):
     tokenizer = load_tokenizer(cfg.target.name)
     drafter = _setup_drafter(cfg, target)
     drafter.compile_static_draft = cfg.compile_drafter
-    check_verify_tokens(cfg.verify_tokens, drafter.block_size)  # the bound is the drafter's block size
+    check_verify_tokens(cfg.verify_tokens, drafter.drafts_per_block + 1)  # the bound is the drafts of a block
     resolve_runtime(cfg, target, drafter)  # runtime=static on a target it cannot serve fails here
     datasets = {}
     for label, (name, items) in prompts.items():
@@ -303,6 +305,7 @@ def decode_datasets(cfg: EvalConfig, drafter, target, tokenizer, datasets, stops
 def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], tokenizer) -> dict:
     """Decode every prompt both ways; write results.json and acceptance.png; print the table."""
     block_size = drafter.config.block_size
+    width = drafter.drafts_per_block + 1  # the widest verify: B for DFlash, B + 1 for DSpark
     # Warm both paths once so one-time costs (allocator growth, kernel selection) stay
     # out of the first timed prompt.
     first = next(iter(datasets.values()))[1][: cfg.batch_size]
@@ -310,7 +313,7 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
              cfg.seed)
 
     runtime = "static" if resolve_runtime(cfg, target, drafter) else "dynamic"
-    verify_tokens = check_verify_tokens(cfg.verify_tokens, block_size)
+    verify_tokens = check_verify_tokens(cfg.verify_tokens, width)
     report = {"target": cfg.target.name, "drafter": cfg.drafter_path, "block_size": block_size, "runtime": runtime,
               "verify_tokens": verify_tokens, "config": asdict(cfg), "datasets": {}}
     summaries = {}
@@ -326,7 +329,7 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
     bar.close()
     for label, (name, _) in datasets.items():
         results = decoded[label]
-        summaries[label] = {**summarize(results, block_size, greedy=cfg.temperature == 0),
+        summaries[label] = {**summarize(results, width, greedy=cfg.temperature == 0),
                             "temperature": cfg.temperature, "batch_size": cfg.batch_size, "runtime": runtime,
                             "device": str(cfg.device)}  # on a CPU the table gives the speedup beside the GPU's
         report["datasets"][label] = {"source": name, **summaries[label], "prompts": [r.to_dict() for r in results]}

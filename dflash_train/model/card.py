@@ -15,26 +15,37 @@ from dflash_train.model.io import MANIFEST_NAME as MANIFEST
 from dflash_train.model.io import RECIPE_NAME as RECIPE
 
 
+def _serving(target: str, kind: str, block: int) -> list[str]:
+    """The vLLM and SGLang commands: DFlash drafts B - 1 tokens a step and verifies B, DSpark
+    (DeepSpec's layout, docs/design/dspark-dflash2.md 3.4) drafts B and verifies B + 1."""
+    method, algorithm, drafts = ("dspark", "DSPARK", block) if kind == "dspark" else ("dflash", "DFLASH", block - 1)
+    return [f"vllm serve {target} --speculative-config '{{\"method\": \"{method}\", \"model\": \"DIR\", "
+            f"\"num_speculative_tokens\": {drafts}}}' --attention-backend flash_attn",
+            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
+            f"--speculative-draft-model-path DIR --speculative-num-draft-tokens {drafts + 1}"]
+
+
 def model_card(recipe: dict, manifest: dict | None, table: str | None) -> str:
     target = recipe["target"]["name"]
     d = recipe["drafter"]
+    kind = d.get("kind", "dflash")
+    name = "DSpark" if kind == "dspark" else "DFlash"
+    extra = (f" plus DSpark's low-rank Markov head (rank {d.get('markov_rank')}) and confidence head"
+             if kind == "dspark" else "")
     lines = [
         "---",
         "library_name: transformers",
-        "tags: [dflash, speculative-decoding, block-diffusion, drafter]",
+        f"tags: [{kind}, speculative-decoding, block-diffusion, drafter]",
         "---",
-        f"# DFlash drafter for {target}",
+        f"# {name} drafter for {target}",
         "",
-        f"A {d['num_hidden_layers']}-layer DFlash block-diffusion drafter (block size {d['block_size']}) "
+        f"A {d['num_hidden_layers']}-layer DFlash block-diffusion drafter (block size {d['block_size']}){extra} "
         f"trained with dflash-train for the target `{target}`. It has no embedding and no LM head: "
         "it uses the target's, so serve it with the same target weights.",
         "",
         "## Serving",
         "```",
-        f"vllm serve {target} --speculative-config '{{\"method\": \"dflash\", \"model\": \"DIR\", "
-        f"\"num_speculative_tokens\": {d['block_size'] - 1}}}' --attention-backend flash_attn",
-        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path DIR --speculative-num-draft-tokens {d['block_size']}",
+        *_serving(target, kind, d["block_size"]),
         "```",
         "",
         "## Acceptance (dflash-eval)",

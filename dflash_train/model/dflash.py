@@ -391,13 +391,27 @@ class DFlashDraftModel(PreTrainedModel):
         hidden = self.draft_hidden(target, block_ids, new_features, start, cache)
         return target.get_output_embeddings()(hidden[:, 1:])
 
+    @property
+    def drafts_per_block(self) -> int:
+        """Tokens one drafter forward proposes: slots 1..B-1 (slot 0 holds the anchor)."""
+        return self.block_size - 1
+
+    def first_block(self, anchor: int, room: int, mask_id: int, device) -> torch.Tensor:
+        """(1, W) the block a step drafts: the anchor, then mask tokens; W = min(B, ``room``)."""
+        block = torch.full((1, min(self.block_size, room)), mask_id, dtype=torch.long, device=device)
+        block[0, 0] = anchor
+        return block
+
     @torch.inference_mode()
-    def propose(self, target, block_ids, new_features, start: int, cache: ContextCache, count: int,
-                sampling: "Sampling", generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The first `count` drafts of the block at `start` (count,) and the distribution each
-        was sampled from (count, V), None when greedy. A drafter kind with its own way of
-        picking drafts from the block (dflash2.py's selector) overrides this."""
-        logits = self.draft(target, block_ids, new_features, start, cache)[0, :count]  # (count, V)
+    def propose(self, target, anchor: int, n: int, room: int, new_features, start: int, cache: ContextCache,
+                mask_id: int, sampling: "Sampling", generator):
+        """The first ``n`` drafts after ``anchor`` and, when sampling, the distributions they
+        were drawn from: ((n,) long, (n, V) or None). ``room``: tokens the request may still
+        commit; the block is cut to it, so a short last block is drafted as the width it is.
+        A drafter kind with its own way of picking drafts (dflash2.py's selector, dspark.py's
+        Markov head) overrides this."""
+        block = self.first_block(anchor, room, mask_id, new_features.device)
+        logits = self.draft(target, block, new_features, start, cache)[0, :n]  # (n, V)
         if sampling.greedy:
             return logits.argmax(-1), None
         probs = sampling.probs(logits)
@@ -423,8 +437,8 @@ class DFlashDraftModel(PreTrainedModel):
         time_steps: fill `SpecOutput.step_times` (draft, verify, bookkeeping seconds); on a
         GPU this synchronises the device at every boundary, so leave it off when only
         throughput matters.
-        verify_tokens: drafts the target verifies per step, 1..block_size-1 (None: all of
-        them). The drafter still drafts the whole block it was trained on; a shorter
+        verify_tokens: drafts the target verifies per step, 1..drafts_per_block (None: all
+        of them; B-1 for DFlash). The drafter still drafts the whole block it was trained on; a shorter
         verify costs the target less per step and commits at most verify_tokens + 1 tokens.
         """
         self.eval()
@@ -438,7 +452,8 @@ class DFlashDraftModel(PreTrainedModel):
 
 def check_verify_tokens(verify_tokens: int | None, block_size: int) -> int:
     """The drafts verified per step: ``verify_tokens``, or all B-1 of a block when None.
-    ValueError naming a value outside 1..B-1."""
+    ValueError naming a value outside 1..B-1. (A drafter whose block of B proposes B
+    drafts, DSpark's, passes B + 1.)"""
     if verify_tokens is None:
         return block_size - 1
     if isinstance(verify_tokens, bool) or not isinstance(verify_tokens, int) or not 1 <= verify_tokens < block_size:
@@ -625,7 +640,7 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
     from transformers import DynamicCache
 
     mask_id = check_request(model, input_ids, mask_token_id)
-    verify_width = check_verify_tokens(verify_tokens, model.block_size) + 1  # the anchor and the verified drafts
+    most = check_verify_tokens(verify_tokens, model.drafts_per_block + 1)  # drafts verified per step
     stops = set(stop_token_ids or [])
     device = input_ids.device
     prompt_len = input_ids.shape[1]
@@ -640,18 +655,17 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
     while len(tokens) - prompt_len < max_new_tokens and tokens[-1] not in stops:
         clock.lap()
         start = len(tokens) - 1  # the anchor: last committed token, not yet seen by the target
-        # a block of width L commits at most L tokens (L-1 drafts and the target's next)
-        width = min(model.block_size, max_new_tokens - (len(tokens) - prompt_len))
-        block = torch.full((1, width), mask_id, dtype=torch.long, device=device)
-        block[0, 0] = tokens[-1]
-        checked = min(width, verify_width)  # the block's first slots, the ones the target verifies
+        # n drafts commit at most n + 1 tokens (the accepted drafts and the target's next)
+        room = max_new_tokens - (len(tokens) - prompt_len)
+        n = min(most, room - 1)
+        block = torch.tensor([tokens[-1:]], dtype=torch.long, device=device)  # (1, 1 + n) once drafted
         draft_probs = None
-        if width > 1:
-            drafts, draft_probs = model.propose(target, block, new_features, start, draft_cache, checked - 1, sampling,
-                                                generator)  # (k,), (k, V) or None
-            block[0, 1:checked] = drafts
+        if n > 0:
+            drafts, draft_probs = model.propose(target, tokens[-1], n, room, new_features, start, draft_cache,
+                                                mask_id, sampling, generator)
+            block = torch.cat([block, drafts[None]], dim=1)
         clock.lap("draft")
-        block = block[:, :checked]
+        checked = block.shape[1]
         positions = torch.arange(start, start + checked, device=device)[None]
         out = target(block, position_ids=positions, past_key_values=target_cache, use_cache=True,
                      output_hidden_states=True)

@@ -269,10 +269,12 @@ class DFlash2DraftModel(DFlashDraftModel):
         return total, hits
 
     @torch.inference_mode()
-    def propose(self, target, block_ids, new_features, start: int, cache, count: int, sampling, generator):
+    def propose(self, target, anchor: int, count: int, room: int, new_features, start: int, cache, mask_id: int,
+                sampling, generator):
         """The first `count` drafts of the block by the selector's walk from the anchor, and
         the distribution each was drawn from (count, V) (None when greedy): softmax(score / T)
-        over the slot's K candidates, zero elsewhere."""
+        over the slot's K candidates, zero elsewhere (the arguments as DFlashDraftModel.propose's)."""
+        block_ids = self.first_block(anchor, room, mask_id, new_features.device)
         hidden = self.draft_hidden(target, block_ids, new_features, start, cache)[0, 1:count + 1]  # (k, H)
         logits = target.get_output_embeddings()(hidden).float()  # (k, V)
         unary, cand = logits.topk(self.selector_top_k, dim=-1)  # (k, K)

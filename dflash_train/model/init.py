@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dflash_train.model.dflash import DFlashConfig
-from dflash_train.model.kinds import KINDS, check_kind, kind_of
+from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
+from dflash_train.model.kinds import KINDS, check_kind, kind_of, model_class
 from dflash_train.model.target import decoder_layers
 
 if TYPE_CHECKING:
@@ -38,17 +38,26 @@ def drafter_config(cfg: TrainConfig, target_hf_config) -> DFlashConfig:
     return KINDS[check_kind(d.kind)][0].from_target(
         target_hf_config, mask_token_id=cfg.target.mask_token_id, num_hidden_layers=d.num_hidden_layers,
         block_size=d.block_size, target_layer_ids=d.target_layer_ids, num_features=d.num_features,
-        **kind_settings(d),
+        **kind_settings(d, cfg.data.num_anchors),
     )
 
 
-def kind_settings(d) -> dict:
-    """The model settings of ``d.kind`` (a DrafterConfig) that its config class takes."""
-    if d.kind != "dflash2":
-        return {}
-    s = d.dflash2
-    return dict(conv_kernel_size=s.conv_kernel_size, conv_group_size=s.conv_group_size, selector_rank=s.selector_rank,
-                selector_top_k=s.selector_top_k)
+def kind_settings(d, num_anchors: int | None = None) -> dict:
+    """The model settings of ``d.kind`` (a DrafterConfig) that its config class takes
+    (``num_anchors``: the recipe's, which a DSpark config.json records)."""
+    if d.kind == "dflash2":
+        s = d.dflash2
+        return dict(conv_kernel_size=s.conv_kernel_size, conv_group_size=s.conv_group_size,
+                    selector_rank=s.selector_rank, selector_top_k=s.selector_top_k)
+    if d.kind == "dspark":
+        extra = {} if num_anchors is None else {"num_anchors": num_anchors}
+        return dict(markov_rank=d.markov_rank, markov_head_type=d.markov_head_type, **extra)
+    return {}
+
+
+def new_drafter(config) -> DFlashDraftModel:
+    """A freshly initialised drafter of the kind ``config`` describes."""
+    return model_class(config)(config)
 
 
 def source_layers(num_draft_layers: int, num_target_layers: int) -> list[int]:
@@ -138,7 +147,10 @@ def init_from_checkpoint(drafter: nn.Module, path: str, target, target_weights: 
         raise ValueError(f"drafter.init_from={path}: {err}") from None
     if kind_of(loaded.config) != kind_of(drafter.config):
         raise ValueError(f"drafter.init_from={path}: the checkpoint is a {kind_of(loaded.config)} drafter but this run "
-                         f"builds drafter.kind={kind_of(drafter.config)}")
+                         f"builds a {kind_of(drafter.config)} one (drafter.kind); set drafter.kind={kind_of(loaded.config)}")
+    if kind_of(drafter.config) == "dspark" and drafter.config.markov_rank != loaded.config.markov_rank:
+        raise ValueError(f"drafter.init_from={path}: the checkpoint has markov_rank={loaded.config.markov_rank} but "
+                         f"this run builds {drafter.config.markov_rank} (drafter.markov_rank); set the run to match")
     mine, theirs = _geometry(drafter.config), _geometry(loaded.config)
     diff = [name for name in SAME_AS_RECIPE if mine[name] != theirs[name]]
     if diff:

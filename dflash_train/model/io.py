@@ -6,6 +6,10 @@ so `AutoModel.from_pretrained(dir, trust_remote_code=True)` runs our own code). 
 drafter (`drafter.kind=dflash2`) also carries `dflash2.py`, which imports `dflash.py`
 beside it; its config.json names `DFlash2DraftModel` and holds the four DFlash2 keys in
 `dflash_config`, the layout SGLang and vLLM read (model/dflash2.py).
+
+A DSpark drafter (model/dspark.py) is written in DeepSpec's layout, the one SGLang and vLLM
+read: `architectures: ["Qwen3DSparkModel"]`, its fields at the top level of config.json,
+`markov_head.*` and `confidence_head.*` weights, and no code file (no engine runs ours).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from dflash_train.model.dflash import (
     dflash_field,
     rope_parameters,
 )
+from dflash_train.model.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
+from dflash_train.model.dspark import is_dspark, top_level_fields
 from dflash_train.model.foreign import read_foreign, read_raw_config, read_weights
 from dflash_train.model.kinds import ARCHITECTURES, config_class, kind_of, model_class
 from dflash_train.model.serving import layer_types, serving_conflicts, serving_fields
@@ -39,11 +45,17 @@ RECIPE_NAME = "recipe.yaml"
 MANIFEST_NAME = "data_manifest.json"
 EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME, CODE_NAME, dflash2.CODE_NAME, CARD_NAME, RECIPE_NAME, MANIFEST_NAME)
 # The modelling files beside each kind's weights: {kind: (module, file name)}.
-CODE_FILES = {"dflash": ((dflash, CODE_NAME),), "dflash2": ((dflash, CODE_NAME), (dflash2, dflash2.CODE_NAME))}
+CODE_FILES = {"dflash": ((dflash, CODE_NAME),), "dflash2": ((dflash, CODE_NAME), (dflash2, dflash2.CODE_NAME)),
+              "dspark": ()}  # no engine runs our code for DSpark: DeepSpec's layout, no code file
 REQUIRED_KEYS = (
     "architectures", "model_type", "auto_map", "block_size", "num_target_layers", "num_hidden_layers",
     "dflash_config", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
     "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size",
+)
+# A DSpark export has no code file, so no auto_map; DeepSpec's own model class asserts these top-level keys.
+DSPARK_REQUIRED_KEYS = tuple(k for k in REQUIRED_KEYS if k != "auto_map") + (
+    "mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type", "enable_confidence_head",
+    "confidence_head_with_markov", "num_anchors",
 )
 # Keys that make a runtime read the checkpoint differently than our semantics.
 FORBIDDEN_KEYS = ("eagle_aux_hidden_state_layer_ids",)
@@ -66,7 +78,7 @@ def export_config(config) -> dict:
     out.update(
         architectures=[architecture],
         model_type="qwen3",
-        auto_map={"AutoModel": f"{CODE_FILES[kind][-1][1].removesuffix('.py')}.{architecture}"},
+        auto_map={"AutoModel": f"{CODE_FILES[kind][-1][1].removesuffix('.py')}.{architecture}"} if CODE_FILES[kind] else None,
         block_size=block_size_of(config),
         num_target_layers=int(config.num_target_layers),
         dflash_config={
@@ -86,6 +98,16 @@ def export_config(config) -> dict:
     return out
 
 
+def dspark_export_config(config) -> dict:
+    """A DSpark drafter's config.json: the DFlash keys (backbone geometry, serving keys) plus
+    DeepSpec's top-level DSpark fields, architecture Qwen3DSparkModel, no auto_map. Never
+    ``speculators_model_type``: SGLang refuses a checkpoint that names speculators' dspark."""
+    out = export_config(config)
+    out.pop("auto_map", None)
+    out.update(architectures=[DSPARK_ARCHITECTURE], **top_level_fields(config))
+    return out
+
+
 def _write_export(state: dict, config_dict: dict, tmp: Path) -> None:
     (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -98,7 +120,7 @@ def is_export_dir(path: Path) -> bool:
     """Whether ``path`` is one of our exports: config.json naming DFlashDraftModel, the
     weights and dflash.py, and no file we do not write ourselves."""
     names = {p.name for p in path.iterdir()}
-    if not {CONFIG_NAME, WEIGHTS_NAME, CODE_NAME} <= names or not names <= set(EXPORT_FILES):
+    if not {CONFIG_NAME, WEIGHTS_NAME} <= names or not names <= set(EXPORT_FILES):
         return False
     try:
         config = json.loads((path / CONFIG_NAME).read_text())
@@ -137,7 +159,8 @@ def save_drafter(model: DFlashDraftModel, out_dir, extra_files: dict | None = No
     """
     state = state_dict if state_dict is not None else model.state_dict()
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    config_dict = export_config(model.config)
+    dspark = is_dspark(model.config)
+    config_dict = dspark_export_config(model.config) if dspark else export_config(model.config)
     if target_weights:
         config_dict[TARGET_WEIGHTS_KEY] = target_weights
     # The names and shapes the exported config implies, from a weightless (meta) model:
@@ -169,13 +192,19 @@ def read_config(path) -> DFlashConfig:
     """Parse and check an export's config.json without touching the weights."""
     raw = read_raw_config(Path(path))
     file = Path(path) / CONFIG_NAME
-    missing = [k for k in REQUIRED_KEYS if k not in raw]
+    dspark = raw.get("architectures") == [DSPARK_ARCHITECTURE]
+    missing = [k for k in (DSPARK_REQUIRED_KEYS if dspark else REQUIRED_KEYS) if k not in raw]
     if missing:
         raise ValueError(f"{file}: missing required key(s) {missing}")
     nested = raw["dflash_config"]
     for key in ("mask_token_id", "target_layer_ids"):
         if key not in nested:
             raise ValueError(f"{file}: missing required key dflash_config.{key}")
+    if dspark:
+        for key in ("mask_token_id", "target_layer_ids"):
+            if raw[key] != nested[key]:
+                raise ValueError(f"{file}: {key}={raw[key]!r} but dflash_config.{key}={nested[key]!r}; "
+                                 "the serving engines read the top-level one, our runtime the nested one")
     config = config_class(raw)(**_config_fields(raw))
     validate_config(config)
     return config
@@ -245,7 +274,8 @@ def load_drafter(path, target=None, dtype: torch.dtype | None = None, device="cp
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"drafter path {str(path)!r} is not a directory")
-    mapped = read_foreign(path, None if target is None else target.num_layers)
+    dspark = read_raw_config(path).get("architectures") == [DSPARK_ARCHITECTURE]
+    mapped = None if dspark else read_foreign(path, None if target is None else target.num_layers)
     if mapped is not None:
         validate_config(mapped.config)
     config = read_config(path) if mapped is None else mapped.config

@@ -3,7 +3,8 @@
 A kind is a model and its export, not a second training loop: every kind trains with the
 same data, anchors, masks, trainer, checkpoints and backends. `dflash` is the contract's
 drafter (model/dflash.py); `dflash2` adds z-lab's convolutions and candidate selector
-(model/dflash2.py).
+(model/dflash2.py); `dspark` is DeepSeek's DSpark, whose slots predict one token further and
+whose logits get a low-rank Markov term (model/dspark.py).
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from __future__ import annotations
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 from dflash_train.model.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
 from dflash_train.model.dflash2 import DFlash2Config, DFlash2DraftModel
+from dflash_train.model.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
+from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel, is_dspark
 
-KINDS = {"dflash": (DFlashConfig, DFlashDraftModel), "dflash2": (DFlash2Config, DFlash2DraftModel)}
+KINDS = {"dflash": (DFlashConfig, DFlashDraftModel), "dflash2": (DFlash2Config, DFlash2DraftModel),
+         "dspark": (DSparkConfig, DSparkDraftModel)}
 # config.json `architectures[0]` -> kind
-ARCHITECTURES = {"DFlashDraftModel": "dflash", DFLASH2_ARCHITECTURE: "dflash2"}
+ARCHITECTURES = {"DFlashDraftModel": "dflash", DFLASH2_ARCHITECTURE: "dflash2", DSPARK_ARCHITECTURE: "dspark"}
 
 
 def check_kind(kind: str) -> str:
@@ -24,7 +28,9 @@ def check_kind(kind: str) -> str:
 
 
 def kind_of(config) -> str:
-    """The kind of a drafter config object (a DFlash2Config is a DFlashConfig too)."""
+    """The kind of a drafter config object (a DFlash2Config or DSparkConfig is a DFlashConfig too)."""
+    if is_dspark(config):
+        return "dspark"
     return "dflash2" if isinstance(config, DFlash2Config) else "dflash"
 
 

@@ -551,10 +551,13 @@ def spec_generate(drafter, target, input_ids: torch.LongTensor, max_new_tokens: 
     """
     drafter.eval()
     device = input_ids.device
-    check_verify_tokens(verify_tokens, drafter.block_size)
-    if not drafter.static_runtime:  # a drafter kind whose drafts the static runtime cannot pick (DFlash2's walk)
+    check_verify_tokens(verify_tokens, drafter.drafts_per_block + 1)
+    # A drafter kind whose drafts the static runtime cannot pick (DFlash2's walk, DSpark's whole
+    # block and Markov head) runs the reference loop only: the static runtime's shapes are DFlash's.
+    if not drafter.static_runtime:
         if static:
-            raise ValueError(f"static=True cannot serve a {type(drafter).__name__}: use static=False")
+            raise ValueError(f"static=True: the static runtime serves DFlash drafters only, not "
+                             f"{type(drafter).__name__}; use static=False")
         static = False
     run = speculate_static if use_static(static, target, device) else speculate
     result = run(drafter, target, input_ids, max_new_tokens, Sampling(temperature, top_p, top_k), stop_token_ids,

@@ -228,16 +228,15 @@ def drafter_shape_change(old: dict, config, target_hf_config) -> str | None:
     """The first weight whose shape differs between the drafter of recipe ``old`` and one of
     ``config`` (a DFlashConfig) for the same target, or None: ``name old -> new``."""
     from dflash_train.config import to_train_config
-    from dflash_train.model.init import drafter_config
-    from dflash_train.model.kinds import model_class
+    from dflash_train.model.init import drafter_config, new_drafter
 
     try:
         before_config = drafter_config(to_train_config(OmegaConf.create(old)), target_hf_config)
     except ValueError:  # a recipe this version no longer reads: loading the state will tell
         return None
     with torch.device("meta"):  # names and shapes only
-        before = {k: tuple(v.shape) for k, v in model_class(before_config)(before_config).state_dict().items()}
-        after = {k: tuple(v.shape) for k, v in model_class(config)(config).state_dict().items()}
+        before = {k: tuple(v.shape) for k, v in new_drafter(before_config).state_dict().items()}
+        after = {k: tuple(v.shape) for k, v in new_drafter(config).state_dict().items()}
     for name in sorted(set(before) | set(after)):
         if before.get(name) != after.get(name):
             return f"{name} {before.get(name, 'absent')} -> {after.get(name, 'absent')}"

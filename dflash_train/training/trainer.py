@@ -34,9 +34,8 @@ from dflash_train.distributed.build import build_backend
 from dflash_train.errors import RunError, check_writable_dir
 from dflash_train.eval.report import results_table
 from dflash_train.model.card import model_card_files
-from dflash_train.model.init import drafter_config, init_from_checkpoint, init_from_target, init_summary
+from dflash_train.model.init import drafter_config, init_from_checkpoint, init_from_target, init_summary, new_drafter
 from dflash_train.model.io import check_export_destination, save_drafter
-from dflash_train.model.kinds import model_class
 from dflash_train.model.masks import build_training_masks
 from dflash_train.model.target import (
     TargetModel,
@@ -61,6 +60,7 @@ from dflash_train.training.checkpoint import (
     save_checkpoint,
     step_dir_name,
 )
+from dflash_train.training.dspark_loss import DSparkLossWeights, dspark_loss
 from dflash_train.training.feature_cache import FeatureCache, bytes_needed
 from dflash_train.training.logging import MetricsLogger, MetricWindow, check_sinks, position_accuracy
 from dflash_train.training.loss import Distillation, LossOutput, dflash_loss, selector_term, supervised_blocks
@@ -143,7 +143,8 @@ class Trainer:
             ds = load_generated(cfg.data.path)
             kwargs = dict(max_length=cfg.data.max_length, packing=cfg.data.packing, seed=cfg.seed,
                           num_anchors=cfg.data.num_anchors, block_size=cfg.drafter.block_size,
-                          mask_token_id=cfg.target.mask_token_id, blocks_per_row=cfg.data.blocks_per_row)
+                          mask_token_id=cfg.target.mask_token_id, blocks_per_row=cfg.data.blocks_per_row,
+                          kind=cfg.drafter.kind)
             train_rows = None
             if cfg.data.val_rows:
                 train_rows, val_rows = split_validation(len(ds), cfg.data.val_rows, cfg.seed)
@@ -177,7 +178,7 @@ class Trainer:
         d = cfg.drafter
         self.drafter_config = drafter_config(cfg, target.config)
         torch.manual_seed(cfg.seed)  # the drafter's initial weights depend on the seed only
-        self.drafter = model_class(self.drafter_config)(self.drafter_config)
+        self.drafter = new_drafter(self.drafter_config)
         # {drafter weight: target weight}, written to the run folder by fit (INIT_MAP_FILE)
         self.copied_from_target = init_from_target(self.drafter, target.model) if d.init_from_target else {}
         if d.init_from:  # every weight, so after init_from_target (which it then replaces)
@@ -199,14 +200,20 @@ class Trainer:
         self.layer_ids = self.drafter.target_layer_ids
         gamma = cfg.loss.gamma or contract.default_gamma(d.block_size)
         # On the device: a host tensor would be copied (and waited for) at every use.
-        self.slot_weights = contract.slot_weights(d.block_size, gamma).to(self.backend.device)
+        self.slot_weights = contract.slot_weights(d.block_size, gamma, d.kind).to(self.backend.device)
         self.dpace_alpha = cfg.loss.dpace_alpha if cfg.loss.position_weighting == "dpace" else None
         self.distill = cfg.loss.distill_weight > 0
+        self.dspark = d.kind == contract.DSPARK
+        # The target's final hidden states: distillation's soft targets, DSpark's L1 teacher.
+        self.needs_final = self.distill or self.dspark
+        # Per-position statistics: entry 0 the anchor, entry k the k-th token drafted after it.
+        self.positions = self.drafter.drafts_per_block + 1
         # Compute dtype of the drafter's inputs: bf16 under the backend's mixed precision.
         self.input_dtype = self.backend.mixed_dtype or torch.float32
         self.feature_cache = FeatureCache() if cfg.data.cache_features else None
         if self.feature_cache is not None and self.backend.is_main:
-            size = bytes_needed(self.data.num_tokens, self.drafter.fc.in_features, self.input_dtype)
+            width = self.drafter.fc.in_features + (self.target.hidden_size if self.dspark else 0)
+            size = bytes_needed(self.data.num_tokens, width, self.input_dtype)
             log.info("data.cache_features: the target's features of %d training rows take %.2f GB on %s "
                      "once all are kept (the target runs on each row once)", len(self.data), size / 1e9,
                      self.backend.device)
@@ -278,13 +285,16 @@ class Trainer:
         if cached is not None:
             with torch.inference_mode():
                 noise = self.target.embed_tokens(batch.block_ids)
-            return cached, noise.to(self.input_dtype, copy=True), None
+            final = None
+            if self.dspark:  # kept beside the features (``put`` below)
+                cached, final = cached.split([self.drafter.fc.in_features, self.target.hidden_size], dim=-1)
+            return cached, noise.to(self.input_dtype, copy=True), final
         mask, positions = self.target_mask(batch)
         final = None
         with torch.inference_mode():
             args = (batch.input_ids, self.layer_ids)
             kwargs = dict(attention_mask=mask, position_ids=positions)
-            if self.distill:
+            if self.needs_final:
                 # final stays an inference tensor: the loss only gathers rows of it, outside autograd.
                 feats, final = self.target.features_and_final(*args, **kwargs)
             else:
@@ -293,7 +303,8 @@ class Trainer:
         # copy=True turns inference tensors into ordinary ones that autograd may save.
         feats = feats.to(self.input_dtype, copy=True)
         if self.feature_cache is not None:
-            self.feature_cache.put(batch, feats)
+            # DSpark's L1 teacher, the final hidden states, is kept too (in the features' dtype).
+            self.feature_cache.put(batch, torch.cat([feats, final.to(feats.dtype)], dim=-1) if self.dspark else feats)
         return feats, noise.to(self.input_dtype, copy=True), final
 
     def masks(self, batch: Batch) -> dict:
@@ -305,8 +316,14 @@ class Trainer:
         return self.backend.model(noise, feats, position_ids, attention_mask=masks)  # (b, Q, H)
 
     def loss(self, batch: Batch, hidden: torch.Tensor, final: torch.Tensor | None = None) -> LossOutput:
-        """The step's loss; ``final`` (b, T, H): the target's final hidden states when distilling."""
+        """The step's loss (DSpark's for drafter.kind=dspark); ``final`` (b, T, H): the target's
+        final hidden states when distilling or training DSpark."""
         lc = self.cfg.loss
+        if self.dspark:
+            alphas = DSparkLossWeights(lc.dspark_ce_alpha, lc.dspark_l1_alpha, lc.dspark_confidence_alpha)
+            return dspark_loss(self.drafter, hidden, batch.labels, batch.block_ids, batch.anchors, final,
+                               self.target.lm_head, self.slot_weights, lc.chunk_size, alphas,
+                               index=batch.supervised_index)
         distill = None if final is None else Distillation(final, batch.anchors, lc.distill_weight,
                                                           lc.distill_temperature)
         out = dflash_loss(hidden, batch.labels, self.target.lm_head, self.slot_weights, lc.chunk_size,
@@ -356,7 +373,7 @@ class Trainer:
         # weights, moments and schedule stay as they were, and the norm comes back NaN.
         grad_norm = self.backend.step(loss=sums[0])
         finite = math.isfinite(grad_norm)
-        b = self.drafter.block_size
+        b = self.positions
         return {"finite": finite, "loss_sum": sums[0], "weight_sum": global_weight.double(), "tokens": sums[1],
                 "flops": sums[2], "conversations": sums[3], "correct": sums[4:4 + b], "count": sums[4 + b:],
                 "grad_norm": grad_norm}
@@ -371,10 +388,10 @@ class Trainer:
                                 supervised_slots=s.supervised, mean_anchor=s.context_sum / max(s.blocks, 1))
         cfg = self.target.config
         # attention_pairs / tokens: the mean causal span that makes the target's attention exact.
-        layers_run = self.target.num_layers if self.distill else max(self.layer_ids) + 1
+        layers_run = self.target.num_layers if self.needs_final else max(self.layer_ids) + 1
         target = flops.target_forward_flops(cfg, layers_run, s.tokens, s.attention_pairs / s.tokens)
         return (target + flops.drafter_train_flops(self.drafter, shape)
-                + flops.loss_flops(cfg.hidden_size, self.target.vocab_rows, s.supervised, distill=self.distill))
+                + flops.loss_flops(cfg.hidden_size, self.target.vocab_rows, s.supervised, distill=self.needs_final))
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -382,7 +399,7 @@ class Trainer:
         anchors every time (epoch 0's). The training metrics are measured on rows the
         drafter is fitting; these tell whether it generalises."""
         val = self.val_data
-        b = self.drafter.block_size
+        b = self.positions
         world, rank, per = self.slice.world_size, self.slice.rank, self.slice.micro_batch_size
         sums = torch.zeros(2 + 2 * b, dtype=torch.float64, device=self.backend.device)
         self.drafter.eval()
@@ -478,7 +495,7 @@ class Trainer:
             (self.output_dir / MANIFEST_COPY).write_text(json.dumps(self.manifest, indent=2, sort_keys=True))
         logger = MetricsLogger(cfg.logging, self.output_dir, self.last_step, self.state.step,
                                self.backend.is_main, as_dict(cfg))
-        window = MetricWindow(self.drafter.block_size, flops.measure_matmul_flops(self.backend.device))
+        window = MetricWindow(self.positions, flops.measure_matmul_flops(self.backend.device))
         try:
             while self.state.step < self.last_step:
                 start = time.perf_counter()

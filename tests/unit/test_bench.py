@@ -118,3 +118,24 @@ def test_flex_attention_on_the_cpu_is_refused_before_any_step(tiny, monkeypatch)
     with pytest.raises(ValueError, match=r"^drafter.attention=flex cannot train on the CPU .*add drafter.attention=dense$"):
         bench.main([f"target.name={target}", f"data.path={data}", "target.num_layers=6", "target.mask_token_id=16",
                     "drafter=cpu_small", "drafter.target_layer_ids=[1,3]", "drafter.attention=flex"])
+
+
+def test_the_benchmark_times_a_dspark_drafter(tiny, tmp_path):
+    """drafter.kind=dspark: the same step (its loss runs the target to its head and the Markov
+    head), on real rows and on random ones; the result names the kind."""
+    target, data = tiny
+    common = ["bench.steps=1", "bench.warmup=1", f"target.name={target}", "target.mask_token_id=16",
+              "target.num_layers=6", "drafter=cpu_small", "drafter.target_layer_ids=[1,3]", "data.max_length=96",
+              "data.num_anchors=4"]
+    dspark = [*common, "drafter.kind=dspark", "drafter.markov_rank=16"]
+    real = bench.main([*dspark, f"data.path={data}", f"bench.json={tmp_path / 'real.json'}"])
+    rows = bench.main([*dspark, f"bench.json={tmp_path / 'random.json'}"])
+    dflash = bench.main([*common, f"bench.json={tmp_path / 'dflash.json'}"])
+    for r in (real, rows):
+        assert r["drafter_kind"] == "dspark" and r["step_s"] > 0 and r["phase_ms"]["loss"] > 0
+        assert r["supervised_tokens_per_s"] > 0
+    assert dflash["drafter_kind"] == "dflash"
+    vocab = len(load_tokenizer(SMOLLM2))
+    # the Markov head's W1 and W2 (V x r each) and the confidence head (H + r inputs, a bias)
+    extra = (2 * vocab * 16 + 64 + 16 + 1) / 1e6
+    assert rows["drafter_params_m"] - dflash["drafter_params_m"] == pytest.approx(extra, abs=1e-9)

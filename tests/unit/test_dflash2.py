@@ -226,7 +226,7 @@ def test_fresh_selector_walk_is_the_unary_argmax():
     feats = target_features(target(ids, output_hidden_states=True).hidden_states, drafter.target_layer_ids)
     block = torch.full((1, 4), MASK_ID)
     block[0, 0] = 42
-    drafts, _ = drafter.propose(target, block, feats, 7, ContextCache(), 3, Sampling(), None)
+    drafts, _ = drafter.propose(target, 42, 3, 4, feats, 7, ContextCache(), MASK_ID, Sampling(), None)
     assert drafts.tolist() == drafter.draft(target, block, feats, 7, ContextCache())[0].argmax(-1).tolist()
 
 
@@ -280,7 +280,7 @@ def test_greedy_walk_follows_the_pair_scores_from_the_anchor():
     feats = target_features(out.hidden_states, drafter.target_layer_ids)
     block = torch.full((1, 4), MASK_ID)
     block[0, 0] = 42
-    drafts, probs = drafter.propose(target, block, feats, 7, ContextCache(), 3, Sampling(), None)
+    drafts, probs = drafter.propose(target, 42, 3, 4, feats, 7, ContextCache(), MASK_ID, Sampling(), None)
     assert probs is None
     hidden = drafter.draft_hidden(target, block, feats, 7, ContextCache())[0, 1:]  # (3, H)
     unary, cand = target.get_output_embeddings()(hidden).topk(4, dim=-1)
@@ -304,7 +304,7 @@ def test_sampled_drafts_come_from_the_scattered_candidate_distribution():
     feats = target_features(target(ids, output_hidden_states=True).hidden_states, drafter.target_layer_ids)
     block = torch.full((1, 4), MASK_ID)
     block[0, 0] = 42
-    drafts, probs = drafter.propose(target, block, feats, 7, ContextCache(), 3, Sampling(temperature=0.7),
+    drafts, probs = drafter.propose(target, 42, 3, 4, feats, 7, ContextCache(), MASK_ID, Sampling(temperature=0.7),
                                     torch.Generator().manual_seed(0))
     unary, cand = target.get_output_embeddings()(drafter.draft_hidden(target, block, feats, 7, ContextCache())[0, 1:]
                                                  ).topk(4, dim=-1)
@@ -345,14 +345,15 @@ def test_bundled_runtime_is_lossless_with_the_real_small_target(smollm2, smollm2
     out = spec_generate(drafter, smollm2.model, ids, 24, return_stats=True)
     assert torch.equal(out.output_ids, smollm2.model.generate(ids, max_new_tokens=24, do_sample=False))
     assert out.num_new_tokens == 24
-    with pytest.raises(ValueError, match="static=True cannot serve a DFlash2DraftModel"):
+    with pytest.raises(ValueError, match="static=True: the static runtime serves DFlash drafters only, not DFlash2DraftModel"):
         spec_generate(drafter, smollm2.model, ids, 4, static=True)
 
 
 def test_init_from_a_drafter_of_another_kind_is_a_one_line_error(tiny, tmp_path):
     plain = Trainer(tiny_train_config(tiny["target"], tiny["data"], tmp_path / "plain", max_steps=1, export=True))
     plain.fit()
-    with pytest.raises(ValueError, match="the checkpoint is a dflash drafter but this run builds drafter.kind=dflash2"):
+    with pytest.raises(ValueError, match=r"the checkpoint is a dflash drafter but this run builds a dflash2 one "
+                                         r"\(drafter.kind\); set drafter.kind=dflash"):
         Trainer(_cfg(tiny, tmp_path / "two", max_steps=1, drafter={"init_from": str(tmp_path / "plain" / "export")}))
 
 

@@ -175,7 +175,7 @@ def test_round_trip_drafts_equal(export, target):
     block = torch.full((1, BLOCK), MASK_ID)
     block[0, 0] = 42
     for sampling in (Sampling(), Sampling(temperature=0.8)):
-        proposals = [m.propose(target, block, feats, 7, ContextCache(), BLOCK - 1, sampling,
+        proposals = [m.propose(target, 42, BLOCK - 1, BLOCK, feats, 7, ContextCache(), MASK_ID, sampling,
                                torch.Generator().manual_seed(5)) for m in (drafter, loaded, remote)]
         for drafts, probs in proposals[1:]:
             assert torch.equal(drafts, proposals[0][0])
