@@ -145,9 +145,10 @@ def init_from_checkpoint(drafter: nn.Module, path: str, target, target_weights: 
             check_target_weights(loaded.config, target_weights, "drafter.init_from_other_target=true")
     except ValueError as err:
         raise ValueError(f"drafter.init_from={path}: {err}") from None
-    if kind_of(loaded.config) != kind_of(drafter.config):
-        raise ValueError(f"drafter.init_from={path}: the checkpoint is a {kind_of(loaded.config)} drafter but this run "
-                         f"builds a {kind_of(drafter.config)} one (drafter.kind); set drafter.kind={kind_of(loaded.config)}")
+    theirs, mine = kind_of(loaded.config), kind_of(drafter.config)
+    if theirs != mine:
+        raise ValueError(f"drafter.init_from={path}: the checkpoint is a {theirs} drafter but this run builds a {mine} "
+                         f"one (drafter.kind); set drafter.kind={theirs}")
     if kind_of(drafter.config) == "dspark" and drafter.config.markov_rank != loaded.config.markov_rank:
         raise ValueError(f"drafter.init_from={path}: the checkpoint has markov_rank={loaded.config.markov_rank} but "
                          f"this run builds {drafter.config.markov_rank} (drafter.markov_rank); set the run to match")

@@ -78,7 +78,8 @@ def export_config(config) -> dict:
     out.update(
         architectures=[architecture],
         model_type="qwen3",
-        auto_map={"AutoModel": f"{CODE_FILES[kind][-1][1].removesuffix('.py')}.{architecture}"} if CODE_FILES[kind] else None,
+        auto_map=({"AutoModel": f"{CODE_FILES[kind][-1][1].removesuffix('.py')}.{architecture}"}
+                  if CODE_FILES[kind] else None),  # dspark: no code file (dspark_export_config drops the key)
         block_size=block_size_of(config),
         num_target_layers=int(config.num_target_layers),
         dflash_config={
