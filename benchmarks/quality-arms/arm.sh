@@ -6,7 +6,10 @@
 #   bash benchmarks/quality-arms/arm.sh WAIT_S QUEUE [QUEUE ...]
 # QUEUE k runs on GPU k-1: one arm, or several separated by commas, one after another (on a
 # 2-GPU machine `arm.sh 540 a-shared,guard0 c-all-turns-magpie` runs arms a and c side by side
-# on one host, then the quality guard's seed 0 alone on the first GPU).
+# on one host, then the quality guard's seed 0 alone on the first GPU). Guard items: guard0, and
+# guard3-cosine / -wsd / -dflash2 / -dspark (3 seeds side by side; judge one against another with
+# quality_guard.py --metrics /tmp/arm-guard3-wsd --baseline /tmp/arm-guard3-cosine). verify-ks-ARM
+# after ARM in its queue: ARM's export decoded at batch 1 with verify_tokens 3, 7 and 15 (eval.speed).
 # Run by every call of a lease's chain (benchmarks/gpu/setup.sh carries the GGUF over in parts):
 # the first call with the GGUF whole starts the queues, each in its own session; every call
 # follows them for up to WAIT_S seconds and brings back what they have ($OUT/results.tgz, one
@@ -33,12 +36,26 @@ arm_args() {  # the dflash-quality arguments of arm $1 (run folder /tmp/arm-$1)
     *) echo "arm.sh: unknown arm '$1'"; return 2 ;;
   esac
 }
+guard_overrides() {  # the dflash-train overrides of a guard3 variant
+  case $1 in
+    cosine) echo "" ;;  # the recipe's schedule: the A side of guard3-wsd in the same lease
+    wsd) echo "optim.schedule=wsd" ;;
+    dflash2) echo "drafter.kind=dflash2" ;;
+    dspark) echo "drafter.kind=dspark loss.position_weighting=decay" ;;  # DSpark weights slots by exp(-k/gamma) only
+    *) echo "arm.sh: unknown guard variant '$1'" >&2; return 2 ;;
+  esac
+}
 queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one after another
   local arm
   for arm in ${1//,/ }; do
-    if [[ $arm = guard* ]]; then  # guard0: the guard's seed 0; guard3-wsd: seeds 0-2 side by side, optim.schedule=wsd
-      local g=(--seeds 0); [[ $arm = guard3* ]] && g=(--seeds 0 1 2 --parallel 3); [[ $arm = *-wsd ]] && g+=(optim.schedule=wsd)
+    if [[ $arm = guard* ]]; then
+      # guard0: the guard's seed 0; guard3[-VARIANT]: seeds 0-2 side by side, VARIANT one of guard_overrides'
+      local g=(--seeds 0); [[ $arm = guard3* ]] && g=(--seeds 0 1 2 --parallel 3)
+      [[ $arm = *-* ]] && { g+=($(guard_overrides ${arm#*-})) || exit 2; }
       echo "date +%s > /tmp/arm-$arm.t0; python3 -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf --data /tmp/data/sharegpt-qwen25-coder-05b --out /tmp/arm-$arm ${g[*]} > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
+    elif [[ $arm = verify-ks-* ]]; then  # verify-ks-ARM: issue 41's table, ARM's export at batch 1, k = 3, 7, 15
+      local src=/tmp/arm-${arm#verify-ks-} k
+      echo "date +%s > /tmp/arm-$arm.t0; for k in 3 7 15; do echo \"== verify_tokens=\$k\"; python3 -m dflash_train.eval.speed target=qwen25_coder_05b target.name=/tmp/qwen25coder05b.gguf drafter_path=$src/export device=cuda runtime=static batch_size=1 compile_drafter=true verify_tokens=\$k datasets=[mtbench] limit=20 max_new_tokens=256 output_dir=/tmp/arm-$arm/k\$k; done > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
     else
       arm_args $arm || exit 2
       printf '%q ' python3 -m dflash_train.quality "${ARGS[@]}" > /tmp/arm-$arm.cmd
@@ -62,7 +79,7 @@ for a in $ARMS; do
   R=/tmp/arm-$a
   [ -f $R.t0 ] || { echo "== $a: not started"; continue; }
   echo "== $a: $(( $(cat $R.t1 2>/dev/null || date +%s) - $(cat $R.t0) )) s$([ -f $R.t1 ] && echo ', finished')"
-  grep -E "^\[|EXIT|quality run|^\||summary|budget|tok/s|rows written|skipped|error|Error|PASS|FAIL|median" $R.log | cut -c1-240 | tail -30
+  grep -E "^\[|^static |^== verify|EXIT|quality run|^\||summary|budget|tok/s|rows written|skipped|error|Error|PASS|FAIL|median" $R.log | cut -c1-240 | tail -30
   [ -f $R/train/metrics.jsonl ] && tail -1 $R/train/metrics.jsonl | cut -c1-240
   echo "recompilations: $(grep -ciE 'recompil' $R.log)"
   K=/tmp/keep/$a; mkdir -p $K; cp $R.log $K/ 2>/dev/null
