@@ -147,12 +147,12 @@ def settings(run, options: ModeloptOptions) -> dict:
 def check_run_dir(run_dir: Path, now: dict) -> None:
     """Refuse a run_dir with another run's files or other settings; record these settings."""
     from dflash_train.errors import check_own_folder, check_writable_dir, folder_writer
+    from dflash_train.quality import settings_changes
 
     check_own_folder(run_dir, "run_dir", PROG, OWN_FILES, lambda folder: folder_writer(folder) == PROG)
     path = run_dir / RUN_FILE
     before = json.loads(path.read_text())["settings"] if path.exists() else now
-    changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
-               if before.get(k) != now.get(k)]
+    changed = settings_changes(before, now)
     if changed:
         raise ValueError(f"run_dir {str(run_dir)!r} holds a run with other settings ({'; '.join(changed)}): rerun "
                          "with its settings to finish it, or use a new run_dir")
@@ -328,7 +328,7 @@ def train(model, ds, rows, cfg, run, options: ModeloptOptions, device, started: 
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # recipe: tf32
     budget, warmup, probe = run.cfg.budget_min * 60, run.cfg.warmup_steps, run.cfg.probe_steps
     gen = torch.Generator().manual_seed(cfg.seed)
-    order, step, tokens, t_warm = [], 0, 0, None
+    order, step, tokens, window_t0 = [], 0, 0, None
     model.train()
     with metrics_file.open("w") as out:
         while time.time() - started < budget and (schedule.total is None or step < schedule.total):
@@ -345,11 +345,12 @@ def train(model, ds, rows, cfg, run, options: ModeloptOptions, device, started: 
             step += 1
             tokens += int(batch["attention_mask"].sum())
             if step == warmup:
-                t_warm, window_start = time.time(), step  # after the first steps' one-off costs (allocator, kernels)
+                # the first timing window starts after the first steps' one-off costs (allocator, kernels)
+                window_t0, window_start = time.time(), step
             if step == probe or refit_due(step, probe, schedule.total):
                 # the speed of the latest window: from the warm-up to the probe, then the last REFIT_EVERY steps
-                per_step = (time.time() - t_warm) / (step - window_start)
-                t_warm, window_start = time.time(), step
+                per_step = (time.time() - window_t0) / (step - window_start)
+                window_t0, window_start = time.time(), step
                 schedule.total = last_step(step, budget, time.time() - started, per_step)
                 log(f"step {step}: {per_step:.3f} s per step, the schedule ends at step {schedule.total}")
             if step % 50 == 0 or step == 1:

@@ -150,15 +150,22 @@ def block_labels(
     Ignored: the anchor slot, positions >= T, positions with loss_mask == 0 and (packed
     rows) positions in another document than the anchor.
     """
-    T = input_ids.numel()
     pos = block_offsets(anchors, block_size)  # (N, B)
-    inside = pos < T
-    safe = pos.clamp(max=T - 1)
-    valid = inside & loss_mask[safe].bool()
-    if doc_ids is not None:
-        valid &= doc_ids[safe] == doc_ids[anchors][:, None]
+    valid, safe = _label_positions(pos, input_ids.numel(), loss_mask, anchors, doc_ids)
     valid[:, ANCHOR_SLOT] = False
     return torch.where(valid, input_ids[safe], torch.full_like(safe, IGNORE_INDEX))
+
+
+def _label_positions(pos: torch.Tensor, T: int, loss_mask: torch.Tensor, anchors: torch.Tensor,
+                     doc_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid, safe), both (N, B), for label positions ``pos`` in a row of ``T`` tokens: valid
+    where the position lies inside the row, has loss_mask == 1 and (packed rows) is in the
+    anchor's document; safe is ``pos`` clamped into the row, for indexing."""
+    safe = pos.clamp(max=T - 1)
+    valid = (pos < T) & loss_mask[safe].bool()
+    if doc_ids is not None:
+        valid &= doc_ids[safe] == doc_ids[anchors][:, None]
+    return valid, safe
 
 
 def dspark_block_labels(
@@ -176,13 +183,8 @@ def dspark_block_labels(
     before slot k's label, which the Markov head is teacher-forced with, is x[p] for slot 0
     and slot k-1's label otherwise: always a real token where slot k is trained.
     """
-    T = input_ids.numel()
     pos = block_offsets(anchors, block_size) + 1  # (N, B) the label positions p + k + 1
-    inside = pos < T
-    safe = pos.clamp(max=T - 1)
-    valid = inside & loss_mask[safe].bool()
-    if doc_ids is not None:
-        valid &= doc_ids[safe] == doc_ids[anchors][:, None]
+    valid, safe = _label_positions(pos, input_ids.numel(), loss_mask, anchors, doc_ids)
     valid = valid.long().cumprod(dim=1).bool()
     return torch.where(valid, input_ids[safe], torch.full_like(safe, IGNORE_INDEX))
 

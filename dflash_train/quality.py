@@ -346,6 +346,12 @@ def _ours(run_dir: Path) -> bool:
     return False
 
 
+def settings_changes(before: dict, now: dict) -> list[str]:
+    """``key old -> new`` for every setting that differs between two recorded runs."""
+    return [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
+            if before.get(k) != now.get(k)]
+
+
 def check_run(run: QualityRun, run_dir: Path) -> None:
     """Refuse a run dir holding a run with other settings (or not a run of ours at all);
     record this run's settings in a new one."""
@@ -358,8 +364,7 @@ def check_run(run: QualityRun, run_dir: Path) -> None:
         before = {**now, "budget_min": json.loads(plan.read_text())["budget_min"]}
     else:
         before = now
-    changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
-               if before.get(k) != now.get(k)]
+    changed = settings_changes(before, now)
     if changed:
         raise ValueError(f"run_dir {str(run_dir)!r} holds a quality run with other settings ({'; '.join(changed)}): "
                          "rerun with its settings to finish it, or use a new run_dir for a new plan")

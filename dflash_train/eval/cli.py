@@ -133,7 +133,7 @@ def _load_prompts(entries: list[dict]) -> dict[str, tuple[str, list[BenchmarkPro
 
 def _setup_drafter(cfg: EvalConfig, target):
     from dflash_train.model.init import kind_settings
-    from dflash_train.model.kinds import KINDS, check_kind
+    from dflash_train.model.kinds import KINDS
 
     dtype = target.model.dtype
     if cfg.drafter_path != RANDOM_DRAFTER:

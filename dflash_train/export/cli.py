@@ -29,7 +29,7 @@ from dflash_train.export.hub import push_to_hub
 from dflash_train.model.card import model_card_files
 from dflash_train.model.init import drafter_config
 from dflash_train.model.io import check_export_destination, save_drafter
-from dflash_train.model.kinds import model_class
+from dflash_train.model.kinds import new_drafter
 from dflash_train.model.target import resolve_target, weights_digest
 from dflash_train.recipe import HINT, load_command
 from dflash_train.run_lock import hold_folder
@@ -66,7 +66,7 @@ def export_checkpoint(ckpt: Path, out: Path, eval_results: str | None = None) ->
     cfg = to_train_config(OmegaConf.load(ckpt / CONFIG_FILE))
     config = drafter_config(cfg, AutoConfig.from_pretrained(resolve_target(cfg.target.name)))
     with torch.device("meta"):  # only the config is needed; the weights come from the checkpoint
-        shell = model_class(config)(config)
+        shell = new_drafter(config)
     try:
         state = read_model_state(ckpt)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as err:

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
-from dflash_train.model.kinds import KINDS, check_kind, kind_of, model_class
+from dflash_train.model.dflash import DFlashConfig
+from dflash_train.contract import check_kind
+from dflash_train.model.kinds import KINDS, kind_of
 from dflash_train.model.target import decoder_layers
 
 if TYPE_CHECKING:
@@ -53,11 +54,6 @@ def kind_settings(d, num_anchors: int | None = None) -> dict:
         extra = {} if num_anchors is None else {"num_anchors": num_anchors}
         return dict(markov_rank=d.markov_rank, markov_head_type=d.markov_head_type, **extra)
     return {}
-
-
-def new_drafter(config) -> DFlashDraftModel:
-    """A freshly initialised drafter of the kind ``config`` describes."""
-    return model_class(config)(config)
 
 
 def source_layers(num_draft_layers: int, num_target_layers: int) -> list[int]:

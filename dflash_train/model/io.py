@@ -33,7 +33,7 @@ from dflash_train.model.dflash import (
 from dflash_train.model.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
 from dflash_train.model.dspark import is_dspark, top_level_fields
 from dflash_train.model.foreign import read_foreign, read_raw_config, read_weights
-from dflash_train.model.kinds import ARCHITECTURES, config_class, kind_of, model_class
+from dflash_train.model.kinds import ARCHITECTURES, config_class, kind_of, new_drafter
 from dflash_train.model.serving import layer_types, serving_conflicts, serving_fields
 
 CONFIG_NAME = "config.json"
@@ -171,7 +171,7 @@ def save_drafter(model: DFlashDraftModel, out_dir, extra_files: dict | None = No
     if conflicts:
         raise ValueError(f"{out_dir}: " + "; ".join(conflicts))
     with torch.device("meta"):
-        expected = model_class(written)(written).state_dict()
+        expected = new_drafter(written).state_dict()
     check_weights(state, expected, out_dir)
     check_finite(state, out_dir)
 
@@ -284,7 +284,7 @@ def load_drafter(path, target=None, dtype: torch.dtype | None = None, device="cp
         validate_against_target(config, target)
     file = path / WEIGHTS_NAME
     state = read_weights(path) if mapped is None else mapped.state
-    model = model_class(config)(config)
+    model = new_drafter(config)
     check_weights(state, model.state_dict(), file)
     check_finite(state, file)
     model.load_state_dict(state, strict=True)

@@ -9,29 +9,25 @@ whose logits get a low-rank Markov term (model/dspark.py).
 
 from __future__ import annotations
 
+from dflash_train.contract import DFLASH, DFLASH2, DSPARK
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 from dflash_train.model.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
 from dflash_train.model.dflash2 import DFlash2Config, DFlash2DraftModel
 from dflash_train.model.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
 from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel, is_dspark
 
-KINDS = {"dflash": (DFlashConfig, DFlashDraftModel), "dflash2": (DFlash2Config, DFlash2DraftModel),
-         "dspark": (DSparkConfig, DSparkDraftModel)}
+# One entry per contract.DRAFTER_KINDS (contract.check_kind refuses any other kind name)
+KINDS = {DFLASH: (DFlashConfig, DFlashDraftModel), DFLASH2: (DFlash2Config, DFlash2DraftModel),
+         DSPARK: (DSparkConfig, DSparkDraftModel)}
 # config.json `architectures[0]` -> kind
-ARCHITECTURES = {"DFlashDraftModel": "dflash", DFLASH2_ARCHITECTURE: "dflash2", DSPARK_ARCHITECTURE: "dspark"}
-
-
-def check_kind(kind: str) -> str:
-    if kind not in KINDS:
-        raise ValueError(f"drafter kind {kind!r}; expected one of {list(KINDS)}")
-    return kind
+ARCHITECTURES = {"DFlashDraftModel": DFLASH, DFLASH2_ARCHITECTURE: DFLASH2, DSPARK_ARCHITECTURE: DSPARK}
 
 
 def kind_of(config) -> str:
     """The kind of a drafter config object (a DFlash2Config or DSparkConfig is a DFlashConfig too)."""
     if is_dspark(config):
-        return "dspark"
-    return "dflash2" if isinstance(config, DFlash2Config) else "dflash"
+        return DSPARK
+    return DFLASH2 if isinstance(config, DFlash2Config) else DFLASH
 
 
 def model_class(config) -> type[DFlashDraftModel]:
@@ -39,7 +35,12 @@ def model_class(config) -> type[DFlashDraftModel]:
     return KINDS[kind_of(config)][1]
 
 
+def new_drafter(config) -> DFlashDraftModel:
+    """A freshly initialised drafter of the kind ``config`` describes."""
+    return model_class(config)(config)
+
+
 def config_class(raw: dict) -> type[DFlashConfig]:
     """The config class of a config.json dict, by its `architectures` (DFlash when absent)."""
     archs = raw.get("architectures") or ["DFlashDraftModel"]
-    return KINDS[ARCHITECTURES.get(str(archs[0]), "dflash")][0]
+    return KINDS[ARCHITECTURES.get(str(archs[0]), DFLASH)][0]

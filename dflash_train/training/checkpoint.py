@@ -228,7 +228,8 @@ def drafter_shape_change(old: dict, config, target_hf_config) -> str | None:
     """The first weight whose shape differs between the drafter of recipe ``old`` and one of
     ``config`` (a DFlashConfig) for the same target, or None: ``name old -> new``."""
     from dflash_train.config import to_train_config
-    from dflash_train.model.init import drafter_config, new_drafter
+    from dflash_train.model.init import drafter_config
+    from dflash_train.model.kinds import new_drafter
 
     try:
         before_config = drafter_config(to_train_config(OmegaConf.create(old)), target_hf_config)

@@ -34,8 +34,9 @@ from dflash_train.distributed.build import build_backend
 from dflash_train.errors import RunError, check_writable_dir
 from dflash_train.eval.report import results_table
 from dflash_train.model.card import model_card_files
-from dflash_train.model.init import drafter_config, init_from_checkpoint, init_from_target, init_summary, new_drafter
+from dflash_train.model.init import drafter_config, init_from_checkpoint, init_from_target, init_summary
 from dflash_train.model.io import check_export_destination, save_drafter
+from dflash_train.model.kinds import new_drafter
 from dflash_train.model.masks import build_training_masks
 from dflash_train.model.target import (
     TargetModel,
