@@ -174,7 +174,7 @@ def train(args) -> Path:
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"quality guard: --out {out} is not empty; give a new folder")
     out.mkdir(parents=True, exist_ok=True)
-    todo, running, t0 = list(args.seeds), [], time.time()
+    todo, running, failed, t0 = list(args.seeds), [], [], time.time()
     while todo or running:
         while todo and len(running) < args.parallel:
             seed = todo.pop(0)
@@ -188,10 +188,21 @@ def train(args) -> Path:
             running.remove(item)
             seed, proc, log = item
             log.close()
-            if proc.returncode:
-                raise SystemExit(f"quality guard: seed {seed} failed (exit {proc.returncode}); see {log.name}")
+            if proc.returncode:  # the other seeds run on: what they measure is kept
+                failed.append((seed, proc.returncode, Path(log.name)))
+                print(f"seed {seed} failed (exit {proc.returncode}); its log's last lines:", flush=True)
+                print(log_tail(Path(log.name)), flush=True)
+                continue
             print(f"seed {seed} trained ({time.time() - t0:.0f} s since the start)", flush=True)
+    if failed:
+        raise SystemExit("quality guard: " + "; ".join(f"seed {s} failed (exit {rc}), see {p}" for s, rc, p in failed))
     return out
+
+
+def log_tail(path: Path, lines: int = 15, width: int = 240) -> str:
+    """The last lines of a run's log, each cut to ``width`` (progress bars rewrite one line)."""
+    text = path.read_text(errors="replace").replace("\r", "\n").splitlines()
+    return "\n".join("    " + line[:width] for line in text[-lines:])
 
 
 def _load(path: Path) -> dict[int, list[dict]]:

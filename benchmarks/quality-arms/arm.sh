@@ -86,6 +86,7 @@ for a in $ARMS; do
   cp $R/quality.json $R/plan.json $R/datagen_seconds.json $R/train_seconds.json $R/data/manifest.json $K/ 2>/dev/null
   cp $R/train/metrics.jsonl $K/train_metrics.jsonl 2>/dev/null; cp $R/eval/results.json $K/eval_results.json 2>/dev/null
   for m in $R/seed-*/metrics.jsonl; do [ -f $m ] && cp $m $K/$(basename $(dirname $m))_metrics.jsonl; done
+  for l in $R/seed-*.log; do [ -f $l ] && tail -c 20000 $l > $K/$(basename $l); done  # a guard seed's log, its end
   # A generated data set comes back too (gzipped tar in parts of 15 MB), once its arm has finished,
   # so that later leases can train on it without generating it again (carry it as .gpu/data).
   if [ -f $R.t1 ] && [ -f $R/data/manifest.json ] && [ ! -f $R.data-sent ]; then

@@ -131,3 +131,24 @@ def test_the_pinned_figures_cover_the_arm(guard):
     assert sorted(pinned["seeds"]) == ["0", "1", "2"]
     assert all(sorted(map(int, taus)) == [150, 300, 450, 600] for taus in pinned["seeds"].values())
     assert sorted(map(int, pinned["seed_sd"])) == [150, 300, 450, 600]
+
+
+def test_a_failed_seed_shows_its_log_and_the_others_run_on(guard, tmp_path, capsys):
+    """Seeds run as real dflash-train processes; one refused (a drafter kind that does not exist)
+    ends the guard with every failed seed named, each log's last lines printed, and the others'
+    folders kept."""
+    data = tmp_path / "none"
+    with pytest.raises(SystemExit) as end:
+        guard.main(["--target", "smollm2", "--data", str(data), "--out", str(tmp_path / "g"),
+                    "--seeds", "0", "1", "--parallel", "2", "drafter.kind=dflash9"])
+    assert str(end.value).startswith("quality guard: seed 0 failed (exit 2), see ")
+    assert "seed 1 failed (exit 2)" in str(end.value)
+    out = capsys.readouterr().out
+    assert out.count("its log's last lines:") == 2
+    assert out.count("    dflash-train: error: drafter.kind='dflash9'; expected one of") == 2  # each seed's tail
+
+
+def test_log_tail_splits_progress_bars_and_cuts_lines(guard, tmp_path):
+    log = tmp_path / "seed-0.log"
+    log.write_text("start\n" + "\r".join(f"bar {i}%" for i in range(5)) + "\n" + "x" * 500 + "\nerror: boom\n")
+    assert guard.log_tail(log, lines=3, width=10).splitlines() == ["    bar 4%", "    xxxxxxxxxx", "    error: boo"]
