@@ -125,6 +125,11 @@ def check_settings(cfg, options: ModeloptOptions) -> None:
     if cfg.seconds_per_step is not None or cfg.startup_s:
         raise ValueError(f"seconds_per_step={cfg.seconds_per_step} startup_s={cfg.startup_s:g} are dflash-train's "
                          "timings; Model-Optimizer's steps are timed in the run itself (probe_steps, warmup_steps)")
+    extras = [f"{key}={getattr(cfg, key):g}" for key in ("validation_s", "checkpoint_s", "export_s")
+              if getattr(cfg, key)]
+    if extras:
+        raise ValueError(f"{' '.join(extras)}: dflash-train's timings for dflash-quality's plan; this comparison "
+                         "times its own steps in the run itself")
     if cfg.data.val_rows < 1:
         raise ValueError(f"data.val_rows={cfg.data.val_rows}: the held-out expected tau needs at least one held-out row")
     if options.seq_len < 1:

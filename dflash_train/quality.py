@@ -8,10 +8,13 @@ Four stages, each the project's own command, after an optional fifth that makes 
              datagen_budget_min minutes after loading the target (magpie prompts, answers), when
              data.path is not given: the target writes its own training set; the eval datasets
              are excluded from its prompts
-  1. probe   dflash-train for a few steps (a metric line per step, no export): seconds per
-             step after the warm-up steps (compilation) and the start-up time before them
-  2. plan    max_steps = (budget - start-up) / seconds per step; the warmup + cosine schedule
-             spans exactly those steps (optim.schedule_steps), whatever the epochs would say
+  1. probe   dflash-train for a few steps (a metric line per step) on the train stage's
+             shapes: seconds per step after the warm-up steps (compilation), the start-up
+             time before them, and what one checkpoint, one validation of the held-out rows
+             and the final save and export take
+  2. plan    max_steps = the most steps whose stage fits the budget with its start-up,
+             validations, checkpoints and export counted (plan.json lists each part); the
+             warmup + cosine schedule spans exactly those steps (optim.schedule_steps)
   3. train   dflash-train with that plan and data.val_rows held out; exports the drafter
   4. eval    dflash-eval of the export on MT-Bench and HumanEval (first N prompts, M tokens)
 and prints one table: training minutes, steps, conversations seen, held-out expected tau,
@@ -44,7 +47,7 @@ from pathlib import Path
 
 from omegaconf import MISSING
 
-from dflash_train.config import TargetConfig
+from dflash_train.config import TargetConfig, TrainConfig
 from dflash_train.console import command_lines
 from dflash_train.errors import check_own_folder, check_writable_dir, run_command
 from dflash_train.recipe import HINT, compose_recipe, parse_command_line, quote_value, recipe_choices, to_config
@@ -59,6 +62,16 @@ RUN_FILE, PLAN_FILE = "run.json", "plan.json"
 OWN_FILES = (RUN_FILE, PLAN_FILE, "datagen_seconds.json", "train_seconds.json", "eval_seconds.json", "quality.json",
              "data/*", "probe/*", "train/*", "eval/*")
 DATA_DIR = "data"  # the datagen stage's output inside run_dir
+# The train stage's checkpoints over its steps, the final save included (about: an interval
+# of ceil(steps / CHECKPOINTS)), unless train=[...] sets checkpoint.every.
+CHECKPOINTS = 10
+# The plan's checkpoint.every while composing the train stage's recipe to see whether
+# train=[...] sets one: no recipe can hold it (intervals are >= 0).
+UNSET = -1
+# The probe's steps beyond the steady ones: one that carries a checkpoint, one a validation.
+PROBE_EXTRA_STEPS = 2
+# Settings added after runs were recorded, with the value those runs had in effect.
+ADDED_SETTINGS = {"validation_s": 0.0, "checkpoint_s": 0.0, "export_s": 0.0}
 # The target keys dflash-datagen takes (data_gen.config.TargetConfig's fields; data_gen sits
 # above this module, so they are named here and a test holds them equal): the command line's
 # other target keys (target.compile) are training's.
@@ -88,6 +101,9 @@ class QualityConfig:
     warmup_steps: int = 3
     seconds_per_step: float | None = None
     startup_s: float = 0.0
+    validation_s: float = 0.0
+    checkpoint_s: float = 0.0
+    export_s: float = 0.0
     datasets: list[str] = field(default_factory=lambda: list(DATASETS))
     limit: int = 40
     max_new_tokens: int = 256
@@ -155,9 +171,84 @@ def step_timing(lines: list[dict], warmup: int, launched: float) -> tuple[float,
     return per_step, startup
 
 
-def plan_steps(budget_s: float, per_step: float, startup: float) -> int:
-    """Optimizer steps that fit the budget after start-up (at least one)."""
-    return max(1, math.floor((budget_s - startup) / per_step))
+@dataclass
+class StageCosts:
+    """Seconds the train stage spends: start-up (loading, compiling), one step, one validation,
+    one checkpoint (the final save is one) and, after the final save, the export and the exit."""
+
+    per_step: float
+    startup: float = 0.0
+    validation: float = 0.0
+    checkpoint: float = 0.0
+    export: float = 0.0
+
+
+def probe_costs(lines: list[dict], warmup: int, launched: float, finished: float) -> StageCosts:
+    """The train stage's costs from the probe's metric lines (one a step, the time each was
+    written) and the probe's launch and finish. The probe of P steps is timed in steps 1..P-2
+    (the first ``warmup`` of them start-up), writes a checkpoint after step P-2's line (so it
+    is in step P-1's time), validates at step P before its line, then saves and exports."""
+    times = {m["step"]: m["time"] for m in lines}
+    last = max(times, default=0)
+    if last < warmup + 1 + PROBE_EXTRA_STEPS:
+        raise ValueError(f"the probe logged {last} steps; it needs warmup_steps={warmup} + {1 + PROBE_EXTRA_STEPS}")
+    steady = last - PROBE_EXTRA_STEPS
+    per_step, startup = step_timing([m for m in lines if m["step"] <= steady], warmup, launched)
+    checkpoint = max(0.0, times[steady + 1] - times[steady] - per_step)
+    validation = max(0.0, times[last] - times[steady + 1] - per_step)
+    return StageCosts(per_step, startup, validation, checkpoint, max(0.0, finished - times[last] - checkpoint))
+
+
+def checkpoint_interval(steps: int) -> int:
+    """The plan's checkpoint.every: at most CHECKPOINTS checkpoints, the final one included."""
+    return -(-steps // CHECKPOINTS)
+
+
+@dataclass
+class Schedule:
+    """When the train stage validates and checkpoints (the trainer's rules, its settings)."""
+
+    val_every: int  # data.val_every; 0: only at the last step
+    held_out: bool  # data.val_rows > 0
+    checkpoint_every: int | None  # train=[...]'s checkpoint.every; None: the plan's interval
+
+    def validations(self, steps: int) -> int:
+        """Every val_every steps and at the last step."""
+        if not self.held_out:
+            return 0
+        return steps // self.val_every + (steps % self.val_every != 0) if self.val_every else 1
+
+    def checkpoints(self, steps: int) -> int:
+        """Every `checkpoint.every` steps before the last, then the final save."""
+        every = checkpoint_interval(steps) if self.checkpoint_every is None else self.checkpoint_every
+        return ((steps - 1) // every if every else 0) + 1
+
+    def most_checkpoints(self, steps: int) -> int:
+        """At least ``checkpoints(steps)`` and never fewer for more steps: the plan's interval
+        grows in jumps (10 steps write 10 checkpoints, 11 write 6), this count does not."""
+        return min(steps, CHECKPOINTS) if self.checkpoint_every is None else self.checkpoints(steps)
+
+
+def stage_parts(steps: int, costs: StageCosts, schedule: Schedule, checkpoints: int) -> dict[str, float]:
+    """The train stage's seconds, part by part, for ``steps`` steps and ``checkpoints`` saves."""
+    return {"startup": costs.startup, "steps": steps * costs.per_step,
+            "validations": schedule.validations(steps) * costs.validation,
+            "checkpoints": checkpoints * costs.checkpoint, "export": costs.export}
+
+
+def plan_steps(budget_s: float, costs: StageCosts, schedule: Schedule) -> int:
+    """The most optimizer steps whose train stage fits the budget with every part counted (at
+    least one). Its seconds, counted with `most_checkpoints`, grow with the steps: a search."""
+    def fits(steps: int) -> bool:
+        return sum(stage_parts(steps, costs, schedule, schedule.most_checkpoints(steps)).values()) <= budget_s
+
+    low, high = 1, max(1, math.floor(budget_s / costs.per_step))
+    if not fits(low):
+        return 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
 
 
 def training_seconds(starts: list[float], metric_times: list[float], finished: float) -> float:
@@ -277,28 +368,62 @@ def datagen_table(d: dict) -> str:
             f"{'yes' if d['budget_reached'] else 'no'} |")
 
 
+def stage_schedule(run: QualityRun) -> Schedule:
+    """When the train stage will validate and checkpoint: its recipe composed with its
+    overrides, the plan's checkpoint interval UNSET to see whether train=[...] sets one."""
+    raw = compose_recipe(TrainConfig, "train", _train_command(
+        run, Path(run.cfg.run_dir) / "train", defaults=(f"checkpoint.every={UNSET}",))[3:])
+    every = raw.checkpoint.every
+    return Schedule(raw.data.val_every, run.cfg.data.val_rows > 0, None if every == UNSET else every)
+
+
+def _probe(run: QualityRun, run_dir: Path) -> StageCosts:
+    """The probe stage: the train stage's settings for a few steps, one checkpoint, one
+    validation of the held-out rows and the export, each timed (`probe_costs`)."""
+    cfg, probe = run.cfg, run_dir / "probe"
+    shutil.rmtree(probe, ignore_errors=True)
+    steps = cfg.probe_steps
+    launched = time.time()
+    _run_stage("probe", _train_command(
+        run, probe, f"max_steps={steps}", "logging.every=1", "logging.progress_bar=false", "logging.wandb=disabled",
+        f"checkpoint.every={steps - PROBE_EXTRA_STEPS}", "checkpoint.resume=false",
+        f"data.val_rows={cfg.data.val_rows}", "data.val_every=0", "export=true"))
+    costs = probe_costs(_metrics(probe), cfg.warmup_steps, launched, time.time())
+    shutil.rmtree(probe)
+    return costs
+
+
 def _plan(run: QualityRun, run_dir: Path) -> dict:
-    """Seconds per step (probed, or given) and the steps the budget allows; kept in plan.json."""
+    """The stage's costs (probed, or given) and the steps the budget allows with all of
+    them counted; kept in plan.json with the seconds of each part."""
     cfg, path = run.cfg, run_dir / PLAN_FILE
     if path.exists():
         return json.loads(path.read_text())
+    schedule = stage_schedule(run)
     if cfg.seconds_per_step:
-        per_step, startup = cfg.seconds_per_step, cfg.startup_s
+        costs = StageCosts(cfg.seconds_per_step, cfg.startup_s, cfg.validation_s, cfg.checkpoint_s, cfg.export_s)
     else:
-        probe = run_dir / "probe"
-        shutil.rmtree(probe, ignore_errors=True)
-        launched = time.time()
-        _run_stage("probe", _train_command(
-            run, probe, f"max_steps={cfg.probe_steps}", "logging.every=1", "logging.progress_bar=false",
-            "logging.wandb=disabled", "export=false", "checkpoint.every=0", "checkpoint.resume=false",
-            "data.val_rows=0"))
-        per_step, startup = step_timing(_metrics(probe), cfg.warmup_steps, launched)
-        shutil.rmtree(probe)
-    plan = {"budget_min": cfg.budget_min, "seconds_per_step": per_step, "startup_s": startup,
-            "steps": plan_steps(cfg.budget_min * 60, per_step, startup)}
+        costs = _probe(run, run_dir)
+    steps = plan_steps(cfg.budget_min * 60, costs, schedule)
+    parts = stage_parts(steps, costs, schedule, schedule.checkpoints(steps))
+    plan = {"budget_min": cfg.budget_min, "seconds_per_step": costs.per_step, "startup_s": costs.startup,
+            "validation_s": costs.validation, "checkpoint_s": costs.checkpoint, "export_s": costs.export,
+            "steps": steps, "validations": schedule.validations(steps), "checkpoints": schedule.checkpoints(steps),
+            "parts_s": parts, "total_s": sum(parts.values())}
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=2))
     return plan
+
+
+def plan_line(plan: dict) -> str:
+    """The plan in one line (a plan.json of an older version counted none of the extras)."""
+    def each(key: str) -> float:
+        return plan.get(key, 0.0)
+
+    return (f"[plan] {plan['seconds_per_step']:.3f} s per step, {plan['startup_s']:.0f} s start-up, "
+            f"validations {plan.get('validations', 0)} x {each('validation_s'):.1f} s, "
+            f"checkpoints {plan.get('checkpoints', 0)} x {each('checkpoint_s'):.1f} s, export {each('export_s'):.1f} s: "
+            f"{plan['steps']} steps in {plan['budget_min']:g} min")
 
 
 def validate(cfg: QualityConfig) -> None:
@@ -312,8 +437,10 @@ def validate(cfg: QualityConfig) -> None:
     for key, value in {"startup_s": cfg.startup_s, "data.val_rows": cfg.data.val_rows}.items():
         if not 0 <= value < math.inf:
             raise ValueError(f"{key}={value:g} must be a number >= 0")
-    if cfg.seconds_per_step is None and cfg.probe_steps <= cfg.warmup_steps:
-        raise ValueError(f"probe_steps={cfg.probe_steps} must exceed warmup_steps={cfg.warmup_steps}")
+    least = cfg.warmup_steps + 1 + PROBE_EXTRA_STEPS
+    if cfg.seconds_per_step is None and cfg.probe_steps < least:
+        raise ValueError(f"probe_steps={cfg.probe_steps} must be at least warmup_steps + {1 + PROBE_EXTRA_STEPS} = "
+                         f"{least}: steady steps after the warm-up, then a checkpoint's and a validation's")
     if not cfg.datasets:
         raise ValueError("datasets=[] names no dataset to evaluate on: give at least one "
                          "(mtbench, humaneval, a .jsonl)")
@@ -347,7 +474,9 @@ def _ours(run_dir: Path) -> bool:
 
 
 def settings_changes(before: dict, now: dict) -> list[str]:
-    """``key old -> new`` for every setting that differs between two recorded runs."""
+    """``key old -> new`` for every setting that differs between two recorded runs; a setting
+    added since ``before`` was recorded counts as the default that run had in effect."""
+    before = {**ADDED_SETTINGS, **before}
     return [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
             if before.get(k) != now.get(k)]
 
@@ -391,8 +520,7 @@ def _quality(run: QualityRun, run_dir: Path) -> None:
     if cfg.datagen_budget_min is not None:
         _datagen(run, run_dir)
     plan = _plan(run, run_dir)
-    print(f"[plan] {plan['seconds_per_step']:.3f} s per step, {plan['startup_s']:.0f} s start-up: "
-          f"{plan['steps']} steps in {cfg.budget_min:g} min", flush=True)
+    print(plan_line(plan), flush=True)
     train_dir, eval_dir = run_dir / "train", run_dir / "eval"
     timing = run_dir / "train_seconds.json"
     if not (train_dir / "export" / "model.safetensors").exists():
@@ -404,7 +532,7 @@ def _quality(run: QualityRun, run_dir: Path) -> None:
         timing.write_text(json.dumps({"starts": starts}))
         _run_stage("train", _train_command(
             run, train_dir, f"max_steps={n}", f"optim.schedule_steps={n}", f"data.val_rows={cfg.data.val_rows}",
-            defaults=(f"checkpoint.every={max(1, n // 10)}",)))
+            defaults=(f"checkpoint.every={checkpoint_interval(n)}",)))
         seconds = training_seconds(starts, [m["time"] for m in _metrics(train_dir)], time.time())
         timing.write_text(json.dumps({"starts": starts, "seconds": seconds}))
     eval_timing = run_dir / "eval_seconds.json"

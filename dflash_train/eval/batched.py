@@ -34,6 +34,7 @@ from dflash_train.model.dflash import (
     SpecOutput,
     check_verify_tokens,
     device_clock,
+    stalled,
     target_features,
     verify_drafts,
 )
@@ -97,6 +98,8 @@ class Rows:
             if tok in self.stops:
                 committed = committed[: k + 1]
                 break
+        if not committed:
+            raise stalled(len(self.lengths[i]), i)
         self.new[i] += committed
         self.lengths[i].append(len(committed))
         self.done[i] = self._finished(i)

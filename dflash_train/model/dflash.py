@@ -617,6 +617,13 @@ def cut_after_stop(committed: list[int], stops: set) -> list[int]:
     return committed
 
 
+def stalled(step: int, row: int = 0) -> RuntimeError:
+    """The error for a decode step that committed no token. Every step commits at least the
+    target's own next token; the loops end on a length or a stop token, so a step that
+    commits nothing would be repeated forever."""
+    return RuntimeError(f"decode step {step} of row {row} committed no token: the loop cannot advance")
+
+
 def check_request(model, input_ids, mask_token_id) -> int:
     """The mask id to fill blocks with; raises on what the runtimes cannot serve."""
     if input_ids.shape[0] != 1:
@@ -672,6 +679,8 @@ def speculate(model, target, input_ids, max_new_tokens, sampling, stop_token_ids
         accepted, bonus = verify_drafts(block[0, 1:], draft_probs, out.logits[0], sampling, generator)
         clock.lap("verify")
         committed = cut_after_stop(block[0, 1 : accepted + 1].tolist() + [int(bonus)], stops)
+        if not committed:
+            raise stalled(len(lengths))
         tokens += committed
         lengths.append(len(committed))
         _crop(target_cache, len(tokens) - 1)

@@ -42,6 +42,7 @@ from dflash_train.model.dflash import (
     first_token,
     rope_parameters,
     speculate,
+    stalled,
     target_features,
 )
 
@@ -411,6 +412,7 @@ class StaticSpeculator:
         first = self.first[:, 0].tolist()
         while True:
             done, start, end, steps = torch.cat([self.done, self.start, self.end, self.steps], 1).T.tolist()
+            self._check_progress(start, first, steps)
             if all(done):
                 return
             per_step = max(1.0, sum(s - f for s, f in zip(start, first)) / max(1, sum(steps)))
@@ -422,6 +424,14 @@ class StaticSpeculator:
                 run = min(run, RUN_WITH_STOPS)
             for _ in range(run if self.block.is_cuda else 1):  # off a GPU reading the state costs nothing
                 self.greedy_step()
+
+    def _check_progress(self, start: list[int], first: list[int], steps: list[int]) -> None:
+        """Every live step commits a token, so a row's position has moved at least once per
+        step; a row behind that had a step commit none (read from the state the loop has
+        just copied to the host: no extra sync unless it fails)."""
+        for row, (s, f, n) in enumerate(zip(start, first, steps)):
+            if s - f < n:
+                raise stalled(self.counts[row, :n].tolist().index(0), row)
 
     def results(self) -> list[tuple[list[int], list[int]]]:
         """Each row's (new tokens, committed count per step) once `run_greedy` is done."""
@@ -528,6 +538,8 @@ def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_to
         host = torch.cat([accepted.view(1), bonus.view(1), rt.block[0, 1:checked]]).tolist()  # the step's one sync
         clock.lap("host")
         committed = cut_after_stop(host[2 : 2 + host[0]] + [host[1]], stops)
+        if not committed:
+            raise stalled(len(lengths))
         tokens += committed
         lengths.append(len(committed))
         # the next draft step writes these k+1 features' context K/V; its mask shows the committed ones

@@ -130,6 +130,8 @@ def test_the_table_has_dflash_qualitys_columns():
     (["modelopt.seq_len=0"], "modelopt.seq_len=0 must be a positive number of tokens"),
     (["seconds_per_step=0.2"], "seconds_per_step=0.2 startup_s=0 are dflash-train's timings; Model-Optimizer's "
                                "steps are timed in the run itself (probe_steps, warmup_steps)"),
+    (["checkpoint_s=2.5"], "checkpoint_s=2.5: dflash-train's timings for dflash-quality's plan; this comparison "
+                           "times its own steps in the run itself"),
     (["data.val_rows=0"], "data.val_rows=0: the held-out expected tau needs at least one held-out row"),
     (["budget_min=-1"], "budget_min=-1 must be a finite number >= 0"),  # the schema's range check, before dflash-quality's own
     (["~data.path", "datagen_budget_min=3"], "datagen_budget_min=3: this comparison trains on a given data set; give "

@@ -26,11 +26,6 @@ def test_step_timing_leaves_out_the_warmup_steps():
         quality.step_timing(lines[:2], warmup=2, launched=100.0)
 
 
-def test_plan_fits_the_budget_after_startup():
-    assert quality.plan_steps(20 * 60, 0.5, 60.0) == 2280
-    assert quality.plan_steps(10, 5.0, 60.0) == 1  # never zero steps
-
-
 def test_summary_table():
     lines = [{"step": 10, "time": 0, "conversations": 40.0},
              {"step": 20, "time": 0, "conversations": 40.0, "val_expected_tau": 1.234}]
@@ -188,6 +183,7 @@ def test_recipe_defaults_and_stage_lists():
     cfg = run.cfg
     assert (cfg.run_dir, cfg.probe_steps, cfg.warmup_steps, cfg.seconds_per_step, cfg.startup_s) == (
         "runs/quality", 8, 3, None, 0.0)
+    assert (cfg.validation_s, cfg.checkpoint_s, cfg.export_s) == (0.0, 0.0, 0.0)
     assert (cfg.data.path, cfg.data.val_rows, cfg.budget_min) == ("d", 64, 1.0)
     assert (cfg.datasets, cfg.limit, cfg.max_new_tokens, cfg.device) == (["mtbench", "humaneval"], 40, 256, None)
     assert (cfg.train, cfg.eval, run.target_recipe, run.target_overrides) == ([], [], "smollm2_135m", [])
@@ -232,7 +228,10 @@ def test_a_rerun_with_another_target_key_is_refused_by_name(tmp_path):
     (["budget_min=10", "seconds_per_step=0"], "seconds_per_step=0 must be a positive number"),
     (["budget_min=10", "seconds_per_step=-1.5"], "seconds_per_step=-1.5 must be a finite number >= 0"),
     (["budget_min=10", "seconds_per_step=2", "startup_s=-3"], "startup_s=-3 must be a finite number >= 0"),
-    (["budget_min=10", "probe_steps=3", "warmup_steps=3"], "probe_steps=3 must exceed warmup_steps=3"),
+    (["budget_min=10", "probe_steps=5", "warmup_steps=3"], "probe_steps=5 must be at least warmup_steps + 3 = 6: "
+                                                           "steady steps after the warm-up, then a checkpoint's and "
+                                                           "a validation's"),
+    (["budget_min=10", "seconds_per_step=2", "checkpoint_s=-1"], "checkpoint_s=-1 must be a finite number >= 0"),
     (["budget_min=10", "data.val_rows=-1"], "data.val_rows=-1 must be a finite number >= 0"),
     (["budget_min=10", "datasets=[]"], "datasets=[] names no dataset to evaluate on: give at least one "
                                        "(mtbench, humaneval, a .jsonl)"),
