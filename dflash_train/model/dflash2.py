@@ -49,7 +49,9 @@ Decisions where the authors published nothing (their repository is inference-onl
     global denominator. alpha = 1 (every public trainer's default). Under D-PACE the
     selector term keeps the contract's decay weights (D-PACE reweights the unary CE only).
     The top-K indices are chosen without gradient; the gradient reaches the K unary logits
-    (so the backbone through the LM head), h through P, and A and B.
+    (so the backbone through the LM head), h through P, and A and B. The trainer takes the
+    top-K and their logits from the DFlash loss's own logits (training/loss.py), so the head
+    runs once per slot.
   * Initialisation (SpecForge's): each convolution starts as the identity (base tap 0 = 1,
     other taps 0, kernel_projection 0) and the successor codebook B at 0, so a fresh DFlash2
     drafter computes exactly what a fresh DFlash drafter with the same backbone weights
@@ -242,24 +244,17 @@ class DFlash2DraftModel(DFlashDraftModel):
         elif isinstance(module, CandidateSelector):
             module.reset_parameters(getattr(self.config, "initializer_range", 0.02))
 
-    def selector_loss(self, h: torch.Tensor, pred: torch.Tensor, gold: torch.Tensor, lm_head: nn.Module,
-                      weights: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def selector_loss(self, h: torch.Tensor, pred: torch.Tensor, gold: torch.Tensor, cand: torch.Tensor,
+                      unary: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum_i w_i * covered_i * CE_K(score_i, gold_i), selector hits (M,) bool).
 
         h (M, H): supervised rows of the drafter's output (after the final norm); pred (M,):
         each row's teacher-forced predecessor x[p+k-1]; gold (M,): its label x[p+k];
-        weights (M,) float32. A row whose gold token is outside its unary top-K adds nothing
-        (and counts as a miss).
+        cand (M, K): the row's unary top-K tokens, a choice made without gradient; unary (M, K)
+        float32: their logits lm_head(h), differentiable in h (the trainer takes both from the
+        DFlash loss's own logits: training/loss.py ``selector_term``); weights (M,) float32.
+        A row whose gold token is outside its unary top-K adds nothing (and counts as a miss).
         """
-        head_w, head_b = lm_head.weight, getattr(lm_head, "bias", None)
-        h = h.to(head_w.dtype)
-        with torch.no_grad():  # which K tokens: a choice, not something to differentiate
-            cand = torch.cat([F.linear(h[i:i + chunk_size], head_w, head_b).topk(self.selector_top_k, dim=-1).indices
-                              for i in range(0, h.shape[0], chunk_size)]) if h.shape[0] else \
-                torch.empty(0, self.selector_top_k, dtype=torch.long, device=h.device)  # (M, K)
-        unary = torch.einsum("mh,mkh->mk", h, head_w[cand]).float()  # (M, K) the candidates' logits
-        if head_b is not None:
-            unary = unary + head_b[cand].float()
         score = unary + self.candidate_selector(h, pred, cand)  # (M, K)
         match = cand == gold[:, None]  # (M, K)
         covered = match.any(dim=1)

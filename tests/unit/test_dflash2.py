@@ -16,7 +16,7 @@ from dflash_train.model.dflash2 import (
     DFlash2DraftModel,
     GroupedDynamicCausalConv,
 )
-from dflash_train.training.loss import selector_term
+from dflash_train.training.loss import dflash_loss, selector_term
 from dflash_train.training.trainer import Trainer
 from tests.conftest import make_tiny_target
 from tests.train_data import tiny_inputs, tiny_train_config
@@ -191,7 +191,9 @@ def test_selector_loss_golden_numbers():
     pred = torch.tensor([0, 1, 0])  # row 1's predecessor adds <(1, -1) * (1, 0), B[c]> = B[c][0]: 1 for token 0
     gold = torch.tensor([1, 1, 3])  # row 2's gold is outside the top-2: no selector term
     weights = torch.tensor([0.5, 1.0, 1.0])
-    total, hits = model.selector_loss(h, pred, gold, head, weights, chunk_size=2)
+    unary, cand = head(h).topk(2, dim=-1)
+    assert cand.tolist() == [[0, 1]] * 3
+    total, hits = model.selector_loss(h, pred, gold, cand, unary, weights)
     loss = float(total.detach())
     ce0 = math.log(math.exp(2) + math.exp(1)) - 1  # scores (2, 1), gold index 1
     ce1 = math.log(math.exp(3) + math.exp(1)) - 1  # scores (2 + 1, 1 + 0)
@@ -208,11 +210,13 @@ def test_selector_term_reads_the_teacher_forced_predecessor():
     labels = torch.tensor([[-100, 0, 1, -100]])  # slots 1, 2 supervised (slot 3 is outside the answer)
     hidden = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 0.0]]])
     weights = torch.tensor([0.0, 1.0, 0.5, 0.25])
-    got = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, weights, chunk_size=8)
+    candidates = dflash_loss(hidden, labels, head, weights, chunk_size=8, top_k=2).candidates
+    got = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, weights, candidates)
     # slot 1: predecessor x[2] = 1, gold 0; slot 2: predecessor x[3] = 0, gold 1
-    expected, _ = model.selector_loss(hidden[0, 1:3], torch.tensor([1, 0]), torch.tensor([0, 1]), head,
-                                      weights[1:3], chunk_size=8)
-    assert float(got) == float(expected)
+    unary, cand = head(hidden[0, 1:3]).topk(2, dim=-1)
+    expected, _ = model.selector_loss(hidden[0, 1:3], torch.tensor([1, 0]), torch.tensor([0, 1]), cand, unary,
+                                      weights[1:3])
+    assert float(got.detach()) == float(expected.detach())
 
 
 @torch.inference_mode()
