@@ -49,7 +49,9 @@ Decisions where the authors published nothing (their repository is inference-onl
     global denominator. alpha = 1 (every public trainer's default). Under D-PACE the
     selector term keeps the contract's decay weights (D-PACE reweights the unary CE only).
     The top-K indices are chosen without gradient; the gradient reaches the K unary logits
-    (so the backbone through the LM head), h through P, and A and B.
+    (so the backbone through the LM head), h through P, and A and B. The trainer takes the
+    top-K and their logits from the DFlash loss's own logits (training/loss.py), so the head
+    runs once per slot.
   * Initialisation (SpecForge's): each convolution starts as the identity (base tap 0 = 1,
     other taps 0, kernel_projection 0) and the successor codebook B at 0, so a fresh DFlash2
     drafter computes exactly what a fresh DFlash drafter with the same backbone weights
@@ -144,31 +146,37 @@ class GroupedDynamicCausalConv(nn.Module):
         self.base_kernel[:, 0] = 1.0
         self.kernel_projection.weight.zero_()
 
-    def kernels(self, h: torch.Tensor) -> torch.Tensor:
-        """(b, Q, 2, Kc, H) per-token kernels of both sides, from the sublayer input h (b, Q, H)."""
-        delta = self.kernel_projection(h).view(*h.shape[:2], SIDES, self.kernel_size, self.groups)
-        delta = delta.repeat_interleave(self.group_size, dim=-1)  # group g covers channels g*G..g*G+G-1
-        return (delta + self.base_kernel).to(h.dtype)
+    def deltas(self, h: torch.Tensor) -> torch.Tensor:
+        """(b, Q, 2, Kc, groups): the predicted part of both sides' kernels, one value per group
+        of G channels, from the sublayer input h (b, Q, H). Never widened to H channels: the
+        convolution broadcasts it over each group's channels."""
+        return self.kernel_projection(h).view(*h.shape[:2], SIDES, self.kernel_size, self.groups)
 
-    def convolve(self, x: torch.Tensor, kernels: torch.Tensor, side: int) -> torch.Tensor:
-        """y[i] = sum_t kernels[i, side, t] * x[i - t], zero where i - t is before i's block: (b, Q, H).
+    def convolve(self, x: torch.Tensor, deltas: torch.Tensor, side: int) -> torch.Tensor:
+        """y[i] = sum_t (base[side, t] + deltas[i, side, t]) * x[i - t], zero where i - t is before
+        i's block: (b, Q, H).
 
         The query stream is whole blocks of `block_size` (training: N*B tokens) or one block
-        of at most `block_size` (inference), so a token's slot is its index mod block_size.
+        of at most `block_size` (inference). Seen as (b, blocks, slots, groups, G), a tap's
+        x[i - t] is the slots shifted by t with zeros in front: one pad per tap, the whole
+        packed stream at once, and no block ever reads another.
         """
-        q = x.shape[1]
-        slot = torch.arange(q, device=x.device) % self.block_size  # (Q,)
-        out = x * kernels[:, :, side, 0]
-        for t in range(1, self.kernel_size):
-            earlier = F.pad(x, (0, 0, t, 0))[:, :q]  # (b, Q, H): x[i - t]
-            earlier = earlier.masked_fill((slot < t)[None, :, None], 0.0)  # before the block: zero
-            out = out + earlier * kernels[:, :, side, t]
-        return out
+        b, q, hidden = x.shape
+        width = min(q, self.block_size)  # slots per block
+        xs = x.view(b, q // width, width, self.groups, self.group_size)  # (b, N, L, g, G)
+        delta = deltas[:, :, side].reshape(b, q // width, width, self.kernel_size, self.groups, 1)  # (b,N,L,Kc,g,1)
+        base = self.base_kernel[side].view(self.kernel_size, self.groups, self.group_size)  # (Kc, g, G)
+        out = None
+        for t in range(self.kernel_size):
+            earlier = xs if t == 0 else F.pad(xs, (0, 0, 0, 0, t, 0))[:, :, :width]  # x[i - t], zero before the block
+            term = earlier * (base[t] + delta[:, :, :, t]).to(x.dtype)  # (b, N, L, g, G)
+            out = term if out is None else out + term
+        return out.view(b, q, hidden)
 
     def wrap(self, sublayer: nn.Module, h: torch.Tensor, *args) -> torch.Tensor:
         """sublayer(conv_in(h)) convolved again; both kernels come from the sublayer input h."""
-        kernels = self.kernels(h)
-        return self.convolve(sublayer(self.convolve(h, kernels, INPUT_SIDE), *args), kernels, OUTPUT_SIDE)
+        deltas = self.deltas(h)
+        return self.convolve(sublayer(self.convolve(h, deltas, INPUT_SIDE), *args), deltas, OUTPUT_SIDE)
 
 
 class DFlash2DecoderLayer(DecoderLayer):
@@ -242,24 +250,17 @@ class DFlash2DraftModel(DFlashDraftModel):
         elif isinstance(module, CandidateSelector):
             module.reset_parameters(getattr(self.config, "initializer_range", 0.02))
 
-    def selector_loss(self, h: torch.Tensor, pred: torch.Tensor, gold: torch.Tensor, lm_head: nn.Module,
-                      weights: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def selector_loss(self, h: torch.Tensor, pred: torch.Tensor, gold: torch.Tensor, cand: torch.Tensor,
+                      unary: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum_i w_i * covered_i * CE_K(score_i, gold_i), selector hits (M,) bool).
 
         h (M, H): supervised rows of the drafter's output (after the final norm); pred (M,):
         each row's teacher-forced predecessor x[p+k-1]; gold (M,): its label x[p+k];
-        weights (M,) float32. A row whose gold token is outside its unary top-K adds nothing
-        (and counts as a miss).
+        cand (M, K): the row's unary top-K tokens, a choice made without gradient; unary (M, K)
+        float32: their logits lm_head(h), differentiable in h (the trainer takes both from the
+        DFlash loss's own logits: training/loss.py ``selector_term``); weights (M,) float32.
+        A row whose gold token is outside its unary top-K adds nothing (and counts as a miss).
         """
-        head_w, head_b = lm_head.weight, getattr(lm_head, "bias", None)
-        h = h.to(head_w.dtype)
-        with torch.no_grad():  # which K tokens: a choice, not something to differentiate
-            cand = torch.cat([F.linear(h[i:i + chunk_size], head_w, head_b).topk(self.selector_top_k, dim=-1).indices
-                              for i in range(0, h.shape[0], chunk_size)]) if h.shape[0] else \
-                torch.empty(0, self.selector_top_k, dtype=torch.long, device=h.device)  # (M, K)
-        unary = torch.einsum("mh,mkh->mk", h, head_w[cand]).float()  # (M, K) the candidates' logits
-        if head_b is not None:
-            unary = unary + head_b[cand].float()
         score = unary + self.candidate_selector(h, pred, cand)  # (M, K)
         match = cand == gold[:, None]  # (M, K)
         covered = match.any(dim=1)

@@ -34,6 +34,10 @@ path exactly as it was):
     slot m, so w_j is the expected accepted length that slot j is a prefix of: the weight
     moves to later slots as earlier ones become reliable. Unsupervised slots count as
     q~ = 1 in the products and add nothing to the sums.
+
+A DFlash2 drafter's selector rescores each supervised slot's top-K tokens under the same head:
+``dflash_loss(top_k=K)`` keeps them (``Candidates``) from the logits its walk computes anyway,
+and ``selector_term`` adds the selector's K-way CE without running the head again.
 """
 
 from __future__ import annotations
@@ -140,6 +144,24 @@ class _Walk:
     fused: bool  # fixed-size chunks in the head's dtype
     teacher: torch.Tensor | None  # (M, H): the target's final hidden state per slot, to distil from
     keep_rows: bool  # also return per-row losses and CE (D-PACE reweights them afterwards)
+    top_k: int = 0  # also keep each row's top-k logits and their tokens (a DFlash2 selector's candidates)
+
+
+def _candidate_rows(m: int, walk: _Walk, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Empty (M, k) tokens and float32 logits for ``_keep_top``, or None when k is 0."""
+    if not walk.top_k:
+        return None
+    return (torch.empty(m, walk.top_k, dtype=torch.long, device=device),
+            torch.empty(m, walk.top_k, dtype=torch.float32, device=device))
+
+
+def _keep_top(cand, sl: slice, logits: torch.Tensor) -> None:
+    """Rows ``sl`` of ``cand``: the top-k of ``logits`` (n, V), read before a kernel or an
+    in-place softmax overwrites them. The selector's candidates are these logits' own top-k,
+    so nothing runs the head a second time."""
+    if cand is not None:
+        values, tokens = logits.topk(cand[0].shape[1], dim=-1)  # (n, k)
+        cand[0][sl], cand[1][sl] = tokens, values.float()
 
 
 class _Scratch:
@@ -197,10 +219,12 @@ def _plain_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
     correct = torch.zeros(labels.shape, dtype=torch.bool, device=hidden.device)
     grad = torch.empty_like(hidden) if with_grad else None
     rows = torch.empty(2, m, dtype=torch.float32, device=hidden.device) if walk.keep_rows else None  # loss, CE
+    cand = _candidate_rows(m, walk, hidden.device)
     for start in range(0, m, walk.chunk_size):
         sl = slice(start, start + walk.chunk_size)
         if walk.kernel is not None:  # distillation: the shared soft kernel, eagerly
             logits = F.linear(hidden[sl], weight, bias).float()  # (c, V)
+            _keep_top(cand, sl, logits)
             teacher = F.linear(walk.teacher[sl], weight, bias).float()  # (c, V)
             loss, ce, hit, grad_logits = walk.kernel(logits, teacher, labels[sl], slot_w[sl], grad is not None)
             total += loss.sum()
@@ -211,6 +235,7 @@ def _plain_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
                 rows[0, sl], rows[1, sl] = loss, ce
             continue
         logits = _head_logits(hidden[sl], weight, bias)  # (c, V) float32: the only big tensor
+        _keep_top(cand, sl, logits)
         target = logits.gather(1, labels[sl, None]).squeeze(1)  # (c,)
         # logsumexp by hand: the exponentials are kept for the gradient, and on CPU this is
         # twice as fast as torch.logsumexp followed by a second exp pass.
@@ -228,7 +253,7 @@ def _plain_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
             probs[torch.arange(probs.shape[0], device=probs.device), labels[sl]] -= 1
             probs *= slot_w[sl, None]
             grad[sl] = (_in_head_dtype(probs, weight.dtype) @ weight).to(hidden.dtype)
-    return total, correct, grad, rows
+    return total, correct, grad, rows, cand
 
 
 def _fused_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
@@ -242,6 +267,7 @@ def _fused_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
     correct = torch.empty(m, dtype=torch.bool, device=hidden.device)
     grad = torch.empty_like(hidden) if with_grad else None
     rows = torch.empty(2, m, dtype=torch.float32, device=hidden.device) if walk.keep_rows else None  # loss, CE
+    cand = _candidate_rows(m, walk, hidden.device)
 
     def fixed(x, sl, n):  # (n, H) -> (c, H) zero-padded
         return x[sl] if n == c else F.pad(x[sl], (0, 0, 0, c - n))
@@ -250,6 +276,7 @@ def _fused_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
         sl = slice(start, start + c)
         n = min(c, m - start)
         logits = F.linear(fixed(hidden, sl, n), weight, bias)  # (c, V) in the head's dtype, never upcast in memory
+        _keep_top(cand, sl, logits[:n])
         teacher = None if walk.teacher is None else F.linear(fixed(walk.teacher, sl, n), weight, bias)  # (c, V)
         loss, ce, hit, grad_logits = walk.kernel(logits, teacher, labels[sl], slot_w[sl], grad is not None)
         total += loss.sum()
@@ -258,11 +285,12 @@ def _fused_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
             rows[0, sl], rows[1, sl] = loss[:n], ce[:n]
         if grad is not None:
             grad[sl] = (grad_logits @ weight)[:n].to(hidden.dtype)  # (n, H)
-    return total, correct, grad, rows
+    return total, correct, grad, rows, cand
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * loss(hidden_i @ W^T + b, label_i), with grad only for ``hidden``.
+    """sum_i w_i * loss(hidden_i @ W^T + b, label_i), with grad only for ``hidden``; also the
+    argmax hits and, when ``walk.top_k``, each row's top-k tokens and float32 logits (else None).
 
     ``reweight`` None: w = ``slot_w``. Otherwise the walk runs with ``slot_w`` (all ones)
     and ``reweight(ce_rows)`` gives the weights afterwards (D-PACE needs every slot's CE of a
@@ -273,18 +301,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, slot_w, walk, reweight):
         # hidden (M, H), weight (V, H), labels (M,), slot_w (M,) float32
         walker = _fused_chunks if walk.fused else _plain_chunks
-        total, correct, grad, rows = walker(hidden, weight, bias, labels, slot_w, walk, ctx.needs_input_grad[0])
+        total, correct, grad, rows, cand = walker(hidden, weight, bias, labels, slot_w, walk, ctx.needs_input_grad[0])
         if reweight is not None:
             w = reweight(rows[1])  # (M,)
             total = (rows[0] * w).sum()
             if grad is not None:
                 grad *= w[:, None].to(grad.dtype)
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(correct)
-        return total, correct
+        tokens, logits = cand or (None, None)
+        ctx.mark_non_differentiable(correct, *(cand or ()))
+        return total, correct, tokens, logits
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct):
+    def backward(ctx, grad_total, _grad_correct, _grad_tokens, _grad_logits):
         (grad,) = ctx.saved_tensors
         return grad * grad_total.to(grad.dtype), None, None, None, None, None, None
 
@@ -337,15 +366,44 @@ def soft_target_index(index: torch.Tensor, anchors: torch.Tensor, block_size: in
     return row * seq_len + anchors.flatten().index_select(0, block) + slot - 1
 
 
+@dataclass
+class Candidates:
+    """Each supervised slot's top-k tokens under the head and their logits, rows in the order
+    of the loss's supervised index: what a DFlash2 selector rescores (``dflash_loss(top_k=k)``)."""
+
+    tokens: torch.Tensor  # (M, k) long, the highest logit first
+    logits: torch.Tensor  # (M, k) float32, detached: the head's logits at ``tokens``
+
+
+class _CandidateLogits(torch.autograd.Function):
+    """The head's logits at ``tokens``, computed already (``Candidates.logits``), as a function
+    of ``hidden``: d/dh sum_k g_k <h, W[c_k]> = sum_k g_k W[c_k], summed by embedding_bag
+    without gathering the (M, k, H) rows. No gradient for the frozen head (as the CE's)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, logits):
+        # hidden (M, H) in the head's dtype, weight (V, H), tokens (M, k), logits (M, k) float32
+        ctx.save_for_backward(weight, tokens)
+        return logits.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, tokens = ctx.saved_tensors
+        bag = F.embedding_bag(tokens, weight, per_sample_weights=grad.to(weight.dtype), mode="sum")  # (M, H)
+        return bag, None, None, None
+
+
 def selector_term(drafter: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, input_ids: torch.Tensor,
-                  anchors: torch.Tensor, lm_head: nn.Module, weights: torch.Tensor, chunk_size: int,
+                  anchors: torch.Tensor, lm_head: nn.Module, weights: torch.Tensor, candidates: Candidates,
                   index: torch.Tensor | None = None) -> torch.Tensor:
     """() float32: a DFlash2 drafter's selector loss over the supervised slots, weighted by
     the per-slot ``weights`` (B,) and summed like ``dflash_loss``'s numerator.
 
     Each supervised slot k of the block at anchor p is scored with its teacher-forced
     predecessor x[p + k - 1] (the anchor for slot 1), read from ``input_ids`` (b, T) at the
-    position ``soft_target_index`` names; the rest is ``DFlash2DraftModel.selector_loss``.
+    position ``soft_target_index`` names; its candidates are ``dflash_loss``'s top-k of the
+    same slots (``candidates``, from the same ``index``); the rest is
+    ``DFlash2DraftModel.selector_loss``.
     """
     block_size = weights.numel()
     if index is None:
@@ -355,7 +413,9 @@ def selector_term(drafter: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
     h = hidden.flatten(0, 1).index_select(0, index)  # (M, H)
     gold = labels.flatten().index_select(0, index)  # (M,)
     w = weights.to(hidden.device, torch.float32).index_select(0, index % labels.shape[1] % block_size)  # (M,)
-    total, _hits = drafter.selector_loss(h, pred, gold, lm_head, w, chunk_size)
+    unary = _CandidateLogits.apply(h.to(lm_head.weight.dtype), lm_head.weight, candidates.tokens,
+                                   candidates.logits)  # (M, k)
+    total, _hits = drafter.selector_loss(h, pred, gold, candidates.tokens, unary, w)
     return total
 
 
@@ -367,12 +427,13 @@ class LossOutput:
     weight_sum: torch.Tensor
     correct: torch.Tensor  # (B,) float32: argmax hits per slot
     count: torch.Tensor  # (B,) float32: supervised slots per slot index
+    candidates: Candidates | None = None  # with ``top_k``: each supervised slot's top-k under the head
 
 
 def dflash_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, weights: torch.Tensor,
                 chunk_size: int, *, index: torch.Tensor | None = None, fused: bool | None = None,
                 compiled: bool = True, distill: Distillation | None = None,
-                dpace_alpha: float | None = None) -> LossOutput:
+                dpace_alpha: float | None = None, top_k: int = 0) -> LossOutput:
     """Weighted loss of drafter outputs ``hidden`` (b, Q, H) against ``labels`` (b, Q).
 
     ``weights`` (B,) are the per-slot weights; slot k of a block is query q with q % B == k.
@@ -386,7 +447,8 @@ def dflash_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, 
     ``fused`` picks the fused walk (default: on CUDA); ``compiled`` False runs its kernel
     eagerly (tests, debugging). ``distill`` mixes in the target's soft targets (None or
     weight 0: hard labels only, the contract's loss unchanged); ``dpace_alpha`` replaces
-    ``weights`` by D-PACE weights with that smoothing.
+    ``weights`` by D-PACE weights with that smoothing. ``top_k`` > 0 also returns each
+    supervised slot's top-k tokens and logits (``Candidates``), read from the same logits.
     """
     block_size, queries = weights.numel(), labels.shape[1]
     if index is None:
@@ -415,11 +477,13 @@ def dflash_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, 
         w = torch.ones_like(w)
         reweight = functools.partial(dpace_weights, block=index // block_size, slot=slot,
                                      num_blocks=labels.numel() // block_size, block_size=block_size, alpha=dpace_alpha)
-    walk = _Walk(chunk_size, kernel, fused, teacher, keep_rows=reweight is not None)
-    total, hit = _LinearCrossEntropy.apply(h, lm_head.weight, getattr(lm_head, "bias", None), y, w, walk, reweight)
+    walk = _Walk(chunk_size, kernel, fused, teacher, keep_rows=reweight is not None, top_k=top_k)
+    total, hit, tokens, logits = _LinearCrossEntropy.apply(h, lm_head.weight, getattr(lm_head, "bias", None), y, w,
+                                                           walk, reweight)
     # scatter_add, not bincount: bincount reads its maximum back to the host on CUDA.
     zeros = torch.zeros(block_size, dtype=torch.float32, device=hidden.device)
     count = zeros.scatter_add(0, slot, torch.ones_like(w))
     correct = zeros.scatter_add(0, slot, hit.float())
     norm = w.sum() if reweight is None else supervised_blocks(labels, block_size)
-    return LossOutput(weighted_sum=total, weight_sum=norm, correct=correct, count=count)
+    candidates = None if tokens is None else Candidates(tokens, logits)
+    return LossOutput(weighted_sum=total, weight_sum=norm, correct=correct, count=count, candidates=candidates)

@@ -327,11 +327,14 @@ class Trainer:
                                index=batch.supervised_index)
         distill = None if final is None else Distillation(final, batch.anchors, lc.distill_weight,
                                                           lc.distill_temperature)
+        dflash2 = self.cfg.drafter.kind == contract.DFLASH2
+        # DFlash2's selector rescores each slot's unary top-K, taken from the loss's own logits.
+        top_k = self.drafter.selector_top_k if dflash2 else 0
         out = dflash_loss(hidden, batch.labels, self.target.lm_head, self.slot_weights, lc.chunk_size,
-                          index=batch.supervised_index, distill=distill, dpace_alpha=self.dpace_alpha)
-        if self.cfg.drafter.kind == "dflash2":  # its candidate selector's K-way CE (model/dflash2.py)
+                          index=batch.supervised_index, distill=distill, dpace_alpha=self.dpace_alpha, top_k=top_k)
+        if dflash2:  # its candidate selector's K-way CE (model/dflash2.py)
             selector = selector_term(self.drafter, hidden, batch.labels, batch.input_ids, batch.anchors,
-                                     self.target.lm_head, self.slot_weights, lc.chunk_size, batch.supervised_index)
+                                     self.target.lm_head, self.slot_weights, out.candidates, batch.supervised_index)
             out.weighted_sum = out.weighted_sum + self.cfg.drafter.dflash2.selector_loss_weight * selector
         return out
 

@@ -16,7 +16,7 @@ from dflash_train.model.dflash2 import (
     DFlash2DraftModel,
     GroupedDynamicCausalConv,
 )
-from dflash_train.training.loss import selector_term
+from dflash_train.training.loss import dflash_loss, selector_term
 from dflash_train.training.trainer import Trainer
 from tests.conftest import make_tiny_target
 from tests.train_data import tiny_inputs, tiny_train_config
@@ -61,20 +61,25 @@ def test_a_group_of_channels_shares_one_predicted_kernel():
         conv.kernel_projection.weight[0 * 4 + 1 * 2 + 1, 0] = 1.0  # index (side, tap, group) in a (2, 2, 2) view
     h = torch.zeros(1, 3, 8)
     h[0, :, 0] = torch.tensor([1.0, 2.0, 3.0])
-    k = conv.kernels(h)  # (1, 3, 2, 2, 8)
-    assert torch.equal(k[0, :, 0, 1], torch.tensor([[0.0] * 4 + [1.0] * 4, [0.0] * 4 + [2.0] * 4,
-                                                    [0.0] * 4 + [3.0] * 4]))
-    assert k[0, :, 1].abs().sum() == 0 and k[0, :, 0, 0].abs().sum() == 0
+    d = conv.deltas(h)  # (1, 3, 2, 2, 2): one value per group
+    assert torch.equal(d[0, :, 0, 1], torch.tensor([[0.0, 1.0], [0.0, 2.0], [0.0, 3.0]]))
+    assert d[0, :, 1].abs().sum() == 0 and d[0, :, 0, 0].abs().sum() == 0
+    # tap 1 of side 0 reads x[i - 1] with group 1's kernel on channels 4..7 and 0 on channels 0..3
+    y = conv.convolve(torch.ones(1, 3, 8), d, side=0)
+    assert torch.equal(y[0], torch.tensor([[0.0] * 8, [0.0] * 4 + [2.0] * 4, [0.0] * 4 + [3.0] * 4]))
 
 
 def test_the_convolution_by_hand():
     # y[i] = k0[i] * x[i] + k1[i] * x[i-1], and x[i-1] reads zero at a block's first slot.
     conv = GroupedDynamicCausalConv(hidden_size=2, kernel_size=2, group_size=1, block_size=2)
     x = torch.tensor([[[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0]]])  # two blocks of 2
-    kernels = torch.zeros(1, 4, 2, 2, 2)
-    kernels[:, :, 1, 0] = 2.0  # side 1: 2 * x[i] + 0.5 * x[i-1]
-    kernels[:, :, 1, 1] = 0.5
-    y = conv.convolve(x, kernels, side=1)
+    with torch.no_grad():
+        conv.base_kernel.zero_()
+        conv.base_kernel[1, 0] = 2.0  # side 1: 2 * x[i] + (0.25 + 0.25) * x[i-1]
+        conv.base_kernel[1, 1] = 0.25
+    deltas = torch.zeros(1, 4, 2, 2, 2)  # (b, Q, side, tap, group): the predicted part
+    deltas[:, :, 1, 1] = 0.25
+    y = conv.convolve(x, deltas, side=1)
     assert torch.equal(y, torch.tensor([[[2.0, 20.0], [4.5, 45.0], [6.0, 60.0], [9.5, 95.0]]]))
 
 
@@ -191,7 +196,9 @@ def test_selector_loss_golden_numbers():
     pred = torch.tensor([0, 1, 0])  # row 1's predecessor adds <(1, -1) * (1, 0), B[c]> = B[c][0]: 1 for token 0
     gold = torch.tensor([1, 1, 3])  # row 2's gold is outside the top-2: no selector term
     weights = torch.tensor([0.5, 1.0, 1.0])
-    total, hits = model.selector_loss(h, pred, gold, head, weights, chunk_size=2)
+    unary, cand = head(h).topk(2, dim=-1)
+    assert cand.tolist() == [[0, 1]] * 3
+    total, hits = model.selector_loss(h, pred, gold, cand, unary, weights)
     loss = float(total.detach())
     ce0 = math.log(math.exp(2) + math.exp(1)) - 1  # scores (2, 1), gold index 1
     ce1 = math.log(math.exp(3) + math.exp(1)) - 1  # scores (2 + 1, 1 + 0)
@@ -208,11 +215,13 @@ def test_selector_term_reads_the_teacher_forced_predecessor():
     labels = torch.tensor([[-100, 0, 1, -100]])  # slots 1, 2 supervised (slot 3 is outside the answer)
     hidden = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 0.0]]])
     weights = torch.tensor([0.0, 1.0, 0.5, 0.25])
-    got = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, weights, chunk_size=8)
+    candidates = dflash_loss(hidden, labels, head, weights, chunk_size=8, top_k=2).candidates
+    got = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, weights, candidates)
     # slot 1: predecessor x[2] = 1, gold 0; slot 2: predecessor x[3] = 0, gold 1
-    expected, _ = model.selector_loss(hidden[0, 1:3], torch.tensor([1, 0]), torch.tensor([0, 1]), head,
-                                      weights[1:3], chunk_size=8)
-    assert float(got) == float(expected)
+    unary, cand = head(hidden[0, 1:3]).topk(2, dim=-1)
+    expected, _ = model.selector_loss(hidden[0, 1:3], torch.tensor([1, 0]), torch.tensor([0, 1]), cand, unary,
+                                      weights[1:3])
+    assert float(got.detach()) == float(expected.detach())
 
 
 @torch.inference_mode()
