@@ -1,6 +1,7 @@
 """backend.kind=engine on the real SmolLM2 target (float32, CPU): the same answers as `hf`,
-greedy and sampled, from the generator and from a multi-turn pipeline run; a kill -9 in the
-middle of an engine run and a rerun hold every prompt exactly once."""
+greedy and sampled, with either decode attention (sdpa, flex), from the generator and from a
+multi-turn pipeline run; a kill -9 in the middle of an engine run and a rerun hold every
+prompt exactly once."""
 
 import json
 import re
@@ -34,19 +35,20 @@ def prompts(smollm2_tokenizer):
     return [shaper.prompt(None, [t], [])[0] for t in texts]
 
 
-def generate(kind, target, prompts, batch_size, seeds=None, **sampling):
-    cfg = BackendConfig(kind=kind, batch_size=batch_size)
+def generate(kind, target, prompts, batch_size, seeds=None, attention="sdpa", **sampling):
+    cfg = BackendConfig(kind=kind, batch_size=batch_size, attention=attention)
     s = SamplingConfig(max_new_tokens=MAX_NEW, **sampling)
     gen = (EngineGenerator(target, cfg, s, [IM_END], max_prompt_len=256) if kind == "engine"
            else HFGenerator(target, cfg, s, [IM_END], IM_END))
     return gen.generate(prompts, seeds or list(range(len(prompts))))
 
 
-def test_greedy_answers_equal_hf(smollm2, prompts):
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_greedy_answers_equal_hf(smollm2, prompts, attention):
     """8 slots for 32 prompts: rows refill as answers end, beside rows of other lengths."""
     assert len({len(p) for p in prompts}) == 32
-    attention = smollm2.model.config._attn_implementation
-    engine = generate("engine", smollm2, prompts, batch_size=8)
+    model_attention = smollm2.model.config._attn_implementation
+    engine = generate("engine", smollm2, prompts, batch_size=8, attention=attention)
     hf = generate("hf", smollm2, prompts, batch_size=8)
     assert [c.ids for c in engine] == [c.ids for c in hf]
     assert [c.finish_reason for c in engine] == [c.finish_reason for c in hf]
@@ -54,15 +56,16 @@ def test_greedy_answers_equal_hf(smollm2, prompts):
     assert 4 <= reasons.count("stop") <= 28, reasons
     assert all(len(c.ids) == MAX_NEW for c in engine if c.finish_reason == "length")
     assert all(c.ids[-1] == IM_END and IM_END not in c.ids[:-1] for c in engine if c.finish_reason == "stop")
-    assert smollm2.model.config._attn_implementation == attention, "the caller's model keeps its attention"
+    assert smollm2.model.config._attn_implementation == model_attention, "the caller's model keeps its attention"
 
 
-def test_sampled_answers_equal_hf_whatever_the_batch(smollm2, prompts):
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_sampled_answers_equal_hf_whatever_the_batch(smollm2, prompts, attention):
     """Both generators draw each token from the prompt's own seed (data_gen/sampling.py)."""
     few, seeds = prompts[::4], [7 * i + 1 for i in range(8)]
     sampling = dict(temperature=0.9, top_p=0.9, top_k=40)
-    engine3 = generate("engine", smollm2, few, 3, seeds, **sampling)
-    engine8 = generate("engine", smollm2, few, 8, seeds, **sampling)
+    engine3 = generate("engine", smollm2, few, 3, seeds, attention, **sampling)
+    engine8 = generate("engine", smollm2, few, 8, seeds, attention, **sampling)
     hf = generate("hf", smollm2, few, 4, seeds, **sampling)
     assert [c.ids for c in engine3] == [c.ids for c in engine8] == [c.ids for c in hf]
     greedy = generate("engine", smollm2, few, 8)
