@@ -158,7 +158,7 @@ class GenerationEngine:
         self.slot_since = [0] * batch_size
         self.snapshots = 0
         self.stop_list = list(stop_ids)  # the host's copy: reading the device's would wait for it
-        # Told where the wall time goes when set (benchmarks/engine_profile.py): span(part)
+        # Told where the wall time goes when set (benchmarks/engine_profile.py): span(part, **info)
         # around each piece of device work the host issues, call() as each drain starts.
         self.timer = None
         self._alloc(stop_ids, target.model.dtype)
@@ -304,9 +304,9 @@ class GenerationEngine:
         self.count[slots] = 0
         self.done[slots] = False
 
-    def _span(self, part: str):
+    def _span(self, part: str, **info):
         """The timer's span around device work the host issues (nothing without a timer)."""
-        return contextlib.nullcontext() if self.timer is None else self.timer.span(part)
+        return contextlib.nullcontext() if self.timer is None else self.timer.span(part, **info)
 
     def _width(self) -> int:
         """The attention width for the next chunk of steps: the host's positions are one
@@ -373,7 +373,7 @@ class GenerationEngine:
             snapshot = None
             if any(key is not None for key in self.slot_key):
                 width = self._width()
-                with self._span("decode"):
+                with self._span("decode", width=width):
                     self._run_steps(width, self.sync_steps)
                 with self._span("copies"):
                     snapshot = self._snapshot()

@@ -82,3 +82,15 @@ def test_flex_reads_no_block_outside_the_rows_own():
     row = POS.index(300)  # its block 2 holds columns 256-383; column 301 is past its position
     poisoned_v[row, :, 301] = float("nan")
     assert torch.isnan(_attend("flex", q, poisoned_k, poisoned_v, 100)[row]).all()
+
+
+@pytest.mark.parametrize("kind, window, read, held", [
+    ("sdpa", None, 4 * 320, 1 + 128 + 301), ("flex", None, (1 + 1 + 3) * DECODE_BLOCK, 1 + 128 + 301),
+    ("sdpa", 100, 4 * 320, 1 + 100 + 100), ("flex", 100, (1 + 1 + 2) * DECODE_BLOCK, 1 + 100 + 100)])
+def test_the_profile_counts_the_columns_each_kernel_reads(kind, window, read, held):
+    """benchmarks/engine_profile.py's bandwidth: sdpa reads `width` columns of every row, the
+    finished one too; flex the blocks of the live rows; the rows hold what they see."""
+    from benchmarks.engine_profile import kv_columns
+
+    pos, live = torch.tensor([0, 127, 128, 300]), torch.tensor([True, True, False, True])
+    assert kv_columns(kind, pos, live, 320, 600, window) == (read, held)
