@@ -74,8 +74,9 @@ def block_mask(pos: torch.Tensor, live: torch.Tensor, length: int, groups: int, 
 
 @functools.cache
 def compiled_flex():
-    """flex_attention compiled once per process (each shape and window compiles on first use;
-    fullgraph: a graph break would run the unfused reference that reads everything)."""
+    """flex_attention compiled once per process. Each shape and window compiles on first use
+    (an engine has one shape); past dynamo's recompile_limit (8) in one process, flex would run
+    unfused: right, but reading everything, as it would after a graph break (hence fullgraph)."""
     return torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
 
