@@ -75,6 +75,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [k for k in args.kinds.split(",") if k not in KINDS]
     if bad:
         p.error(f"--kinds: {bad} not in {list(KINDS)}")
+    if args.profile and not any(k.startswith("engine") for k in args.kinds.split(",")):
+        p.error(f"--profile: it profiles the engine kinds, and --kinds={args.kinds} has none")
     return args
 
 

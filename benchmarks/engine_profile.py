@@ -191,6 +191,9 @@ def table(timer: SpanTimer, wall: float, tokens: int, idle: str | None = None) -
     for key, name in PARTS.items():
         lines.append(f"  {name:<44}{parts[key]:>9.3f}{100 * parts[key] / stamped:>7.1f}%  {notes.get(key, '')}")
     lines.append(f"  {'sum of the parts':<44}{stamped:>9.3f}{'':>8}  wall by the host's clock {wall:.3f} s")
+    idle_s = parts["host"] + parts["between"]
+    lines.append(f"  {'device idle: the wall less its spans':<44}{idle_s:>9.3f}{100 * idle_s / stamped:>7.1f}%  "
+                 "the two waits above")
     if idle not in (None, "n/a"):
         lines.append(f"  device idle at kernel level (a profiled pass, gaps between kernels included): {idle}")
     if counts["decode"]:

@@ -180,6 +180,9 @@ def test_profile_of_an_every_turn_job_with_magpie_on_cpu(tmp_path, capsys):
         summed = float(re.search(r"sum of the parts +(\d+\.\d+)", profile).group(1))
         assert summed == pytest.approx(sum(parts.values()), abs=0.005)
         assert summed == pytest.approx(wall, rel=0.02, abs=0.02)
+        idle = float(re.search(r"device idle: the wall less its spans +(\d+\.\d+)", profile).group(1))
+        waits = parts["host scheduling (device waits, in a call)"] + parts["between calls (the caller's turns)"]
+        assert idle == pytest.approx(waits, abs=0.002)
         read, rate = re.search(r"KV read (\d+\.\d) MB a step: (\d+\.\d) GB/s", profile).groups()
         assert float(read) > 0 and float(rate) > 0
 
