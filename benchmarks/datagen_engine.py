@@ -1,42 +1,62 @@
 """Generation speed of dflash-datagen's in-process generators, side by side on the same
 prompts, batch size and answer length: `hf` (model.generate, left-padded batches), `engine`
-(data_gen/engine.py; `engine-eager` without CUDA graphs) and optionally `hf-static`
-(generate with transformers' static cache, which transformers compiles on a GPU). Prints
-generated tokens/s, the GPU's idle share (a second, profiled pass over --idle-prompts: the
-share of its wall time with no kernel or copy running) and how many answers equal hf's (when hf ran first).
+(data_gen/engine.py, SDPA decode attention; `engine-flex` with backend.attention=flex;
+`engine-eager` without CUDA graphs) and optionally `hf-static` (generate with transformers'
+static cache, which transformers compiles on a GPU). Prints generated tokens/s, the GPU's idle
+share (a second, profiled pass over --idle-prompts first turns: the share of its wall time
+with no kernel or copy running) and how many rows equal those of the first kind listed (on a
+GPU in bf16 the agreement rate of two kernels; in float32 on CPU all of them).
 
-    python benchmarks/datagen_engine.py --target PATH --prompts 1024 --batch-size 256 \\
-        --max-new-tokens 512 [--kinds hf,engine,hf-static] [--jsonl prompts.jsonl]
+    python -m benchmarks.datagen_engine --target PATH --prompts 1024 --batch-size 256 \\
+        --max-new-tokens 512 [--kinds hf,engine,engine-flex,hf-static] [--jsonl prompts.jsonl] \\
+        [--all-turns] [--magpie N] [--profile]
 
-Prompts: ShareGPT first turns (the pipeline's default source, MT-Bench and HumanEval
-excluded) or a JSONL file of {"prompt": ...}, in the target's chat template, at most
---max-prompt-len tokens. Greedy unless --temperature is given. Each kind first answers
---batch-size prompts untimed (CUDA graph capture, compilation), then all of them, timed.
-Runs on CPU too (tiny numbers), which is how its test runs it.
+Prompts: ShareGPT conversations (the pipeline's default source, MT-Bench and HumanEval
+excluded) or a JSONL file ({"prompt": ...} or {"messages": [...]}), in the target's chat
+template, at most --max-prompt-len tokens; --magpie N adds N prompts the target writes itself
+(written once, before the kinds run, and not timed). They go through the pipeline's own
+scheduling (data_gen/turns.py), in calls of the size dflash-datagen hands the generator:
+first turns only, or with --all-turns every turn, each on the target's own earlier answers.
+The issue-39 job (`--config-name datagen_all_turns`, 5,000 conversations and 5,000 magpie
+prompts): --all-turns --prompts 5000 --magpie 5000 --max-prompt-len 3072 --batch-size 512
+--max-new-tokens 512. Greedy unless --temperature is given. Each kind first answers
+--batch-size first turns untimed (CUDA graph capture, compilation), then the job, timed.
+--profile adds, for each engine kind, where the timed pass's wall time went
+(benchmarks/engine_profile.py): decode, prefill, copies, host scheduling, the time between
+calls, and the decode attention's bandwidth. Runs on CPU too (tiny numbers), which is how its
+tests run it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
+import tempfile
 import time
 
 import torch
 
+from benchmarks.engine_profile import SpanTimer, table
 from data_gen.config import BackendConfig, SamplingConfig, to_datagen_config
 from data_gen.engine import STEPS_PER_SYNC, EngineGenerator
+from data_gen.generators import prompts_per_call
 from data_gen.hf_generator import HFGenerator
-from data_gen.pipeline import setup
-from dflash_train.model.target import load_target
+from data_gen.pipeline import Generators, pad_token_id, setup
+from data_gen.turns import generate_shards
+from dflash_train.model.target import load_target, load_tokenizer
 
-KINDS = ("hf", "engine", "engine-eager", "hf-static")
+KINDS = ("hf", "engine", "engine-flex", "engine-eager", "hf-static")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target spec (HF id, folder, .gguf, pkg:...)")
-    p.add_argument("--jsonl", help="prompts file ({'prompt': ...} per line); default: ShareGPT first turns")
-    p.add_argument("--prompts", type=int, default=1024)
+    p.add_argument("--jsonl", help="prompts file ({'prompt': ...} or {'messages': [...]} per line); default: ShareGPT")
+    p.add_argument("--prompts", type=int, default=1024, help="conversations (prompts) of the file or ShareGPT")
+    p.add_argument("--all-turns", action="store_true", help="every user turn, each on the earlier answers")
+    p.add_argument("--magpie", type=int, default=0, help="add this many prompts written by the target")
+    p.add_argument("--magpie-tokens", type=int, default=256, help="the longest prompt the target may write")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--max-prompt-len", type=int, default=1024)
@@ -50,34 +70,69 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--idle-prompts", type=int, default=None,
                    help="prompts of the profiled pass (default 4 x batch size: a trace of every kernel is large)")
     p.add_argument("--no-idle", action="store_true", help="skip the profiled pass")
+    p.add_argument("--profile", action="store_true", help="engine kinds: where the timed pass's wall time went")
     args = p.parse_args(argv)
     bad = [k for k in args.kinds.split(",") if k not in KINDS]
     if bad:
         p.error(f"--kinds: {bad} not in {list(KINDS)}")
+    if args.profile and not any(k.startswith("engine") for k in args.kinds.split(",")):
+        p.error(f"--profile: it profiles the engine kinds, and --kinds={args.kinds} has none")
     return args
 
 
-def load_prompts(args, tokenizer=None):
-    source = {"kind": "jsonl", "path": args.jsonl} if args.jsonl else {"kind": "sharegpt"}
-    cfg = to_datagen_config({"target": {"name": args.target}, "out_dir": "unused", "sources": [source],
-                             "num_prompts": args.prompts, "max_prompt_len": args.max_prompt_len})
-    tokenizer, _, _, shaper, prompts, _ = setup(cfg, tokenizer)
-    ids = [shaper.prompt(p.system, p.user_turns[:1], [])[0] for p in prompts]
-    return ids, shaper.stop_ids, tokenizer
+def job_config(args, out_dir: str):
+    """The datagen config of the job: its sources, turns, prompt length and sampling."""
+    first = {"kind": "jsonl", "path": args.jsonl} if args.jsonl else {"kind": "sharegpt"}
+    sources, num_prompts = [first], args.prompts
+    if args.magpie:  # the count applies to the corpus alone
+        first["num_prompts"], num_prompts = args.prompts, None
+        sources.append({"kind": "magpie", "num_prompts": args.magpie, "max_tokens": args.magpie_tokens})
+    return to_datagen_config({
+        "target": {"name": args.target, "dtype": args.dtype}, "out_dir": out_dir, "sources": sources,
+        "num_prompts": num_prompts, "max_prompt_len": args.max_prompt_len,
+        "template": {"max_turns": None if args.all_turns else 1},
+        "sampling": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature},
+        "backend": {"batch_size": args.batch_size, "device": args.device, "cpu_threads": args.threads}})
+
+
+def load_job(args, target, tokenizer, out_dir: str):
+    """(config, chat shaper, prompts, magpie line or None): the prompts the pipeline would
+    answer, magpie ones written by the target now (with the engine on a GPU)."""
+    cfg = job_config(args, out_dir)
+    started = time.perf_counter()
+    _, _, _, shaper, prompts, skips = setup(cfg, tokenizer, Generators(cfg, tokenizer, target=target))
+    magpie = skips.reports.get("magpie")
+    line = None if magpie is None else (
+        f"magpie: {magpie['kept']} prompts kept of {magpie['candidates']} candidates, written in "
+        f"{time.perf_counter() - started:.1f} s (not timed below)")
+    return cfg, shaper, prompts, line
 
 
 def build(kind: str, target, args, stop_ids: list[int], pad_id: int):
     cfg = BackendConfig(kind=kind.split("-")[0], batch_size=args.batch_size, device=args.device,
-                        cuda_graphs=kind == "engine")
+                        cuda_graphs=kind != "engine-eager", attention="flex" if kind == "engine-flex" else "sdpa")
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     if cfg.kind == "engine":
         gen = EngineGenerator(target, cfg, sampling, stop_ids, args.max_prompt_len)
         gen.engine.sync_steps = args.sync_steps or gen.engine.sync_steps
-        return gen
+        return gen, cfg
     gen = HFGenerator(target, cfg, sampling, stop_ids, pad_id)
     if kind == "hf-static":
         gen.kwargs["cache_implementation"] = "static"
-    return gen
+    return gen, cfg
+
+
+class Counting:
+    """A generator that counts the prompts (turns) it was asked and the answers it gave."""
+
+    def __init__(self, gen):
+        self.gen, self.asked, self.answered = gen, 0, 0
+
+    def generate(self, prompts, seeds, deadline=None, progress=None):
+        out = self.gen.generate(prompts, seeds, deadline, progress)
+        self.asked += len(prompts)
+        self.answered += sum(r is not None for r in out)
+        return out
 
 
 def _sync(device: torch.device) -> None:
@@ -85,10 +140,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(gen, prompts, seeds, device) -> tuple[list, float]:
+def run_job(cfg, shaper, prompts, gen, backend: BackendConfig):
+    """Every turn of the job through the pipeline's scheduling: (rows by prompt id, answer
+    tokens, turns asked, turns answered)."""
+    counting = Counting(gen)
+    shards = {k: prompts[i:i + cfg.shard_size] for k, i in enumerate(range(0, len(prompts), cfg.shard_size))}
+    rows, tokens = {}, 0
+    for _, shard_rows, meta in generate_shards(cfg, shaper, counting, shards, prompts_per_call(backend)):
+        rows.update((r["prompt_id"], r["input_ids"]) for r in shard_rows)
+        tokens += meta["generated_tokens"]
+    return rows, tokens, counting.asked, counting.answered
+
+
+def timed(fn, device):
     _sync(device)
     start = time.perf_counter()
-    out = gen.generate(prompts, seeds)
+    out = fn()
     _sync(device)
     return out, time.perf_counter() - start
 
@@ -100,7 +167,7 @@ def idle_share(gen, prompts, seeds, device) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _, wall = timed(gen, prompts, seeds, device)
+        _, wall = timed(lambda: gen.generate(prompts, seeds), device)
     spans = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in prof.profiler.kineto_results.events()
                    if e.device_type() == torch.autograd.DeviceType.CUDA)
     busy, end = 0, 0
@@ -110,37 +177,61 @@ def idle_share(gen, prompts, seeds, device) -> str:
     return f"{100 * (1 - busy / 1e9 / wall):.1f}% ({len(spans)} kernels)"
 
 
+def run_kind(kind, target, args, job, first_turns, pad_id, answers) -> list[str]:
+    """Warm up, time the job, and the kind's table row (with the profile's lines under it)."""
+    cfg, shaper, prompts = job
+    gen, backend = build(kind, target, args, shaper.stop_ids, pad_id)
+    seeds = list(range(len(first_turns)))
+    _, warm = timed(lambda: gen.generate(first_turns[:args.batch_size], seeds[:args.batch_size]), target.device)
+    timer = SpanTimer(gen.engine) if args.profile and backend.kind == "engine" else None
+    if timer is not None:
+        timer.begin()
+    (rows, tokens, asked, answered), wall = timed(lambda: run_job(cfg, shaper, prompts, gen, backend), target.device)
+    if timer is not None:
+        timer.end()
+        gen.engine.timer = None  # the idle pass below runs untimed
+    first = answers.setdefault("first", rows)  # the first kind's rows: the others are compared with them
+    n = args.idle_prompts or 4 * args.batch_size
+    idle = "skipped" if args.no_idle else idle_share(gen, first_turns[:n], seeds[:n], target.device)
+    same = f"{sum(rows.get(k) == v for k, v in first.items())}/{len(first)}"
+    lines = [f"{kind:<13}{tokens:>9}{tokens / max(1, asked):>7.1f}{wall:>9.2f}{tokens / wall:>10.1f}{warm:>11.2f}  "
+             f"{idle:<22}{same:>11}{asked:>8}{answered:>10}{len(rows):>6}"]
+    if timer is not None:
+        lines += table(timer, wall, tokens, None if args.no_idle else idle)
+    return lines
+
+
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts, stop_ids, tokenizer = load_prompts(args)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(args.target, dtype=args.dtype, device=device)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    seeds = list(range(len(prompts)))
-    lengths = [len(p) for p in prompts]
-    print(f"{len(prompts)} prompts ({min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}), "
+    tokenizer = load_tokenizer(args.target)
+    with tempfile.TemporaryDirectory() as out_dir:  # magpie's candidate files
+        cfg, shaper, prompts, magpie = load_job(args, target, tokenizer, out_dir)
+    gc.collect()  # the magpie writer's engine (its KV cache) before the kinds allocate theirs
+    if target.device.type == "cuda":
+        torch.cuda.empty_cache()
+    first_turns = [shaper.prompt(p.system, p.user_turns[:1], [])[0] for p in prompts]
+    pad_id = pad_token_id(tokenizer, shaper)
+    lengths = [len(p) for p in first_turns]
+    turns = sum(len(p.user_turns) for p in prompts)
+    print(f"{len(prompts)} prompts ({min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}; "
+          f"{turns} user turns, {'every turn' if args.all_turns else 'first turns'}), "
           f"batch {args.batch_size}, max_new_tokens {args.max_new_tokens}, temperature {args.temperature}, "
           f"{target.model.dtype} on {target.device} ({torch.cuda.get_device_name(target.device) if device != 'cpu' else 'CPU'})")
+    if magpie:
+        print(magpie)
     print(f"{'kind':<13}{'tokens':>9}{'mean':>7}{'seconds':>9}{'tok/s':>10}{'warm-up s':>11}  "
-          f"{'GPU idle':<22}{'same as hf':>10}", flush=True)
+          f"{'GPU idle':<22}{'same as 1st':>11}{'turns':>8}{'answered':>10}{'rows':>6}", flush=True)
     answers = {}
     for kind in args.kinds.split(","):  # each row as soon as it is measured
-        gen = build(kind, target, args, stop_ids, pad_id)
-        _, warm = timed(gen, prompts[:args.batch_size], seeds[:args.batch_size], target.device)
-        out, wall = timed(gen, prompts, seeds, target.device)
-        answers[kind] = [c.ids for c in out]
-        tokens = sum(len(ids) for ids in answers[kind])
-        n = args.idle_prompts or 4 * args.batch_size
-        idle = "skipped" if args.no_idle else idle_share(gen, prompts[:n], seeds[:n], target.device)
-        same = (f"{sum(a == b for a, b in zip(answers[kind], answers['hf']))}/{len(prompts)}"
-                if "hf" in answers else "n/a")
-        print(f"{kind:<13}{tokens:>9}{tokens / len(prompts):>7.1f}{wall:>9.2f}{tokens / wall:>10.1f}{warm:>11.2f}  "
-              f"{idle:<22}{same:>10}", flush=True)
-        del gen  # its KV cache and graphs, before the next kind allocates its own
-        if target.device.type == "cuda":
+        print("\n".join(run_kind(kind, target, args, (cfg, shaper, prompts), first_turns, pad_id, answers)),
+              flush=True)
+        if target.device.type == "cuda":  # the kind's KV cache and graphs, before the next allocates its own
             torch.cuda.empty_cache()
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])

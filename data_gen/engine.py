@@ -10,12 +10,14 @@ slot rows and attends over them:
   * prefill: the new prompts, right padded, causal attention over the prompts themselves
     (transformers' SDPA function); all but each prompt's last token, whose logits come from
     the first decode step, so the prefill needs no logits;
-  * decode: one token per slot, SDPA over the first `width` cache columns with a per-row
-    visibility mask (column <= the row's position). `width` covers every busy row (on CUDA
-    a multiple of WIDTH_STEP), so attention reads what the rows hold, not the whole cache.
+  * decode: one token per slot, attending over its own cache row (data_gen/engine_attention.py,
+    by `backend.attention`): `sdpa` over the first `width` cache columns of every row with a
+    per-row visibility mask, `width` covering every busy row (on CUDA a multiple of
+    WIDTH_STEP); `flex` over the blocks of its row that hold its keys, whatever the others hold.
 The decode step (forward, token choice, stop detection, bookkeeping) runs on the device
-without a host sync; on CUDA each width is captured once as a CUDA graph and replayed. The
-host reads the slots every STEPS_PER_SYNC steps, one chunk behind the device.
+without a host sync; on CUDA each width is captured once as a CUDA graph and replayed (flex
+needs one width: the whole row). The host reads the slots every STEPS_PER_SYNC steps, one
+chunk behind the device.
 
 Nothing is shared between slots: a prompt's answer does not depend on the prompts beside it
 (up to floating-point rounding of the attention over a wider padded range).
@@ -31,10 +33,10 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from data_gen.config import BackendConfig, SamplingConfig
+from data_gen.config import ENGINE_ATTENTIONS, BackendConfig, SamplingConfig
+from data_gen.engine_attention import decode_attention
 from data_gen.generators import Completion, Progress, past
 from data_gen.sampling import sample_tokens, uniform_stream
 from dflash_train.model.target import TargetModel, decoder_layers
@@ -59,19 +61,10 @@ class _Step:
     cache_v: list[torch.Tensor]
     rows: torch.Tensor | None = None  # prefill: the slots the prompts go to, (n,)
     pos: torch.Tensor | None = None  # decode: each slot's position, (B,)
-    width: int = 0  # decode: cache columns attended
-    visible: dict | None = None  # decode: (B, 1, 1, width) masks by sliding window (None: full)
-
-
-def _decode_visible(step: _Step, window: int | None) -> torch.Tensor:
-    mask = step.visible.get(window)
-    if mask is None:  # built once per step (by the first layer) and shared by the others
-        cols = torch.arange(step.width, device=step.pos.device)
-        mask = cols[None, :] <= step.pos[:, None]
-        if window is not None:
-            mask &= cols[None, :] > step.pos[:, None] - window
-        mask = step.visible[window] = mask[:, None, None, :]
-    return mask
+    live: torch.Tensor | None = None  # decode: the slots with an answer going on, (B,)
+    width: int = 0  # decode: cache columns attended (sdpa)
+    attention: str = "sdpa"  # decode: backend.attention
+    masks: dict | None = None  # decode: the step's masks by sliding window (None: full)
 
 
 def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -100,8 +93,8 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     v_cache.scatter_(2, index, value)
     # GQA without repeating the cache: a slot's query heads of one KV head are its queries.
     q = query.reshape(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
-    out = F.scaled_dot_product_attention(q, k_cache[:, :, :step.width], v_cache[:, :, :step.width],
-                                         attn_mask=_decode_visible(step, sliding_window), scale=scaling)
+    out = decode_attention(step.attention, q, k_cache, v_cache, step.pos, step.live, step.width, sliding_window,
+                           scaling, step.masks)
     return out.reshape(b, 1, hq, d), None
 
 
@@ -141,8 +134,12 @@ class GenerationEngine:
     (key, Completion) as answers end, and a consumer may submit more while draining."""
 
     def __init__(self, target: TargetModel, batch_size: int, max_len: int, sampling: SamplingConfig,
-                 stop_ids: list[int], cuda_graphs: bool = True, sync_steps: int | None = None):
+                 stop_ids: list[int], cuda_graphs: bool = True, sync_steps: int | None = None,
+                 attention: str = "sdpa"):
+        if attention not in ENGINE_ATTENTIONS:
+            raise ValueError(f"attention={attention!r}: expected one of {list(ENGINE_ATTENTIONS)}")
         _register_attention()
+        self.attention = attention
         self.model = _private_model(target.model)
         self.device = target.device
         self.sampling = sampling
@@ -160,6 +157,10 @@ class GenerationEngine:
         self.slot_pos = [0] * batch_size
         self.slot_since = [0] * batch_size
         self.snapshots = 0
+        self.stop_list = list(stop_ids)  # the host's copy: reading the device's would wait for it
+        # Told where the wall time goes when set (benchmarks/engine_profile.py): span(part, **info)
+        # around each piece of device work the host issues, call() as each drain starts.
+        self.timer = None
         self._alloc(stop_ids, target.model.dtype)
 
     @torch.inference_mode()
@@ -188,7 +189,8 @@ class GenerationEngine:
 
     def _decode(self, width: int) -> None:
         """One decode step of every slot, in place, without a host sync."""
-        step = _Step(self.cache_k, self.cache_v, pos=self.pos, width=width, visible={})
+        step = _Step(self.cache_k, self.cache_v, pos=self.pos, live=~self.done, width=width,
+                     attention=self.attention, masks={})
         logits = self.model(input_ids=self.tokens[:, None], position_ids=self.pos[:, None], use_cache=False,
                             **{STEP_KWARG: step}).logits[:, -1]  # (B, V)
         s = self.sampling
@@ -223,8 +225,11 @@ class GenerationEngine:
         return graph
 
     def _capture_all(self) -> None:
-        for width in range(WIDTH_STEP, self.max_len + WIDTH_STEP, WIDTH_STEP):
-            self.graphs[min(width, self.max_len)] = self._capture(min(width, self.max_len))
+        widths = [self.max_len]  # flex: every row reads its own blocks of the whole row
+        if self.attention == "sdpa":
+            widths = sorted({min(w, self.max_len) for w in range(WIDTH_STEP, self.max_len + WIDTH_STEP, WIDTH_STEP)})
+        for width in widths:
+            self.graphs[width] = self._capture(width)
 
     def _run_steps(self, width: int, steps: int) -> None:
         if self.graphs is None:
@@ -283,7 +288,13 @@ class GenerationEngine:
             admitted.append((slot, prompt, seed))
         if not admitted:
             return
-        self._prefill([(slot, p) for slot, p, _ in admitted])
+        with self._span("prefill"):
+            self._prefill([(slot, p) for slot, p, _ in admitted])
+        with self._span("copies"):
+            self._start_slots(admitted)
+
+    def _start_slots(self, admitted: list[tuple[int, list[int], int]]) -> None:
+        """The admitted slots' state on the device: next token, position, uniforms, counts."""
         slots = self._to_device([a[0] for a in admitted])
         self.tokens[slots] = self._to_device([p[-1] for _, p, _ in admitted])
         self.pos[slots] = self._to_device([len(p) - 1 for _, p, _ in admitted])
@@ -293,9 +304,15 @@ class GenerationEngine:
         self.count[slots] = 0
         self.done[slots] = False
 
+    def _span(self, part: str, **info):
+        """The timer's span around device work the host issues (nothing without a timer)."""
+        return contextlib.nullcontext() if self.timer is None else self.timer.span(part, **info)
+
     def _width(self) -> int:
         """The attention width for the next chunk of steps: the host's positions are one
         chunk old, and the chunk adds its own steps."""
+        if self.attention == "flex":  # each row reads its own blocks of the whole row
+            return self.max_len
         busy = [p for p, key in zip(self.slot_pos, self.slot_key) if key is not None]
         needed = max(busy) + 2 * self.sync_steps + 1
         if self.graphs is None:  # eager: any width, no graph per width to bound
@@ -340,6 +357,8 @@ class GenerationEngine:
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             if self.graphs == {}:
                 self._capture_all()
+            if self.timer is not None:
+                self.timer.call()
             yield from self._loop(deadline)
 
     def _loop(self, deadline: float | None) -> Iterator[tuple[Hashable, Completion]]:
@@ -348,13 +367,16 @@ class GenerationEngine:
         free (their prefill queued behind the chunk). The host's work hides behind the
         device's; a finished row idles one to two chunks before its slot takes a new prompt.
         Off CUDA each round reads its own snapshot (chunks of one step)."""
-        stop_ids = set(self.stop_ids.tolist())
+        stop_ids = set(self.stop_list)
         pending = None
         while True:
             snapshot = None
             if any(key is not None for key in self.slot_key):
-                self._run_steps(self._width(), self.sync_steps)
-                snapshot = self._snapshot()
+                width = self._width()
+                with self._span("decode", width=width):
+                    self._run_steps(width, self.sync_steps)
+                with self._span("copies"):
+                    snapshot = self._snapshot()
             if self.device.type != "cuda":  # nothing runs ahead of the host: read it now
                 pending, snapshot = snapshot, None
             if pending is not None:
@@ -374,7 +396,7 @@ class EngineGenerator:
             torch.set_num_threads(cfg.cpu_threads)
         self.target = target  # shared with a generator of other sampling settings (magpie)
         self.engine = GenerationEngine(target, cfg.batch_size, max_prompt_len + sampling.max_new_tokens, sampling,
-                                       stop_ids, cfg.cuda_graphs)
+                                       stop_ids, cfg.cuda_graphs, attention=cfg.attention)
 
     @classmethod
     def load(cls, spec: str, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int],

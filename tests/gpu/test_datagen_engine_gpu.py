@@ -1,5 +1,7 @@
 """GPU: the engine's CUDA graphs replay what its eager decode steps compute, on every attention
-width, and on SmolLM2 in float32 its answers equal the hf generator's (as on CPU).
+width, with either decode attention (sdpa; flex, compiled, its BlockMask built inside the
+graph), the two give the same answers, and on SmolLM2 in float32 its answers equal the hf
+generator's (as on CPU).
 
 A decode step that reads a Python value at capture time, syncs with the host, or a buffer
 that moves after capture shows up here as different tokens or a capture error.
@@ -22,8 +24,8 @@ MAX_NEW, MAX_PROMPT = 40, 2 * WIDTH_STEP
 STOP = 3
 
 
-def _engine(target, graphs: bool, batch_size: int = 4, **sampling):
-    cfg = BackendConfig(kind="engine", batch_size=batch_size, cuda_graphs=graphs)
+def _engine(target, graphs: bool, batch_size: int = 4, attention: str = "sdpa", **sampling):
+    cfg = BackendConfig(kind="engine", batch_size=batch_size, cuda_graphs=graphs, attention=attention)
     return EngineGenerator(target, cfg, SamplingConfig(max_new_tokens=MAX_NEW, **sampling), [STOP], MAX_PROMPT)
 
 
@@ -40,26 +42,38 @@ def prompts():
     return [torch.randint(4, 11, (n,), generator=g).tolist() for n in lengths]
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}])
-def test_graphs_replay_the_eager_steps(tiny, prompts, sampling):
+def test_graphs_replay_the_eager_steps(tiny, prompts, sampling, attention):
     seeds = list(range(len(prompts)))
-    graphs = _engine(tiny, True, **sampling)
-    eager = _engine(tiny, False, **sampling)
+    graphs = _engine(tiny, True, attention=attention, **sampling)
+    eager = _engine(tiny, False, attention=attention, **sampling)
     got, want = graphs.generate(prompts, seeds), eager.generate(prompts, seeds)
-    assert sorted(graphs.engine.graphs) == [WIDTH_STEP, 2 * WIDTH_STEP, MAX_PROMPT + MAX_NEW]
+    widths = [WIDTH_STEP, 2 * WIDTH_STEP, MAX_PROMPT + MAX_NEW] if attention == "sdpa" else [MAX_PROMPT + MAX_NEW]
+    assert sorted(graphs.engine.graphs) == widths
     assert [c.ids for c in got] == [c.ids for c in want]
     assert "stop" in {c.finish_reason for c in got}, "slots were refilled"
     again = graphs.generate(prompts[::-1], seeds[::-1])  # a second call replays the same graphs
     assert [c.ids for c in again] == [c.ids for c in got][::-1]
 
 
-def test_smollm2_float32_answers_equal_hf(smollm2, smollm2_tokenizer):
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}])
+def test_flex_answers_equal_sdpa(tiny, prompts, sampling):
+    """float32: the two attentions differ by rounding only, so the tokens are the same."""
+    seeds = list(range(len(prompts)))
+    flex = _engine(tiny, True, attention="flex", **sampling).generate(prompts, seeds)
+    sdpa = _engine(tiny, True, **sampling).generate(prompts, seeds)
+    assert [c.ids for c in flex] == [c.ids for c in sdpa]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_smollm2_float32_answers_equal_hf(smollm2, smollm2_tokenizer, attention):
     target = TargetModel(copy.deepcopy(smollm2.model).cuda())
     texts = [f"What is {i}+{2 * i}? Answer with one number." if i % 2 else f"Write a poem about {i} cats."
              for i in range(16)]
     shaper = ChatShaper(smollm2_tokenizer, [2])
     ids = [shaper.prompt(None, [t], [])[0] for t in texts]
-    cfg = BackendConfig(kind="engine", batch_size=8)
+    cfg = BackendConfig(kind="engine", batch_size=8, attention=attention)
     sampling = SamplingConfig(max_new_tokens=24)
     engine = EngineGenerator(target, cfg, sampling, [2], 256).generate(ids, list(range(16)))
     hf = HFGenerator(target, BackendConfig(kind="hf", batch_size=8), sampling, [2], 2).generate(ids, list(range(16)))

@@ -1,6 +1,7 @@
 """backend.kind=engine on the real SmolLM2 target (float32, CPU): the same answers as `hf`,
-greedy and sampled, from the generator and from a multi-turn pipeline run; a kill -9 in the
-middle of an engine run and a rerun hold every prompt exactly once."""
+greedy and sampled, with either decode attention (sdpa, flex), from the generator and from a
+multi-turn pipeline run; a kill -9 in the middle of an engine run and a rerun hold every
+prompt exactly once."""
 
 import json
 import re
@@ -15,7 +16,8 @@ from data_gen.pipeline import run
 from data_gen.template import ChatShaper
 from dflash_train.data.format import load_generated, read_shard_meta
 from tests.conftest import SMOLLM2
-from tests.datagen_helpers import cli, compose_config, kill_after_first_shard, overrides, write_prompts
+from tests.datagen_helpers import (cli, compose_config, kill_after_first_shard, overrides, write_conversations,
+                                   write_prompts)
 
 # one thread: tiny matmuls do not split, and on a shared CPU the second thread waits
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -34,19 +36,20 @@ def prompts(smollm2_tokenizer):
     return [shaper.prompt(None, [t], [])[0] for t in texts]
 
 
-def generate(kind, target, prompts, batch_size, seeds=None, **sampling):
-    cfg = BackendConfig(kind=kind, batch_size=batch_size)
+def generate(kind, target, prompts, batch_size, seeds=None, attention="sdpa", **sampling):
+    cfg = BackendConfig(kind=kind, batch_size=batch_size, attention=attention)
     s = SamplingConfig(max_new_tokens=MAX_NEW, **sampling)
     gen = (EngineGenerator(target, cfg, s, [IM_END], max_prompt_len=256) if kind == "engine"
            else HFGenerator(target, cfg, s, [IM_END], IM_END))
     return gen.generate(prompts, seeds or list(range(len(prompts))))
 
 
-def test_greedy_answers_equal_hf(smollm2, prompts):
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_greedy_answers_equal_hf(smollm2, prompts, attention):
     """8 slots for 32 prompts: rows refill as answers end, beside rows of other lengths."""
     assert len({len(p) for p in prompts}) == 32
-    attention = smollm2.model.config._attn_implementation
-    engine = generate("engine", smollm2, prompts, batch_size=8)
+    model_attention = smollm2.model.config._attn_implementation
+    engine = generate("engine", smollm2, prompts, batch_size=8, attention=attention)
     hf = generate("hf", smollm2, prompts, batch_size=8)
     assert [c.ids for c in engine] == [c.ids for c in hf]
     assert [c.finish_reason for c in engine] == [c.finish_reason for c in hf]
@@ -54,15 +57,16 @@ def test_greedy_answers_equal_hf(smollm2, prompts):
     assert 4 <= reasons.count("stop") <= 28, reasons
     assert all(len(c.ids) == MAX_NEW for c in engine if c.finish_reason == "length")
     assert all(c.ids[-1] == IM_END and IM_END not in c.ids[:-1] for c in engine if c.finish_reason == "stop")
-    assert smollm2.model.config._attn_implementation == attention, "the caller's model keeps its attention"
+    assert smollm2.model.config._attn_implementation == model_attention, "the caller's model keeps its attention"
 
 
-def test_sampled_answers_equal_hf_whatever_the_batch(smollm2, prompts):
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_sampled_answers_equal_hf_whatever_the_batch(smollm2, prompts, attention):
     """Both generators draw each token from the prompt's own seed (data_gen/sampling.py)."""
     few, seeds = prompts[::4], [7 * i + 1 for i in range(8)]
     sampling = dict(temperature=0.9, top_p=0.9, top_k=40)
-    engine3 = generate("engine", smollm2, few, 3, seeds, **sampling)
-    engine8 = generate("engine", smollm2, few, 8, seeds, **sampling)
+    engine3 = generate("engine", smollm2, few, 3, seeds, attention, **sampling)
+    engine8 = generate("engine", smollm2, few, 8, seeds, attention, **sampling)
     hf = generate("hf", smollm2, few, 4, seeds, **sampling)
     assert [c.ids for c in engine3] == [c.ids for c in engine8] == [c.ids for c in hf]
     greedy = generate("engine", smollm2, few, 8)
@@ -125,13 +129,9 @@ def test_kill_9_then_rerun_holds_every_prompt_once(tmp_path, smollm2, smollm2_to
 
 def test_benchmark_table_on_cpu(tmp_path, capsys):
     """benchmarks/datagen_engine.py end to end on CPU: one row per kind, the same answers."""
-    import runpy
-    from pathlib import Path
-
     src = tmp_path / "prompts.jsonl"
     write_prompts(src, 4)
-    bench = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks" / "datagen_engine.py"), run_name="bench")
-    bench["main"](["--target", SMOLLM2, "--jsonl", str(src), "--prompts", "4", "--batch-size", "2",
+    _benchmark()["main"](["--target", SMOLLM2, "--jsonl", str(src), "--prompts", "4", "--batch-size", "2",
                    "--max-new-tokens", "4", "--threads", "1", "--kinds", "hf,engine,engine-eager"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("4 prompts (") and "batch 2, max_new_tokens 4" in lines[0]
@@ -139,6 +139,52 @@ def test_benchmark_table_on_cpu(tmp_path, capsys):
     assert [r[0] for r in rows] == ["hf", "engine", "engine-eager"]
     assert len({r[1] for r in rows}) == 1 and 4 <= int(rows[0][1]) <= 16, "the same tokens, at most 4 each"
     assert all(float(r[4]) > 0 and r[6] == "n/a" and r[7] == "4/4" for r in rows), rows
+
+
+def _benchmark():
+    import runpy
+    from pathlib import Path
+
+    return runpy.run_path(str(Path(__file__).parents[2] / "benchmarks" / "datagen_engine.py"), run_name="bench")
+
+
+def test_profile_of_an_every_turn_job_with_magpie_on_cpu(tmp_path, capsys):
+    """--profile on the issue's kind of job (every turn of multi-turn conversations, plus prompts
+    the target writes), both decode attentions: every turn asked is answered, every prompt is
+    a row, the same rows with either attention, each table's parts are measured (none negative, decode and prefill under way) and
+    sum to the wall the host measured, and the attention replay reports its bandwidth."""
+    src = tmp_path / "conversations.jsonl"
+    write_conversations(src, 4)  # 1, 2, 3 and 1 user turns
+    _benchmark()["main"](["--target", SMOLLM2, "--jsonl", str(src), "--prompts", "4", "--all-turns", "--magpie", "2",
+                          "--magpie-tokens", "24", "--batch-size", "3", "--max-new-tokens", "8", "--threads", "1",
+                          "--kinds", "engine,engine-flex", "--profile"])
+    out = capsys.readouterr().out
+    kept = int(re.search(r"^magpie: (\d+) prompts kept of \d+ candidates", out, re.M).group(1))
+    assert 1 <= kept <= 2
+    assert out.startswith(f"{4 + kept} prompts (") and f"; {7 + kept} user turns, every turn)" in out.splitlines()[0]
+    rows = {m.group(1): m.group(2).split() for m in re.finditer(r"^(engine(?:-flex)?) +(.*)$", out, re.M)}
+    assert sorted(rows) == ["engine", "engine-flex"]
+    assert rows["engine"][0] == rows["engine-flex"][0], "the same tokens with either attention"
+    for kind, row in rows.items():
+        tokens, wall, asked, answered, written = int(row[0]), float(row[2]), int(row[7]), int(row[8]), int(row[9])
+        assert 4 + kept <= asked == answered <= 7 + kept and written == 4 + kept, (kind, row)
+        assert row[6] == f"{written}/{written}", "flex writes the rows sdpa writes"
+        attention = "flex" if kind == "engine-flex" else "sdpa"
+        profile = out.split(f"profile ({attention} attention), CPU: wall timers")[1].split("profile (")[0]
+        parts = {name.strip(): float(sec) for name, sec in
+                 re.findall(r"^  ([a-z][a-z ,()']+?) +(-?\d+\.\d+) +\d+\.\d%", profile, re.M)}
+        assert len(parts) == 5 and min(parts.values()) >= 0, parts
+        assert parts["decode steps"] > 0 and parts["prefill"] > 0, parts
+        steps = int(re.search(r"(\d+) steps in \1 chunks", profile).group(1))  # one step a chunk on CPU
+        assert steps >= tokens / 3, "3 slots make at most 3 tokens a step"
+        summed = float(re.search(r"sum of the parts +(\d+\.\d+)", profile).group(1))
+        assert summed == pytest.approx(sum(parts.values()), abs=0.005)
+        assert summed == pytest.approx(wall, rel=0.02, abs=0.02)
+        idle = float(re.search(r"device idle: the wall less its spans +(\d+\.\d+)", profile).group(1))
+        waits = parts["host scheduling (device waits, in a call)"] + parts["between calls (the caller's turns)"]
+        assert idle == pytest.approx(waits, abs=0.002)
+        read, rate = re.search(r"KV read (\d+\.\d) MB a step: (\d+\.\d) GB/s", profile).groups()
+        assert float(read) > 0 and float(rate) > 0
 
 
 class Clock:

@@ -1,0 +1,97 @@
+"""The generation engine's decode attention (data_gen/engine.py): each slot's one new query
+token attends over its own cache row, by `backend.attention`:
+
+  * sdpa: scaled_dot_product_attention over the first `width` cache columns of EVERY row
+    (`width` covers the longest busy row) under a boolean mask per row: a row reads `width`
+    columns whatever it holds, a finished row too;
+  * flex: flex_attention (compiled) under a BlockMask built from each row's position: a row
+    reads only the DECODE_BLOCK-column blocks that hold its visible keys, ceil((pos + 1) /
+    DECODE_BLOCK) of them under full attention, those its window touches under a sliding
+    one, and a finished row none (its output is zero and goes nowhere). The mask is plain
+    tensor ops on the device, so it is built inside the captured decode step without a host
+    sync; on CUDA a query this short takes flex's decoding kernel.
+
+Both fold grouped-query attention the same way: the G query heads of one KV head are that
+head's G queries, (B, Hkv, G, D), so each KV head is read once for all of them and the cache
+is never repeated. (flex's own enable_gqa does this in its decoding kernel only when G is a
+power of 2, and Qwen2.5-0.5B has G = 7.)
+
+Shapes: B slots, Hkv KV heads, G query heads per KV head, D head dim, S cache columns.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+# KV columns per block of the flex BlockMask: a row reads its blocks whole, so on average
+# half a block more than it holds. flex's decoding kernel tiles a block by up to 64 columns.
+DECODE_BLOCK = 128
+
+
+def visible(pos: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
+    """(B, width) bool: the cache columns row b attends to (its keys at positions <= pos[b],
+    and within the sliding window, when there is one)."""
+    cols = torch.arange(width, device=pos.device)
+    seen = cols[None, :] <= pos[:, None]
+    if window is not None:
+        seen &= cols[None, :] > pos[:, None] - window
+    return seen
+
+
+def kv_blocks(pos: torch.Tensor, live: torch.Tensor, length: int, window: int | None,
+              block: int = DECODE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks read (B,), block indices (B, ceil(length / block))): row b reads the
+    `count[b]` blocks from its first visible column's block to its own position's, in order;
+    a finished row (live False) reads none. Indices past a row's count repeat the last block
+    of the row (they are never read, but must be valid)."""
+    total = -(-length // block)
+    first = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp(min=0)
+    first_block = first // block
+    count = torch.where(live, pos // block - first_block + 1, 0)
+    indices = (first_block[:, None] + torch.arange(total, device=pos.device)).clamp(max=total - 1)
+    return count, indices
+
+
+def block_mask(pos: torch.Tensor, live: torch.Tensor, length: int, groups: int, window: int | None) -> BlockMask:
+    """The flex BlockMask of one decode step over `length` cache columns, `groups` query
+    rows (the folded query heads) per KV head; within a block, mask_mod cuts the columns
+    the row does not see."""
+    count, indices = kv_blocks(pos, live, length, window)
+
+    def mask_mod(b, h, q, kv):
+        seen = kv <= pos[b]
+        if window is not None:
+            seen = seen & (kv > pos[b] - window)
+        return seen
+
+    # compute_q_blocks=False: the transposed (query-side) indices serve the backward only.
+    return BlockMask.from_kv_blocks(count.int()[:, None, None], indices.int()[:, None, None], BLOCK_SIZE=DECODE_BLOCK,
+                                    mask_mod=mask_mod, seq_lengths=(groups, length), compute_q_blocks=False)
+
+
+@functools.cache
+def compiled_flex():
+    """flex_attention compiled once per process. Each shape and window compiles on first use
+    (an engine has one shape); past dynamo's recompile_limit (8) in one process, flex would run
+    unfused: right, but reading everything, as it would after a graph break (hence fullgraph)."""
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+
+def decode_attention(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                     live: torch.Tensor, width: int, window: int | None, scale: float | None,
+                     masks: dict) -> torch.Tensor:
+    """q (B, Hkv, G, D) folded queries, k/v (B, Hkv, S, D) the layer's cache with this step's
+    keys written; returns (B, Hkv, G, D). `masks` caches the step's masks by window: built by
+    the first layer, shared by the others."""
+    if kind == "flex":
+        mask = masks.get(window)
+        if mask is None:
+            mask = masks[window] = block_mask(pos, live, k.shape[2], q.shape[2], window)
+        return compiled_flex()(q, k, v, block_mask=mask, scale=scale)
+    mask = masks.get(window)
+    if mask is None:
+        mask = masks[window] = visible(pos, width, window)[:, None, None, :]  # (B, 1, 1, width)
+    return F.scaled_dot_product_attention(q, k[:, :, :width], v[:, :, :width], attn_mask=mask, scale=scale)
