@@ -107,17 +107,19 @@ def train_drafter(target, prompts, block: int, steps: int):
 
 
 def record_drafts(monkeypatch, drafter) -> list[dict]:
-    """Each draft step's anchor position, block, logits and drafter cache length."""
+    """Each draft step's anchor position, block, logits (slots 1..W-1, through the target's
+    head) and drafter cache length."""
     steps = []
-    draft = drafter.draft
+    draft_hidden = drafter.draft_hidden
 
     def recording(target, block_ids, new_features, start, cache):
-        logits = draft(target, block_ids, new_features, start, cache)
-        steps.append({"start": start, "width": block_ids.shape[1], "logits": logits[0].clone(),
+        hidden = draft_hidden(target, block_ids, new_features, start, cache)
+        steps.append({"start": start, "width": block_ids.shape[1],
+                      "logits": target.get_output_embeddings()(hidden[0, 1:]).clone(),
                       "cache": cache.keys[0].shape[-2] if cache.keys else 0})
-        return logits
+        return hidden
 
-    monkeypatch.setattr(drafter, "draft", recording)
+    monkeypatch.setattr(drafter, "draft_hidden", recording)
     return steps
 
 
