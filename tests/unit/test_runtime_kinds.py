@@ -39,8 +39,8 @@ from tests.unit.test_runtime_drafter import (  # noqa: F401 (prompts, target: fi
     target,
     training_hidden,
 )
-from tests.unit.test_runtime_static import _record
-from tests.unit.test_static_batched import _ragged_rows
+from tests.unit.test_runtime_static import record_draft_outputs
+from tests.unit.test_static_batched import ragged_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,7 +148,7 @@ def test_every_draft_step_equals_the_dynamic_runtime(monkeypatch, target, prompt
     drafter = trained[kind]
     widths = set()
     for prompt, new_tokens in [(p, n) for p in prompts for n in (NEW_TOKENS, 13, 14)]:
-        steps = _record(monkeypatch, drafter)
+        steps = record_draft_outputs(monkeypatch, drafter)
         spec_generate(drafter, target, prompt[None], new_tokens, static=True)
         spec_generate(drafter, target, prompt[None], new_tokens, static=False)
         monkeypatch.undo()
@@ -190,7 +190,7 @@ def test_the_kinds_own_pick_changes_what_is_accepted(target, prompts, trained, k
 @pytest.mark.parametrize("kind", KINDS)
 def test_batched_rows_are_their_batch_one_runs(target, prompts, trained, kind, k):  # noqa: F811
     drafter = trained[kind]
-    rows = _ragged_rows(target, prompts)
+    rows = ragged_rows(target, prompts)
     singles = [spec_generate(drafter, target, torch.tensor([p]), NEW_TOKENS, return_stats=True, static=True,
                              verify_tokens=k) for p in rows]
     expected = [plain(target, torch.tensor([p]))[0, len(p):].tolist() for p in rows]

@@ -42,7 +42,7 @@ def test_greedy_equals_plain_and_the_dynamic_runtime_on_tiny_targets():
             assert static.num_new_tokens == new
 
 
-def _record(monkeypatch, drafter):
+def record_draft_outputs(monkeypatch, drafter):
     """Each draft step's drafter outputs (B, H) from both runtimes, keyed by runtime."""
     steps = {"static": [], "dynamic": []}
     static_draft, dynamic_draft = StaticSpeculator.draft_hidden, drafter.draft_hidden
@@ -73,7 +73,7 @@ def test_every_step_equals_the_dynamic_runtime(monkeypatch, target, prompts, tra
     lengths = []
     for prompt in prompts:
         ids = prompt[None]
-        steps = _record(monkeypatch, drafter)
+        steps = record_draft_outputs(monkeypatch, drafter)
         static = spec_generate(drafter, target, ids, new_tokens, return_stats=True, static=True)
         dynamic = spec_generate(drafter, target, ids, new_tokens, return_stats=True, static=False)
         monkeypatch.undo()
