@@ -15,8 +15,9 @@ A row that has finished (stop token or budget) keeps decoding with the others un
 whole batch has finished; nothing more is recorded for it. Every block is B slots wide;
 the batch-1 runtime narrows its last blocks to the remaining budget, so the acceptance
 lengths of a row's last steps can differ from its batch-1 run (its output cannot).
-``verify_tokens`` (k, default B-1): the target verifies each block's anchor and first k
-drafts, so both caches grow by k+1 slots a step.
+``verify_tokens`` (k, default every draft of a block: B-1, or B for DSpark): the target
+verifies each block's anchor and first k drafts, so both caches grow by k+1 slots a step.
+The drafts are picked by the drafter's own `pick_drafts`, so every drafter kind runs here.
 
 Shapes: b rows, P longest prompt, B block size, k verified drafts, L cache length, V vocabulary.
 """
@@ -151,7 +152,7 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
     from transformers import DynamicCache
 
     mask_id, width = drafter.mask_token_id, drafter.block_size
-    checked = check_verify_tokens(verify_tokens, width) + 1  # the anchor and the verified drafts
+    checked = check_verify_tokens(verify_tokens, drafter.drafts_per_block + 1) + 1  # the anchor and the drafts
     device = target.device
     t0 = device_clock(device)
     ids, valid, positions = left_pad(prompts, device)
@@ -166,8 +167,8 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
     ctx_valid = ctx_pos = valid[:, :0]
     draft_cache = ContextCache()
     anchor, start = first, torch.tensor([len(p) for p in prompts], device=device)  # (b,) position of the anchor
-    slot = torch.arange(width, device=device)
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    slot = torch.arange(max(width, checked), device=device)
+    embed = target.get_input_embeddings()
     committed = [len(p) for p in prompts]  # valid slots per row, in the target's cache and the drafter's
     compact = _compactable(cache)
     t1 = device_clock(device)
@@ -175,7 +176,7 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
         clock.lap()
         block = torch.full((len(prompts), width), mask_id, dtype=torch.long, device=device)
         block[:, 0] = anchor
-        block_pos = start[:, None] + slot  # (b, B)
+        block_pos = start[:, None] + slot[:width]  # (b, B)
         ctx_valid, ctx_pos = torch.cat([ctx_valid, new_valid], 1), torch.cat([ctx_pos, new_pos], 1)
         # zeroed: a padded slot's features may be anything (even NaN), and 0 * NaN is NaN
         feats = new_feats.masked_fill(~new_valid[..., None], 0.0)
@@ -186,14 +187,9 @@ def spec_generate_batch(drafter, target, prompts: list[list[int]], max_new_token
             draft_cache.keys = [_gather_slots(k, idx) for k in draft_cache.keys]
             draft_cache.values = [_gather_slots(v, idx) for v in draft_cache.values]
             ctx_valid, ctx_pos = ctx_valid.gather(1, idx), ctx_pos.gather(1, idx)
-        logits = head(hidden[:, 1:checked])  # (b, k, V)
-        block, block_pos = block[:, :checked], block_pos[:, :checked]  # what the target verifies
-        draft_probs = None
-        if sampling.greedy:
-            block[:, 1:] = logits.argmax(-1)
-        else:
-            draft_probs = sampling.probs(logits)
-            block[:, 1:] = torch.multinomial(draft_probs.flatten(0, 1), 1, generator=generator).view(len(block), -1)
+        drafts, draft_probs = drafter.pick_drafts(target, hidden, anchor, checked - 1, sampling, generator)
+        block = torch.cat([anchor[:, None], drafts], 1)  # (b, k+1) what the target verifies
+        block_pos = start[:, None] + slot[:checked]
         clock.lap("draft")
         mask = torch.cat([key_valid, key_valid.new_ones(block.shape)], 1).long()  # (b, L + k+1)
         out = target(block, attention_mask=mask, position_ids=block_pos, past_key_values=cache, use_cache=True,

@@ -201,14 +201,11 @@ def _previous_results(out: Path) -> bool:
     return isinstance(report, dict) and {"drafter", "target", "config", "datasets"} <= set(report)
 
 
-def resolve_runtime(cfg: EvalConfig, target, drafter) -> bool:
+def resolve_runtime(cfg: EvalConfig, target) -> bool:
     """Whether both runs use the static runtime (``runtime``: auto, static or dynamic)."""
     from dflash_train.model.runtime import use_static
 
-    if not drafter.static_runtime and (cfg.runtime == "static" or cfg.batch_size != 1):
-        raise ValueError(f"runtime={cfg.runtime} batch_size={cfg.batch_size}: a {type(drafter).__name__} drafts in "
-                         "the reference loop only; use runtime=dynamic (or auto) and batch_size=1")
-    if cfg.runtime == "dynamic" or (cfg.runtime == "auto" and cfg.batch_size != 1) or not drafter.static_runtime:
+    if cfg.runtime == "dynamic" or (cfg.runtime == "auto" and cfg.batch_size != 1):
         return False
     return use_static(True if cfg.runtime == "static" else None, target.model, cfg.device)
 
@@ -228,7 +225,7 @@ def setup(cfg: EvalConfig):
     drafter = _setup_drafter(cfg, target)
     drafter.compile_static_draft = cfg.compile_drafter
     check_verify_tokens(cfg.verify_tokens, drafter.drafts_per_block + 1)  # the bound is the drafts of a block
-    resolve_runtime(cfg, target, drafter)  # runtime=static on a target it cannot serve fails here
+    resolve_runtime(cfg, target)  # runtime=static on a target it cannot serve fails here
     datasets = {}
     for label, (name, items) in prompts.items():
         encoded = [encode_prompt(tokenizer, p, cfg.system_prompt, cfg.enable_thinking) for p in items]
@@ -241,7 +238,7 @@ def _compare(cfg: EvalConfig, drafter, target, prompt_ids: list[str], prompts: l
              stops: list[int], seed: int, turn: int = 1) -> list[PromptResult]:
     """One turn of several prompts: one by one (the latency numbers) or as one batch."""
     if cfg.batch_size == 1:
-        static = resolve_runtime(cfg, target, drafter)
+        static = resolve_runtime(cfg, target)
         return [compare_prompt(drafter, target.model, pid, torch.tensor([ids], device=target.device), max_new_tokens,
                                stops, cfg.temperature, seed, turn=turn, time_steps=cfg.step_timing, static=static,
                                verify_tokens=cfg.verify_tokens)
@@ -312,7 +309,7 @@ def evaluate(cfg: EvalConfig, datasets, target, drafter, stops: list[int], token
     _compare(cfg, drafter, target, [p.id for p, _ in first], [x[0].tolist() for _, x in first], WARMUP_TOKENS, stops,
              cfg.seed)
 
-    runtime = "static" if resolve_runtime(cfg, target, drafter) else "dynamic"
+    runtime = "static" if resolve_runtime(cfg, target) else "dynamic"
     verify_tokens = check_verify_tokens(cfg.verify_tokens, width)
     report = {"target": cfg.target.name, "drafter": cfg.drafter_path, "block_size": block_size, "runtime": runtime,
               "verify_tokens": verify_tokens, "config": asdict(cfg), "datasets": {}}

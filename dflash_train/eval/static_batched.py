@@ -10,9 +10,11 @@ alone, and its acceptance lengths are its batch-1 static run's
 (tests/unit/test_static_batched.py). Greedy, each decode step of the whole batch (draft,
 verify, acceptance, commit) is decided on the device, one captured graph on a GPU, and the
 host reads the rows' state only between runs of steps (`StaticSpeculator.run_greedy`).
-Sampling: the draft and the verify are captured graphs, acceptance runs row by row and each
-step copies one small (b, k + 2) tensor to the host. ``verify_tokens`` (k, default B-1):
-the drafts each row's verify checks, as in the batch-1 runtime.
+Sampling: the drafter's forward and the verify are captured graphs, the drafter's pick of
+the drafts runs eagerly (it draws from a generator), acceptance runs row by row and each
+step copies one small (b, k + 2) tensor to the host. ``verify_tokens`` (k, default every
+draft of a block): the drafts each row's verify checks, as in the batch-1 runtime. Every
+drafter kind runs here: the block, the verify width and the pick are the drafter's.
 
 Prefill: prompts are left-padded into one (b, P) forward. Row i's prompt sits at positions
 0..n_i-1; its padding gets positions n_i, n_i+1, ...: slots past the prompt, which only a
@@ -71,22 +73,10 @@ def accept_rows(drafts, draft_probs, logits, sampling: Sampling, generator, usab
 
 def _runtime(drafter, target, prompts: list[list[int]], max_new_tokens: int, graphs: bool,
              verify_tokens: int | None) -> StaticSpeculator:
-    rows, width = len(prompts), drafter.block_size
+    rows, width = len(prompts), drafter.drafts_per_block + 1  # the widest verify
     return static_runtime(drafter, max(map(len, prompts)) + max_new_tokens + width,
                           lambda rt, size: rt.fits(drafter, target, size, graphs, rows, verify_tokens),
                           lambda size: StaticSpeculator(drafter, target, size, graphs, rows, verify_tokens))
-
-
-def _draft(rt: StaticSpeculator, first_ctx, sampling: Sampling, generator) -> torch.Tensor | None:
-    """Fill the block's slots 1..k with drafts; their probabilities (b, k, V) when sampling."""
-    checked = rt.verify_width
-    logits = (rt.draft(*first_ctx) if first_ctx else rt.draft_step())[:, : checked - 1]  # (b, k, V)
-    if sampling.greedy:
-        rt.block[:, 1:checked] = logits.argmax(-1)
-        return None
-    probs = sampling.probs(logits)
-    rt.block[:, 1:checked] = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(len(probs), -1)
-    return probs
 
 
 @torch.inference_mode()
@@ -97,7 +87,7 @@ def speculate_static_batch(drafter, target, prompts: list[list[int]], max_new_to
     per prompt (prefill_s and decode_s are the batch's)."""
     if drafter.mask_token_id is None:
         raise ValueError("no mask_token_id: set dflash_config.mask_token_id in the drafter config")
-    check_verify_tokens(verify_tokens, drafter.block_size)
+    check_verify_tokens(verify_tokens, drafter.drafts_per_block + 1)
     device = target.get_input_embeddings().weight.device
     rt = _runtime(drafter, target, prompts, max_new_tokens, graphs, verify_tokens)
     checked = rt.verify_width  # the anchor and the verified drafts
@@ -124,12 +114,12 @@ def speculate_static_batch(drafter, target, prompts: list[list[int]], max_new_to
     while not all(rows.done):
         rt.set_block(anchor, start, drafter.mask_token_id)
         usable = (rt.end - start).clamp(max=checked) - 1  # (b, 1) the batch-1 runtime's usable drafts
-        draft_probs = _draft(rt, first_ctx, sampling, generator)
+        draft_probs = rt.fill_drafts(first_ctx, sampling, generator)
         first_ctx = None
         logits, step_feats = rt.verify_step()
-        accepted, bonus = accept_rows(rt.block[:, 1:checked], draft_probs, logits, sampling, generator, usable,
+        accepted, bonus = accept_rows(rt.verified[:, 1:], draft_probs, logits, sampling, generator, usable,
                                       [not d for d in rows.done])
-        host = torch.cat([accepted[:, None], bonus[:, None], rt.block[:, 1:checked]], 1).tolist()  # the one sync
+        host = torch.cat([accepted[:, None], bonus[:, None], rt.verified[:, 1:]], 1).tolist()  # the one sync
         finished = list(rows.done)
         for i, (n, tok, *drafts) in enumerate(host):
             rows.record(i, drafts[:n] + [tok])

@@ -311,7 +311,8 @@ class DFlashDraftModel(PreTrainedModel):
     base_model_prefix = ""
     _no_split_modules = ["DecoderLayer"]
     layer_class = DecoderLayer  # a drafter kind with other layers (dflash2.py) names its own
-    static_runtime = True  # whether model/runtime.py's CUDA-graph runtime can draft for it
+    # A step's block is cut to the tokens the request may still commit (dspark.py runs its whole block)
+    narrows_last_block = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -397,25 +398,38 @@ class DFlashDraftModel(PreTrainedModel):
         return self.block_size - 1
 
     def first_block(self, anchor: int, room: int, mask_id: int, device) -> torch.Tensor:
-        """(1, W) the block a step drafts: the anchor, then mask tokens; W = min(B, ``room``)."""
-        block = torch.full((1, min(self.block_size, room)), mask_id, dtype=torch.long, device=device)
+        """(1, W) the block a step drafts: the anchor, then mask tokens; W = min(B, ``room``),
+        or B for a kind that always runs its whole block."""
+        width = min(self.block_size, room) if self.narrows_last_block else self.block_size
+        block = torch.full((1, width), mask_id, dtype=torch.long, device=device)
         block[0, 0] = anchor
         return block
+
+    def pick_drafts(self, target, hidden: torch.Tensor, anchor: torch.Tensor, count: int, sampling: "Sampling",
+                    generator):
+        """Drafts (b, count) from the block's outputs ``hidden`` (b, W, H) after the anchors
+        ``anchor`` (b,), and, when sampling, the distributions they were drawn from
+        (b, count, V) (None when greedy). Fixed shapes and no host reads: every runtime picks
+        drafts here, and the static one captures the greedy pick in its CUDA graphs. DFlash:
+        slots 1..count through the target's head. A kind with its own way of picking
+        (dflash2.py's selector walk, dspark.py's Markov head) overrides this."""
+        logits = target.get_output_embeddings()(hidden[:, 1 : count + 1])  # (b, count, V)
+        if sampling.greedy:
+            return logits.argmax(-1), None
+        probs = sampling.probs(logits)
+        return torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(probs.shape[:2]), probs
 
     @torch.inference_mode()
     def propose(self, target, anchor: int, n: int, room: int, new_features, start: int, cache: ContextCache,
                 mask_id: int, sampling: "Sampling", generator):
         """The first ``n`` drafts after ``anchor`` and, when sampling, the distributions they
         were drawn from: ((n,) long, (n, V) or None). ``room``: tokens the request may still
-        commit; the block is cut to it, so a short last block is drafted as the width it is.
-        A drafter kind with its own way of picking drafts (dflash2.py's selector, dspark.py's
-        Markov head) overrides this."""
+        commit; the block is cut to it (`first_block`), so a short last block is drafted as
+        the width it is."""
         block = self.first_block(anchor, room, mask_id, new_features.device)
-        logits = self.draft(target, block, new_features, start, cache)[0, :n]  # (n, V)
-        if sampling.greedy:
-            return logits.argmax(-1), None
-        probs = sampling.probs(logits)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0], probs
+        hidden = self.draft_hidden(target, block, new_features, start, cache)
+        drafts, probs = self.pick_drafts(target, hidden, block[:, 0], n, sampling, generator)
+        return drafts[0], None if probs is None else probs[0]
 
     def spec_generate(
         self,

@@ -59,8 +59,9 @@ Decisions where the authors published nothing (their repository is inference-onl
   * output_multiplier, final_logit_softcapping and input_embedding_scale (for targets such
     as Muse/Gemma) are not implemented: a config setting them to anything but their
     neutral value is refused rather than served differently.
-  * The static (CUDA-graph) runtime and the batched evaluation loops do not run the
-    selector's walk; a DFlash2 drafter runs in the reference loop (`speculate`).
+  * Every runtime (the reference loop, the static CUDA-graph one, the batched loops) picks
+    drafts through `pick_drafts`: the walk is a fixed number of small batched steps with no
+    host read, so the static runtime captures it in its graphs.
 
 Shape legend (as dflash.py): b batch, Q block tokens, H hidden, V vocab, M supervised rows,
 K candidates, r selector rank, Kc taps, G channels per group.
@@ -219,7 +220,6 @@ class DFlash2DraftModel(DFlashDraftModel):
     config_class = DFlash2Config
     layer_class = DFlash2DecoderLayer
     _no_split_modules = ["DFlash2DecoderLayer"]
-    static_runtime = False  # the CUDA-graph runtime has no selector walk (see model/runtime.py)
 
     @property
     def modules_called_outside_forward(self) -> list[nn.Module]:
@@ -269,27 +269,24 @@ class DFlash2DraftModel(DFlashDraftModel):
         hits = covered & (score.argmax(dim=1) == match.float().argmax(dim=1))
         return total, hits
 
-    @torch.inference_mode()
-    def propose(self, target, anchor: int, count: int, room: int, new_features, start: int, cache, mask_id: int,
-                sampling, generator):
-        """The first `count` drafts of the block by the selector's walk from the anchor, and
-        the distribution each was drawn from (count, V) (None when greedy): softmax(score / T)
-        over the slot's K candidates, zero elsewhere (the arguments as DFlashDraftModel.propose's)."""
-        block_ids = self.first_block(anchor, room, mask_id, new_features.device)
-        hidden = self.draft_hidden(target, block_ids, new_features, start, cache)[0, 1:count + 1]  # (k, H)
-        logits = target.get_output_embeddings()(hidden).float()  # (k, V)
-        unary, cand = logits.topk(self.selector_top_k, dim=-1)  # (k, K)
-        drafts = torch.empty(count, dtype=torch.long, device=block_ids.device)
+    def pick_drafts(self, target, hidden: torch.Tensor, anchor: torch.Tensor, count: int, sampling, generator):
+        """The first `count` drafts of each row's block by the selector's walk from its anchor
+        (b, count), and the distribution each was drawn from (b, count, V) (None when greedy):
+        softmax(score / T) over the slot's K candidates, zero elsewhere (the arguments as
+        DFlashDraftModel.pick_drafts's)."""
+        h = hidden[:, 1 : count + 1]  # (b, n, H)
+        logits = target.get_output_embeddings()(h).float()  # (b, n, V)
+        unary, cand = logits.topk(self.selector_top_k, dim=-1)  # (b, n, K)
         probs = None if sampling.greedy else torch.zeros_like(logits)
-        pred = block_ids[0, :1]  # (1,) the anchor
+        pred, drafts = anchor, []  # pred (b,): the token before slot j, the anchor for slot 1
         for j in range(count):
-            score = unary[j] + self.candidate_selector(hidden[j:j + 1], pred, cand[j:j + 1])[0]  # (K,)
+            score = unary[:, j] + self.candidate_selector(h[:, j], pred, cand[:, j])  # (b, K)
             if sampling.greedy:
-                choice = score.argmax()
+                choice = score.argmax(-1)  # (b,)
             else:
                 q = torch.softmax(score / sampling.temperature, dim=-1)
-                choice = torch.multinomial(q, 1, generator=generator)[0]
-                probs[j, cand[j]] = q
-            drafts[j] = cand[j, choice]
-            pred = drafts[j:j + 1]
-        return drafts, probs
+                choice = torch.multinomial(q, 1, generator=generator)[:, 0]
+                probs[:, j].scatter_(-1, cand[:, j], q)
+            pred = cand[:, j].gather(1, choice[:, None])[:, 0]
+            drafts.append(pred)
+        return torch.stack(drafts, 1), probs

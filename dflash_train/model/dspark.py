@@ -33,7 +33,10 @@ Decisions where the note leaves a choice (docs/design/dspark-dflash2.md sections
     ``auto_map`` or code file: DSpark checkpoints are read by the engines' own classes and
     by our loader (model/io.py);
   * a drafter always runs its whole block of B, even when fewer drafts can be committed
-    (the last step of a request): that is the shape it was trained on.
+    (the last step of a request): that is the shape it was trained on (`narrows_last_block`);
+  * every runtime (the reference loop, the static CUDA-graph one, the batched loops) picks
+    drafts through `pick_drafts`: the left-to-right Markov loop is B small batched steps
+    with no host read, so the static runtime captures it in its graphs.
 
 Shape legend as model/dflash.py; r Markov rank, V vocabulary, n drafts of one step.
 """
@@ -43,7 +46,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_train.model.dflash import ContextCache, DFlashConfig, DFlashDraftModel, dflash_field
+from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel, dflash_field
 
 ARCHITECTURE = "Qwen3DSparkModel"
 DEFAULT_MARKOV_RANK = 256
@@ -107,7 +110,7 @@ class DSparkDraftModel(DFlashDraftModel):
     """The DFlash backbone (``forward`` unchanged: normed hidden states) plus the two heads."""
 
     config_class = DSparkConfig
-    static_runtime = False  # the CUDA-graph runtime's shapes are DFlash's (B-1 drafts at slots 1..B-1)
+    narrows_last_block = False  # the whole trained block runs at every step, the last one included
 
     def __init__(self, config):
         super().__init__(config)
@@ -138,38 +141,23 @@ class DSparkDraftModel(DFlashDraftModel):
         """(...,) the confidence head's logits for slots with outputs ``hidden`` (..., H)."""
         return self.confidence_head(hidden, self.markov_head.embed(prev_ids))
 
-    @torch.inference_mode()
-    def block_hidden(self, target, anchor: int, new_features, start: int, cache: ContextCache) -> torch.Tensor:
-        """(1, B, H) the drafter's outputs for the block ``[anchor, MASK * (B-1)]`` at ``start``."""
-        block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=new_features.device)
-        block[0, 0] = anchor
-        c = new_features.shape[1]
-        positions = torch.arange(start - c, start + self.block_size, device=block.device)[None]
-        noise = target.get_input_embeddings()(block)
-        return self(noise, new_features, positions, self.inference_masks(start, self.block_size, block.device),
-                    cache, True)
-
-    @torch.inference_mode()
-    def propose(self, target, anchor: int, n: int, room: int, new_features, start: int, cache: ContextCache,
-                mask_id: int, sampling, generator):
-        """``n`` drafts drawn left to right, each slot's logits corrected by the token drafted
-        before it (the anchor for slot 0), and, when sampling, the corrected distributions
-        they were drawn from, which the verifier must use: ((n,), (n, V) or None)."""
-        del room, mask_id  # the whole trained block always runs; its mask id is the config's
-        hidden = self.block_hidden(target, anchor, new_features, start, cache)[0, :n]  # (n, H)
-        base = target.get_output_embeddings()(hidden)  # (n, V): one head pass for all slots
-        prev = torch.tensor(anchor, dtype=torch.long, device=hidden.device)
-        drafts, probs = [], []
-        for k in range(n):
-            logits = self.markov_logits(base[k], prev)  # (V,)
+    def pick_drafts(self, target, hidden: torch.Tensor, anchor: torch.Tensor, count: int, sampling, generator):
+        """``count`` drafts a row (b, count) drawn left to right from slots 0..count-1, each
+        slot's logits corrected by the token drafted before it (the anchor for slot 0), and,
+        when sampling, the corrected distributions they were drawn from (b, count, V), which
+        the verifier must use (the arguments as DFlashDraftModel.pick_drafts's)."""
+        base = target.get_output_embeddings()(hidden[:, :count])  # (b, n, V): one head pass for all slots
+        prev, drafts, probs = anchor, [], []  # prev (b,)
+        for k in range(count):
+            logits = self.markov_logits(base[:, k], prev)  # (b, V)
             if sampling.greedy:
                 prev = logits.argmax(-1)
             else:
-                q = sampling.probs(logits[None])[0]
-                prev = torch.multinomial(q, 1, generator=generator)[0]
+                q = sampling.probs(logits)
+                prev = torch.multinomial(q, 1, generator=generator)[:, 0]
                 probs.append(q)
             drafts.append(prev)
-        return torch.stack(drafts), (torch.stack(probs) if probs else None)
+        return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
 
 
 def top_level_fields(config) -> dict:

@@ -16,8 +16,11 @@ step overwrites them. Every step input is a fixed tensor filled in place. The bu
 several are the evaluation's batched loop (eval/static_batched.py).
 
 The drafter drafts the whole block of B slots; the target verifies its first
-`verify_tokens` drafts (k, default B-1) with the anchor: a (rows, k+1) verify, fixed per
-runtime like every other shape.
+`verify_tokens` drafts (k, default all of a block's: B-1 for DFlash and DFlash2, B for
+DSpark, whose slot 0 drafts too) with the anchor: a (rows, k+1) verify, fixed per runtime
+like every other shape. Drafts are picked by the drafter's own `pick_drafts` (DFlash's
+argmax, DFlash2's selector walk, DSpark's Markov loop), fixed shapes with no host read, so
+on a GPU the greedy pick is inside the captured step.
 
 Shapes: b rows, B block size, k verified drafts, S cache slots, V vocabulary.
 """
@@ -46,6 +49,7 @@ from dflash_train.model.dflash import (
     target_features,
 )
 
+GREEDY = Sampling()  # the device loop's pick: argmax, no generator
 MIN_SLOTS = 1024  # cache slots: a power of two, at least this, so few requests rebuild
 GRAPH_WARMUP_RUNS = 2  # eager runs on a side stream before capture, as CUDA graphs require
 STATIC_ATTENTION = ("sdpa", "eager")  # the implementations that read our 4D additive masks
@@ -257,7 +261,8 @@ def greedy_accepted(drafts: torch.Tensor, target_tokens: torch.Tensor, usable) -
 
 
 def _slot_draft_masks(drafter, slots, block_pos, end) -> dict:
-    """Per layer type (b, 1, B, S + B) bool: what each block slot sees (`end`: (b, 1)).
+    """Per layer type (b, 1, B, S + B) bool: what each block slot sees (`end`: (b, 1), or
+    None for a drafter that runs its whole block at every step).
 
     Context slots before the anchor's position hold committed tokens' features. Block slots
     at or past `end` (positions the budget can never commit) are hidden from the others,
@@ -267,7 +272,8 @@ def _slot_draft_masks(drafter, slots, block_pos, end) -> dict:
     width = block_pos.shape[1]
     see_ctx = (slots[None, None, :] < block_pos[:, :1, None]).expand(-1, width, -1)  # (b, B, S)
     own = torch.eye(width, dtype=torch.bool, device=slots.device)[None]
-    see_block = (block_pos < end)[:, None, :] | own  # (b, B, B)
+    seen = torch.ones_like(block_pos, dtype=torch.bool) if end is None else block_pos < end  # (b, B)
+    see_block = seen[:, None, :] | own  # (b, B, B)
     masks = {FULL_ATTENTION: torch.cat([see_ctx, see_block.expand(see_ctx.shape[0], -1, -1)], -1)[:, None]}
     if SLIDING_ATTENTION in drafter.layer_types:
         window = drafter.config.sliding_window
@@ -282,34 +288,44 @@ class StaticSpeculator:
 
     The draft step reads the block (b, B) plus the previous verify's k+1 features
     (`ctx_feats`, at `ctx_pos`), writes their context K/V and drafts; the verify step reads
-    the block's first k+1 slots (`verify_width`: the anchor and the k verified drafts) at
-    their positions. Only what the host decides between steps is filled in place. `rows`
-    requests share every step, each at its own positions.
+    the anchor and the k verified drafts (`verify_width` slots) at their positions. One
+    (b, W) buffer of ids and one of positions hold both, W the widest verify (B, or B + 1
+    for DSpark): the block is its first B slots, the verify its first k+1. Only what the
+    host decides between steps is filled in place. `rows` requests share every step, each
+    at its own positions.
     """
 
     def __init__(self, drafter, target, size: int, graphs: bool = True, rows: int = 1,
                  verify_tokens: int | None = None):
-        self.verifier = TargetSlots(target, size, drafter.block_size, drafter.target_layer_ids, graphs, rows)
+        widest = drafter.drafts_per_block + 1
+        self.verifier = TargetSlots(target, size, widest, drafter.target_layer_ids, graphs, rows)
         device, dtype = self.verifier.slots.device, target.dtype
         self.target, self.drafter, self.weights = target, drafter, _where(drafter)
-        self.verify_width = width = check_verify_tokens(verify_tokens, drafter.block_size) + 1
+        self.verify_width = width = check_verify_tokens(verify_tokens, widest) + 1
         self.context = SlotContextCache(size)
-        self.offsets = torch.arange(drafter.block_size, device=device)[None]
+        self.offsets = torch.arange(widest, device=device)[None]
         self.end = torch.zeros(rows, 1, dtype=torch.long, device=device)  # per row: first position never committed
         self.ctx_feats = torch.zeros(rows, width, drafter.fc.in_features, dtype=dtype, device=device)
         self.ctx_pos = torch.zeros(rows, width, dtype=torch.long, device=device)
-        # views of the block's first k+1 slots, made once (the buffers never move)
-        self.verified, self.verified_pos = self.block[:, :width], self.block_pos[:, :width]  # (b, k+1)
+        # views made once (the buffers never move): the drafter's block (b, B), the verify (b, k+1)
+        ids, positions = self.verifier.ids, self.verifier.positions
+        self.block, self.block_pos = ids[:, : drafter.block_size], positions[:, : drafter.block_size]
+        self.verified, self.verified_pos = ids[:, :width], positions[:, :width]
         self.verify_step = Replayable(lambda: self.verifier.forward(self.verified, self.verified_pos), device, graphs)
         # `drafter.compile_static_draft` (eval's compile_drafter): the fixed-shape draft step
         # compiled by torch.compile inside the captured graphs, fewer and fused kernels; its
         # drafts may differ from eager's by rounding, the committed tokens stay the target's.
         self.compiled = _compiles_draft(drafter, graphs, device)
         compiled = torch.compile(self.draft, dynamic=False) if self.compiled else None
+        compiled_hidden = torch.compile(self.draft_hidden, dynamic=False) if self.compiled else None
 
         def draft(feats, ctx_pos):  # `self.draft` looked up at each call, as a step's code always is
             return (compiled or self.draft)(feats, ctx_pos)
-        self.draft_step = Replayable(lambda: draft(self.ctx_feats, self.ctx_pos), device, graphs)
+
+        def hidden(feats, ctx_pos):
+            return (compiled_hidden or self.draft_hidden)(feats, ctx_pos)
+        self.draft_step = Replayable(lambda: draft(self.ctx_feats, self.ctx_pos), device, graphs)  # greedy drafts
+        self.hidden_step = Replayable(lambda: hidden(self.ctx_feats, self.ctx_pos), device, graphs)  # sampling's
         # The greedy loop's state on the device (`advance`): each row's anchor, its position,
         # whether it has finished, its steps, per step its committed count, per position its token.
         self.mask_id = torch.zeros((), dtype=torch.long, device=device)
@@ -323,38 +339,48 @@ class StaticSpeculator:
         self.counts = torch.zeros(rows, size, dtype=torch.long, device=device)
         self.tokens = torch.zeros(rows, size, dtype=torch.long, device=device)
         advanced = (self.anchor, self.start, self.done, self.steps, self.counts, self.tokens, self.ctx_feats,
-                    self.ctx_pos, self.block, self.block_pos)
+                    self.ctx_pos, ids, positions)
         self.greedy_step = Replayable(lambda: self.advance(lambda: draft(self.ctx_feats, self.ctx_pos)), device,
                                       graphs, state=advanced)
-
-    @property
-    def block(self) -> torch.Tensor:
-        return self.verifier.ids
-
-    @property
-    def block_pos(self) -> torch.Tensor:
-        return self.verifier.positions
 
     def fits(self, drafter, target, size: int, graphs: bool, rows: int = 1, verify_tokens: int | None = None) -> bool:
         return (drafter is self.drafter and self.weights == _where(drafter)
                 and _compiles_draft(drafter, graphs, self.target.device) == self.compiled
-                and check_verify_tokens(verify_tokens, drafter.block_size) + 1 == self.verify_width
+                and check_verify_tokens(verify_tokens, drafter.drafts_per_block + 1) + 1 == self.verify_width
                 and self.verifier.fits(target, size, graphs, rows))
 
-    def draft(self, feats, ctx_pos) -> torch.Tensor:
-        """Logits for block slots 1..B-1: (b, B-1, V). feats: (b, C, n*H) at ctx_pos (b, C)."""
+    def draft_hidden(self, feats, ctx_pos) -> torch.Tensor:
+        """The drafter's outputs for the block: (b, B, H). feats: (b, C, n*H) at ctx_pos (b, C)."""
         self.context.write_at = _slot_index(ctx_pos)
-        masks = _slot_draft_masks(self.drafter, self.verifier.slots, self.block_pos, self.end)
+        end = self.end if self.drafter.narrows_last_block else None
+        masks = _slot_draft_masks(self.drafter, self.verifier.slots, self.block_pos, end)
         noise = self.target.get_input_embeddings()(self.block)
-        hidden = self.drafter(noise, feats, torch.cat([ctx_pos, self.block_pos], 1), masks, self.context, True)
-        return self.target.get_output_embeddings()(hidden[:, 1:])
+        return self.drafter(noise, feats, torch.cat([ctx_pos, self.block_pos], 1), masks, self.context, True)
+
+    def draft(self, feats, ctx_pos) -> torch.Tensor:
+        """The greedy drafts of the verified slots: (b, k), picked the drafter's way."""
+        hidden = self.draft_hidden(feats, ctx_pos)
+        return self.drafter.pick_drafts(self.target, hidden, self.block[:, 0], self.verify_width - 1, GREEDY, None)[0]
+
+    def fill_drafts(self, first_ctx, sampling: Sampling, generator) -> torch.Tensor | None:
+        """Draft every row's verified slots 1..k in place, from ``first_ctx`` (the prompts'
+        features and positions, eager) or else the previous verify's (a replayed step); the
+        distributions they were drawn from (b, k, V) when sampling, else None."""
+        if sampling.greedy:
+            self.verified[:, 1:] = self.draft(*first_ctx) if first_ctx else self.draft_step()
+            return None
+        hidden = self.draft_hidden(*first_ctx) if first_ctx else self.hidden_step()
+        drafts, probs = self.drafter.pick_drafts(self.target, hidden, self.block[:, 0], self.verify_width - 1,
+                                                 sampling, generator)
+        self.verified[:, 1:] = drafts
+        return probs
 
     def set_block(self, anchor: torch.Tensor, start, mask_id: int) -> None:
-        """[anchor, MASK, ...] at positions start..start+B-1; anchor: (b,) on the device,
+        """[anchor, MASK, ...] at positions start, start+1, ...; anchor: (b,) on the device,
         start: an int (one row) or (b, 1) on the device."""
-        self.block.fill_(mask_id)
+        self.verifier.ids.fill_(mask_id)
         self.block[:, :1].copy_(anchor.view(-1, 1))
-        torch.add(self.offsets, start, out=self.block_pos)
+        torch.add(self.offsets, start, out=self.verifier.positions)
 
     def begin(self, anchor: torch.Tensor, start: torch.Tensor, end: torch.Tensor, mask_id: int, stops) -> None:
         """The greedy loop's state for a new request: anchor (b,) at positions start (b, 1),
@@ -376,7 +402,7 @@ class StaticSpeculator:
     def advance(self, draft) -> None:
         """One greedy speculative step of every row, decided on the device with no host copy.
 
-        Draft (``draft()``: logits (b, B-1, V)), verify the first k drafts, accept the prefix
+        Draft (``draft()``: the k greedy drafts (b, k)), verify them, accept the prefix
         the target agrees with within the row's budget, then the target's own token; cut
         after the first stop token. A row's committed tokens go to `tokens` at their
         positions, their count to `counts` at the row's step; the verify's features become
@@ -386,11 +412,11 @@ class StaticSpeculator:
         width = self.verify_width
         slot = self.offsets[:, :width]  # (1, k+1)
         self.set_block(self.anchor, self.start, self.mask_id)
-        self.block[:, 1:width] = draft()[:, : width - 1].argmax(-1)
+        self.verified[:, 1:] = draft()
         logits, feats = self.verifier.forward(self.verified, self.verified_pos)
         best = logits.argmax(-1)  # (b, k+1): the target's token after each verified slot
         usable = (self.end - self.start).clamp(max=width) - 1  # (b, 1) drafts the budget can commit
-        count = greedy_accepted(self.block[:, 1:width], best, usable)[:, None] + 1  # (b, 1) accepted + the target's
+        count = greedy_accepted(self.verified[:, 1:], best, usable)[:, None] + 1  # (b, 1) accepted + the target's
         stop = (best[..., None] == self.stop_ids).any(-1) & (slot < count)  # (b, k+1)
         count = torch.minimum(count, torch.where(stop, slot, width).amin(1, keepdim=True) + 1) * ~self.done
         at = (self.start + 1 + slot).clamp(max=self.tokens.shape[1] - 1)  # (b, k+1) the committed tokens' positions
@@ -422,7 +448,7 @@ class StaticSpeculator:
             run = max(-(-remaining // self.verify_width), int(RUN_SHARE * remaining / per_step))
             if self.has_stops:  # a stop token can end a row any step: steps past it are wasted
                 run = min(run, RUN_WITH_STOPS)
-            for _ in range(run if self.block.is_cuda else 1):  # off a GPU reading the state costs nothing
+            for _ in range(run if self.start.is_cuda else 1):  # off a GPU reading the state costs nothing
                 self.greedy_step()
 
     def _check_progress(self, start: list[int], first: list[int], steps: list[int]) -> None:
@@ -493,7 +519,7 @@ def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_to
     mask_id = check_request(model, input_ids, mask_token_id)
     stops = set(stop_token_ids or [])
     device = input_ids.device
-    prompt_len, width = input_ids.shape[1], model.block_size
+    prompt_len, width = input_ids.shape[1], model.drafts_per_block + 1  # the widest verify
     rt = static_runtime(model, prompt_len + max_new_tokens + width,
                         lambda rt, size: rt.fits(model, target, size, graphs, verify_tokens=verify_tokens),
                         lambda size: StaticSpeculator(model, target, size, graphs, verify_tokens=verify_tokens))
@@ -522,20 +548,16 @@ def speculate_static(model, target, input_ids, max_new_tokens, sampling, stop_to
         rt.set_block(anchor, start, mask_id)
         draft_probs = None
         if usable > 0:
-            logits = (rt.draft(*first_ctx) if first_ctx else rt.draft_step())[0, : checked - 1]  # (k, V)
-            if sampling.greedy:
-                rt.block[0, 1:checked] = logits.argmax(-1)
-            else:
-                draft_probs = sampling.probs(logits)
-                rt.block[0, 1:checked] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
+            draft_probs = rt.fill_drafts(first_ctx, sampling, generator)
+            draft_probs = None if draft_probs is None else draft_probs[0]  # (k, V)
         first_ctx = None
         clock.lap("draft")
         logits, step_feats = rt.verify_step()
         clock.lap("verify")
-        accepted, bonus = verify_drafts_on_device(rt.block[0, 1:checked], draft_probs, logits[0], sampling,
-                                                  generator, usable)
+        accepted, bonus = verify_drafts_on_device(rt.verified[0, 1:], draft_probs, logits[0], sampling, generator,
+                                                  usable)
         clock.lap("accept")
-        host = torch.cat([accepted.view(1), bonus.view(1), rt.block[0, 1:checked]]).tolist()  # the step's one sync
+        host = torch.cat([accepted.view(1), bonus.view(1), rt.verified[0, 1:]]).tolist()  # the step's one sync
         clock.lap("host")
         committed = cut_after_stop(host[2 : 2 + host[0]] + [host[1]], stops)
         if not committed:
@@ -564,13 +586,6 @@ def spec_generate(drafter, target, input_ids: torch.LongTensor, max_new_tokens: 
     drafter.eval()
     device = input_ids.device
     check_verify_tokens(verify_tokens, drafter.drafts_per_block + 1)
-    # A drafter kind whose drafts the static runtime cannot pick (DFlash2's walk, DSpark's whole
-    # block and Markov head) runs the reference loop only: the static runtime's shapes are DFlash's.
-    if not drafter.static_runtime:
-        if static:
-            raise ValueError(f"static=True: the static runtime serves DFlash drafters only, not "
-                             f"{type(drafter).__name__}; use static=False")
-        static = False
     run = speculate_static if use_static(static, target, device) else speculate
     result = run(drafter, target, input_ids, max_new_tokens, Sampling(temperature, top_p, top_k), stop_token_ids,
                  mask_token_id, generator, StepClock(device) if time_steps else NO_CLOCK,

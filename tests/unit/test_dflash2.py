@@ -336,7 +336,8 @@ def test_greedy_speculation_is_lossless_on_tiny_targets():
 
 def test_bundled_runtime_is_lossless_with_the_real_small_target(smollm2, smollm2_tokenizer):
     """runtime.spec_generate (what dflash-eval calls) with a DFlash2 drafter on SmolLM2-135M:
-    the greedy output is the target's own greedy output, token for token (float32, CPU)."""
+    the greedy output is the target's own greedy output, token for token (float32, CPU), in
+    the dynamic and the static runtime, which accept the same drafts at every step."""
     from dflash_train.model.runtime import spec_generate
     from tests.conftest import SMOLLM2_MASK_ID
 
@@ -351,11 +352,11 @@ def test_bundled_runtime_is_lossless_with_the_real_small_target(smollm2, smollm2
     text = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "Count from one to ten."}],
                                                  tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]])
-    out = spec_generate(drafter, smollm2.model, ids, 24, return_stats=True)
-    assert torch.equal(out.output_ids, smollm2.model.generate(ids, max_new_tokens=24, do_sample=False))
-    assert out.num_new_tokens == 24
-    with pytest.raises(ValueError, match="static=True: the static runtime serves DFlash drafters only, not DFlash2DraftModel"):
-        spec_generate(drafter, smollm2.model, ids, 4, static=True)
+    plain = smollm2.model.generate(ids, max_new_tokens=24, do_sample=False)
+    out = spec_generate(drafter, smollm2.model, ids, 24, return_stats=True, static=False)
+    static = spec_generate(drafter, smollm2.model, ids, 24, return_stats=True, static=True)
+    assert torch.equal(out.output_ids, plain) and torch.equal(static.output_ids, plain)
+    assert out.num_new_tokens == 24 and static.acceptance_lengths == out.acceptance_lengths
 
 
 def test_init_from_a_drafter_of_another_kind_is_a_one_line_error(tiny, tmp_path):

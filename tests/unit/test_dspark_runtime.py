@@ -1,6 +1,7 @@
 """A DSpark drafter in the bundled runtime on the real SmolLM2 target: B drafts a step drawn
 left to right through the Markov head, a verify of B + 1 tokens, and greedy output equal to
-the target's own (docs/design/dspark-dflash2.md section 3.3)."""
+the target's own in the dynamic and the static runtime (docs/design/dspark-dflash2.md
+section 3.3)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,12 @@ def oracle(target, reference: list[int], prompt_len: int) -> DSparkDraftModel:
     return drafter
 
 
+def block_hidden(drafter, target, anchor: int, feats, start: int) -> torch.Tensor:
+    """(1, B, H) the drafter's outputs for its whole block at ``start`` over context ``feats``."""
+    block = drafter.first_block(anchor, NEW_TOKENS, SMOLLM2_MASK_ID, feats.device)
+    return drafter.draft_hidden(target, block, feats, start, ContextCache())
+
+
 def record_widths(model):
     """Input widths of every target forward (the prefill, then each verify)."""
     widths = []
@@ -106,6 +113,12 @@ def test_greedy_speculative_output_is_the_targets_own(smollm2, prompt, reference
         # whole blocks accepted: B drafts and the target's next token commit in one step
         assert max(out.acceptance_lengths) == BLOCK + 1
         assert sum(out.acceptance_lengths) / len(out.acceptance_lengths) > 2
+    # the static runtime (the device loop, and the per-step loop a clock takes) accepts the same
+    for timed in (False, True):
+        static = spec_generate(drafter, smollm2.model, prompt, NEW_TOKENS, return_stats=True, static=True,
+                               time_steps=timed)
+        assert static.output_ids[0].tolist() == reference
+        assert static.acceptance_lengths == out.acceptance_lengths
 
 
 def test_drafts_are_drawn_left_to_right_from_the_markov_corrected_logits(smollm2, prompt):
@@ -117,7 +130,7 @@ def test_drafts_are_drawn_left_to_right_from_the_markov_corrected_logits(smollm2
         out = smollm2.model(prompt, output_hidden_states=True)
     feats = target_features(out.hidden_states, drafter.target_layer_ids)
     anchor, start = int(out.logits[0, -1].argmax()), prompt.shape[1]
-    hidden = drafter.block_hidden(smollm2.model, anchor, feats, start, ContextCache())[0]  # (B, H)
+    hidden = block_hidden(drafter, smollm2.model, anchor, feats, start)[0]  # (B, H)
     base = smollm2.model.get_output_embeddings()(hidden)  # (B, V)
     head = drafter.markov_head
     greedy = None
@@ -148,13 +161,9 @@ def test_export_round_trip_drafts_the_same(smollm2, prompt, reference, tmp_path)
     assert isinstance(loaded, DSparkDraftModel)
     a = spec_generate(drafter, smollm2.model, prompt, NEW_TOKENS, return_stats=True, static=False)
     b = spec_generate(loaded, smollm2.model, prompt, NEW_TOKENS, return_stats=True, static=False)
-    assert a.output_ids.tolist() == b.output_ids.tolist() == [reference]
-    assert a.acceptance_lengths == b.acceptance_lengths
-
-
-def test_the_static_runtime_refuses_a_dspark_drafter_in_one_line(smollm2, prompt):
-    with pytest.raises(ValueError, match="static=True: the static runtime serves DFlash drafters only"):
-        spec_generate(dspark_drafter(smollm2.model), smollm2.model, prompt, 4, static=True)
+    c = spec_generate(loaded, smollm2.model, prompt, NEW_TOKENS, return_stats=True, static=True)
+    assert a.output_ids.tolist() == b.output_ids.tolist() == c.output_ids.tolist() == [reference]
+    assert a.acceptance_lengths == b.acceptance_lengths == c.acceptance_lengths
 
 
 def test_the_training_forward_and_the_runtime_agree_on_a_block(smollm2, prompt, reference):
@@ -176,7 +185,7 @@ def test_the_training_forward_and_the_runtime_agree_on_a_block(smollm2, prompt, 
     with torch.no_grad():
         noise = smollm2.model.get_input_embeddings()(block)
         trained = drafter(noise, feats, positions, {FULL_ATTENTION: visible_mask(anchors[None], t, BLOCK)})
-    served = drafter.block_hidden(smollm2.model, int(seq[0, p]), feats[:, :p], p, ContextCache())
+    served = block_hidden(drafter, smollm2.model, int(seq[0, p]), feats[:, :p], p)
     torch.testing.assert_close(served, trained, rtol=0, atol=1e-4)
 
 

@@ -52,8 +52,13 @@ def tiny_drafter(target, seed, **overrides):
 
 
 def training_logits(target, drafter, seqs, anchors, width):
-    """The training layout for blocks of ``width`` at ``anchors`` (b, N): [T context
-    features | N blocks] under one dense visibility mask, read by the target's head: (b, N*width, V).
+    """`training_hidden` read by the target's head: (b, N*width, V)."""
+    return target.get_output_embeddings()(training_hidden(target, drafter, seqs, anchors, width))
+
+
+def training_hidden(target, drafter, seqs, anchors, width):
+    """The drafter's outputs (b, N*width, H) in the training layout for blocks of ``width`` at
+    ``anchors`` (b, N): [T context features | N blocks] under one dense visibility mask.
 
     Built here from the contract's functions and the target's features (decoder-layer
     hooks), sharing nothing with the runtime but the drafter's forward.
@@ -68,7 +73,7 @@ def training_logits(target, drafter, seqs, anchors, width):
         masks[SLIDING_ATTENTION] = visible_mask(anchors, t, width, sliding_window=drafter.config.sliding_window,
                                                 causal_block=True)
     noise = target.get_input_embeddings()(blocks.flatten(1))  # (b, N*width, H)
-    return target.get_output_embeddings()(drafter(noise, feats, positions, masks))
+    return drafter(noise, feats, positions, masks)
 
 
 @pytest.fixture(scope="module")
@@ -107,17 +112,19 @@ def train_drafter(target, prompts, block: int, steps: int):
 
 
 def record_drafts(monkeypatch, drafter) -> list[dict]:
-    """Each draft step's anchor position, block, logits and drafter cache length."""
+    """Each draft step's anchor position, block, logits (slots 1..W-1, through the target's
+    head) and drafter cache length."""
     steps = []
-    draft = drafter.draft
+    draft_hidden = drafter.draft_hidden
 
     def recording(target, block_ids, new_features, start, cache):
-        logits = draft(target, block_ids, new_features, start, cache)
-        steps.append({"start": start, "width": block_ids.shape[1], "logits": logits[0].clone(),
+        hidden = draft_hidden(target, block_ids, new_features, start, cache)
+        steps.append({"start": start, "width": block_ids.shape[1],
+                      "logits": target.get_output_embeddings()(hidden[0, 1:]).clone(),
                       "cache": cache.keys[0].shape[-2] if cache.keys else 0})
-        return logits
+        return hidden
 
-    monkeypatch.setattr(drafter, "draft", recording)
+    monkeypatch.setattr(drafter, "draft_hidden", recording)
     return steps
 
 

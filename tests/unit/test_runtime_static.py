@@ -2,7 +2,7 @@
 
 Its blocks are always B wide and its caches are slot buffers masked by position, so what it
 must reproduce is the dynamic runtime's arithmetic: the same greedy tokens (plain decoding's),
-the same acceptance length at every step, and the same draft logits on the slots the budget
+the same acceptance length at every step, and the same drafter outputs on the slots the budget
 can use, for a drafter that really is accepted (tau well above 1) and for a sliding one.
 """
 
@@ -25,7 +25,7 @@ from tests.unit.test_runtime_drafter import (  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LOGIT_ATOL = 1e-5  # float32: the masked B-wide block and the narrowed one differ by rounding only
+ATOL = 1e-5  # float32: the masked B-wide block and the narrowed one differ by rounding only
 
 
 def test_greedy_equals_plain_and_the_dynamic_runtime_on_tiny_targets():
@@ -42,26 +42,26 @@ def test_greedy_equals_plain_and_the_dynamic_runtime_on_tiny_targets():
             assert static.num_new_tokens == new
 
 
-def _record(monkeypatch, drafter):
-    """Each draft step's logits from both runtimes, keyed by runtime."""
+def record_draft_outputs(monkeypatch, drafter):
+    """Each draft step's drafter outputs (B, H) from both runtimes, keyed by runtime."""
     steps = {"static": [], "dynamic": []}
-    static_draft, dynamic_draft = StaticSpeculator.draft, drafter.draft
+    static_draft, dynamic_draft = StaticSpeculator.draft_hidden, drafter.draft_hidden
 
     def static_recording(self, feats, ctx_pos):
-        logits = static_draft(self, feats, ctx_pos)
+        hidden = static_draft(self, feats, ctx_pos)
         # the device loop drafts even where the budget leaves no draft slot, and may run steps
         # past the end: those draft nothing that counts
         if not self.done.all() and int(self.end[0, 0] - self.block_pos[0, 0]) > 1:
-            steps["static"].append((int(self.block_pos[0, 0]), logits[0].clone()))
-        return logits
+            steps["static"].append((int(self.block_pos[0, 0]), hidden[0].clone()))
+        return hidden
 
     def dynamic_recording(model, block_ids, new_features, start, cache):
-        logits = dynamic_draft(model, block_ids, new_features, start, cache)
-        steps["dynamic"].append((start, logits[0].clone()))
-        return logits
+        hidden = dynamic_draft(model, block_ids, new_features, start, cache)
+        steps["dynamic"].append((start, hidden[0].clone()))
+        return hidden
 
-    monkeypatch.setattr(StaticSpeculator, "draft", static_recording)
-    monkeypatch.setattr(drafter, "draft", dynamic_recording)
+    monkeypatch.setattr(StaticSpeculator, "draft_hidden", static_recording)
+    monkeypatch.setattr(drafter, "draft_hidden", dynamic_recording)
     return steps
 
 
@@ -73,7 +73,7 @@ def test_every_step_equals_the_dynamic_runtime(monkeypatch, target, prompts, tra
     lengths = []
     for prompt in prompts:
         ids = prompt[None]
-        steps = _record(monkeypatch, drafter)
+        steps = record_draft_outputs(monkeypatch, drafter)
         static = spec_generate(drafter, target, ids, new_tokens, return_stats=True, static=True)
         dynamic = spec_generate(drafter, target, ids, new_tokens, return_stats=True, static=False)
         monkeypatch.undo()
@@ -81,10 +81,10 @@ def test_every_step_equals_the_dynamic_runtime(monkeypatch, target, prompts, tra
                                 do_sample=False, eos_token_id=None, pad_token_id=0)
         assert torch.equal(static.output_ids, plain) and torch.equal(dynamic.output_ids, plain)
         assert static.acceptance_lengths == dynamic.acceptance_lengths
-        # the same steps at the same anchors; on the slots the budget can use, the same drafts
+        # the same steps at the same anchors; on the slots the budget can use, the same outputs
         assert [s for s, _ in steps["static"]] == [s for s, _ in steps["dynamic"]]
         for (start, ours), (_, theirs) in zip(steps["static"], steps["dynamic"]):
-            torch.testing.assert_close(ours[: len(theirs)], theirs, atol=LOGIT_ATOL, rtol=1e-5,
+            torch.testing.assert_close(ours[: len(theirs)], theirs, atol=ATOL, rtol=1e-5,
                                        msg=lambda m, start=start: f"draft step at start={start}: {m}")
         lengths += static.acceptance_lengths
     if which == "trained":  # the comparison has power: drafts are accepted, steps of several lengths

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BATCH_SIZES = (2, 3, 5)
 
 
-def _ragged_rows(target, prompts):  # noqa: F811
+def ragged_rows(target, prompts):  # noqa: F811
     """Five prompts of lengths 6..9: the memorised ones, some extended by the start of their
     own greedy answers (so the trained drafter still knows what follows), and one repeated."""
     rows = [target_generate(target, prompts[i:i + 1], k)[0].tolist() if k else prompts[i].tolist()
@@ -54,7 +54,7 @@ def test_slot_layout_puts_each_prompt_at_its_own_positions():
 @pytest.mark.parametrize("which", list(DRAFTERS))
 def test_each_row_is_its_batch_one_static_run(target, prompts, trained, which):  # noqa: F811
     drafter = trained if DRAFTERS[which] is None else tiny_drafter(target, seed=6, **DRAFTERS[which])
-    rows = _ragged_rows(target, prompts)
+    rows = ragged_rows(target, prompts)
     singles = [spec_generate(drafter, target, torch.tensor([p]), NEW_TOKENS, return_stats=True, static=True)
                for p in rows]
     plain = [target_generate(target, torch.tensor([p]), NEW_TOKENS)[0, len(p):].tolist() for p in rows]
@@ -74,7 +74,7 @@ def test_each_row_is_its_batch_one_static_run(target, prompts, trained, which): 
 
 
 def test_rows_that_stop_early_end_while_the_others_go_on(target, prompts, trained):  # noqa: F811
-    rows = _ragged_rows(target, prompts)[:4]
+    rows = ragged_rows(target, prompts)[:4]
     answer = target_generate(target, torch.tensor([rows[1]]), NEW_TOKENS)[0, len(rows[1]):].tolist()
     stops = [answer[7]]  # ends row 1 after 8 tokens (and any row that emits it)
     expected = [target_generate(target, torch.tensor([p]), NEW_TOKENS, stops)[0, len(p):].tolist() for p in rows]
@@ -92,7 +92,7 @@ def test_rows_that_stop_early_end_while_the_others_go_on(target, prompts, traine
 @pytest.mark.parametrize("new_tokens", [1, 2, 5])
 def test_short_budgets_equal_plain_decoding(target, prompts, trained, new_tokens):  # noqa: F811
     """Budgets shorter than a block: the masks hide the slots past each row's own end."""
-    rows = _ragged_rows(target, prompts)[:3]
+    rows = ragged_rows(target, prompts)[:3]
     outs = speculate_static_batch(trained, target, rows, new_tokens, Sampling())
     for p, out in zip(rows, outs):
         assert out.output_ids[0, len(p):].tolist() == target_generate(target, torch.tensor([p]), new_tokens)[
