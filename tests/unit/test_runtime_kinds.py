@@ -76,8 +76,10 @@ def kind_loss(kind: str, drafter, target, seqs, anchors, loss_mask) -> torch.Ten
     # slot k's teacher-forced predecessor x[p+k-1] (the anchor for slot 1)
     before = (anchors[:, :, None] + torch.arange(BLOCK) - 1).clamp(0, seqs.shape[1] - 1).flatten(1)  # (b, N*B)
     pred = seqs.gather(1, before).flatten()
-    term, _ = drafter.selector_loss(hidden.flatten(0, 1)[rows], pred[rows], labels.flatten()[rows], head,
-                                    torch.ones(int(rows.sum())), chunk_size=4096)
+    logits = head(hidden).flatten(0, 1)[rows].float()  # (M, V)
+    cand = logits.detach().topk(drafter.selector_top_k, dim=-1).indices  # the unary top-K, chosen without gradient
+    term, _ = drafter.selector_loss(hidden.flatten(0, 1)[rows], pred[rows], labels.flatten()[rows], cand,
+                                    logits.gather(1, cand), torch.ones(int(rows.sum())))
     return unary + term / rows.sum()
 
 
