@@ -15,16 +15,17 @@ Prompts: ShareGPT conversations (the pipeline's default source, MT-Bench and Hum
 excluded) or a JSONL file ({"prompt": ...} or {"messages": [...]}), in the target's chat
 template, at most --max-prompt-len tokens; --magpie N adds N prompts the target writes itself
 (written once, before the kinds run, and not timed). They go through the pipeline's own
-scheduling (data_gen/turns.py), in calls of the size dflash-datagen hands the generator:
-first turns only, or with --all-turns every turn, each on the target's own earlier answers.
+scheduling (data_gen/turns.py), as dflash-datagen hands them over (the engine streamed, a
+conversation's next turn queued as its answer ends; hf in calls): first turns only, or with
+--all-turns every turn, each on the target's own earlier answers.
 The issue-39 job (`--config-name datagen_all_turns`, 5,000 conversations and 5,000 magpie
 prompts): --all-turns --prompts 5000 --magpie 5000 --max-prompt-len 3072 --batch-size 512
 --max-new-tokens 512. Greedy unless --temperature is given. Each kind first answers
 --batch-size first turns untimed (CUDA graph capture, compilation), then the job, timed.
 --profile adds, for each engine kind, where the timed pass's wall time went
 (benchmarks/engine_profile.py): decode, prefill, copies, host scheduling, the time between
-calls, and the decode attention's bandwidth. Runs on CPU too (tiny numbers), which is how its
-tests run it.
+drains, the caller's time inside the drain, and the decode attention's bandwidth. Runs on CPU
+too (tiny numbers), which is how its tests run it.
 """
 
 from __future__ import annotations
@@ -123,16 +124,37 @@ def build(kind: str, target, args, stop_ids: list[int], pad_id: int):
 
 
 class Counting:
-    """A generator that counts the prompts (turns) it was asked and the answers it gave."""
+    """A generator that counts the prompts (turns) it was asked and the answers it gave, in
+    calls or streamed as the engine is; streamed, also the host seconds the caller (the turn
+    scheduler: recording an answer, queueing the next turn) held the answers handed to it."""
 
     def __init__(self, gen):
         self.gen, self.asked, self.answered = gen, 0, 0
+        self.streams = getattr(gen, "streams", False)
+        self.caller_s = 0.0
 
     def generate(self, prompts, seeds, deadline=None, progress=None):
         out = self.gen.generate(prompts, seeds, deadline, progress)
         self.asked += len(prompts)
         self.answered += sum(r is not None for r in out)
         return out
+
+    def wanted(self) -> int:
+        return self.gen.wanted()
+
+    def submit(self, key, prompt, seed) -> None:
+        self.gen.submit(key, prompt, seed)
+        self.asked += 1
+
+    def drain(self, deadline=None):
+        for item in self.gen.drain(deadline):
+            self.answered += 1
+            start = time.perf_counter()
+            yield item
+            self.caller_s += time.perf_counter() - start
+
+    def unstarted(self) -> list:
+        return self.gen.unstarted()
 
 
 def _sync(device: torch.device) -> None:
@@ -141,15 +163,15 @@ def _sync(device: torch.device) -> None:
 
 
 def run_job(cfg, shaper, prompts, gen, backend: BackendConfig):
-    """Every turn of the job through the pipeline's scheduling: (rows by prompt id, answer
-    tokens, turns asked, turns answered)."""
+    """Every turn of the job through the pipeline's scheduling (the engine streamed, hf in
+    calls): (rows by prompt id, answer tokens, the counting generator)."""
     counting = Counting(gen)
     shards = {k: prompts[i:i + cfg.shard_size] for k, i in enumerate(range(0, len(prompts), cfg.shard_size))}
     rows, tokens = {}, 0
     for _, shard_rows, meta in generate_shards(cfg, shaper, counting, shards, prompts_per_call(backend)):
         rows.update((r["prompt_id"], r["input_ids"]) for r in shard_rows)
         tokens += meta["generated_tokens"]
-    return rows, tokens, counting.asked, counting.answered
+    return rows, tokens, counting
 
 
 def timed(fn, device):
@@ -186,7 +208,8 @@ def run_kind(kind, target, args, job, first_turns, pad_id, answers) -> list[str]
     timer = SpanTimer(gen.engine) if args.profile and backend.kind == "engine" else None
     if timer is not None:
         timer.begin()
-    (rows, tokens, asked, answered), wall = timed(lambda: run_job(cfg, shaper, prompts, gen, backend), target.device)
+    (rows, tokens, counting), wall = timed(lambda: run_job(cfg, shaper, prompts, gen, backend), target.device)
+    asked, answered = counting.asked, counting.answered
     if timer is not None:
         timer.end()
         gen.engine.timer = None  # the idle pass below runs untimed
@@ -197,7 +220,8 @@ def run_kind(kind, target, args, job, first_turns, pad_id, answers) -> list[str]
     lines = [f"{kind:<13}{tokens:>9}{tokens / max(1, asked):>7.1f}{wall:>9.2f}{tokens / wall:>10.1f}{warm:>11.2f}  "
              f"{idle:<22}{same:>11}{asked:>8}{answered:>10}{len(rows):>6}"]
     if timer is not None:
-        lines += table(timer, wall, tokens, None if args.no_idle else idle)
+        lines += table(timer, wall, tokens, None if args.no_idle else idle,
+                       (counting.caller_s, counting.answered) if counting.streams else None)
     return lines
 
 

@@ -1,7 +1,8 @@
 # Issue 39's profile on one GPU: the engine on the every-turn job (ShareGPT conversations answered
 # turn by turn, plus prompts the target writes, as `--config-name datagen_all_turns`; Qwen2.5-Coder-0.5B
 # GGUF in bf16, greedy, 512 new tokens, 512 slots), once with SDPA and once with flex decode
-# attention: tokens/s, where the wall time goes (benchmarks/engine_profile.py), the decode
+# attention, the turns streamed into the engine as dflash-datagen does (data_gen/turns.py):
+# tokens/s, where the wall time goes (benchmarks/engine_profile.py), the decode
 # attention's bandwidth, the kernel-level idle share and how many rows flex and SDPA share.
 #   bash benchmarks/datagen_engine_gpu.sh WAIT_S [CONVERSATIONS] [MAGPIE] [SYNC_STEPS]
 # SYNC_STEPS: decode steps per chunk between the host's reads of the slots (the engine's 8 when unset).

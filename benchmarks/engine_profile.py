@@ -6,7 +6,11 @@ span on the device's stream: CUDA events on a GPU, so a span's length is the dev
 from its first to its last piece of work (kernels, and any gaps between kernels inside it),
 and the time between two spans is time the device had nothing queued: it waited for the
 host. On CPU the host runs the work itself; the stamps are the host's clock (said so in the
-table). The parts telescope: decode + prefill + copies + the gaps = the stamped wall.
+table). The parts telescope: decode + prefill + copies + the gaps = the stamped wall. A gap
+inside a drain is the host's scheduling, and, streamed (data_gen/turns.py feeds the engine
+turn by turn), the caller's turns too; the gaps before each drain are the caller's between
+calls (streamed, one drain: only its start and end). The caller's host time inside the drain
+is reported beside the table.
 
 `attention_replay` times the decode attention alone (every layer, one step, the mask built
 once as in the step) on the busy rows of a representative chunk of the run, in a CUDA graph
@@ -28,8 +32,8 @@ PARTS = {  # table rows, in order
     "decode": "decode steps",
     "prefill": "prefill",
     "copies": "slot copies (admission, snapshots)",
-    "host": "host scheduling (device waits, in a call)",
-    "between": "between calls (the caller's turns)",
+    "host": "host scheduling (device waits, in a drain)",
+    "between": "between drains (the caller's calls)",
 }
 
 
@@ -78,7 +82,7 @@ class SpanTimer:
         self._first = False
 
     def parts(self) -> Counter:
-        """Seconds per part; the gap before a call's first span counts as the caller's."""
+        """Seconds per part; the gap before a drain's first span counts as the caller's."""
         out, previous = Counter({name: 0.0 for name in PARTS}), self.start
         for part, start, end, first in self.spans:
             out["between" if first else "host"] += self._seconds(previous, start)
@@ -175,9 +179,11 @@ def _time_cuda(step, reps: int, device) -> float:
     return sorted(times)[reps // 2]
 
 
-def table(timer: SpanTimer, wall: float, tokens: int, idle: str | None = None) -> list[str]:
+def table(timer: SpanTimer, wall: float, tokens: int, idle: str | None = None,
+          caller: tuple[float, int] | None = None) -> list[str]:
     """The profile's lines: seconds and share of each part, the wall they sum to against the
-    host's own measure, then the decode attention's bandwidth."""
+    host's own measure, `caller` (streamed: the host seconds the turn scheduler held the
+    answers handed to it, and their number), then the decode attention's bandwidth."""
     e = timer.engine
     parts, counts = timer.parts(), timer.counts()
     stamped = sum(parts.values())
@@ -194,6 +200,9 @@ def table(timer: SpanTimer, wall: float, tokens: int, idle: str | None = None) -
     idle_s = parts["host"] + parts["between"]
     lines.append(f"  {'device idle: the wall less its spans':<44}{idle_s:>9.3f}{100 * idle_s / stamped:>7.1f}%  "
                  "the two waits above")
+    if caller is not None:
+        lines.append(f"  the caller's turns inside the drain (host clock; on a GPU the device runs meanwhile): "
+                     f"{caller[0]:.3f} s for {caller[1]} answers")
     if idle not in (None, "n/a"):
         lines.append(f"  device idle at kernel level (a profiled pass, gaps between kernels included): {idle}")
     if counts["decode"]:

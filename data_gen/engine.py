@@ -388,7 +388,13 @@ class GenerationEngine:
 
 
 class EngineGenerator:
-    """The `engine` backend.kind: the pipeline's Generator interface over a GenerationEngine."""
+    """The `engine` backend.kind: the pipeline's Generator interface over a GenerationEngine
+    (`generate`, a call drained to its last answer), and the streamed one the turn scheduler
+    uses (data_gen/turns.py): `wanted` turns are `submit`ted as slots free, `drain` yields
+    answers as they end while more are submitted, `unstarted` gives back what the deadline
+    kept queued."""
+
+    streams = True
 
     def __init__(self, target: TargetModel, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int],
                  max_prompt_len: int):
@@ -424,3 +430,22 @@ class EngineGenerator:
                 progress(1, len(completion.ids))
         self.engine.queue.clear()  # what the deadline left unstarted stays None
         return results
+
+    def wanted(self) -> int:
+        """How many more prompts the engine's next admission takes: its free slots less the
+        prompts already queued (a slot frees as its answer is handed over)."""
+        return max(0, self.engine.slot_key.count(None) - len(self.engine.queue))
+
+    def submit(self, key: Hashable, prompt: list[int], seed: int) -> None:
+        self.engine.submit(key, prompt, seed)
+
+    def drain(self, deadline: float | None = None) -> Iterator[tuple[Hashable, Completion]]:
+        """(key, answer) as answers end, until the queue and the slots are empty (after
+        ``deadline``, until the slots are)."""
+        return self.engine.drain(deadline)
+
+    def unstarted(self) -> list[Hashable]:
+        """The keys still queued (the deadline kept them from starting), out of the queue."""
+        keys = [key for key, _, _ in self.engine.queue]
+        self.engine.queue.clear()
+        return keys

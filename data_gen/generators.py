@@ -77,9 +77,10 @@ def prompts_per_call(cfg: BackendConfig, varied_lengths: bool = True) -> int:
     ``varied_lengths=False`` for prompts of one length (magpie's candidates are all the
     template's header), which the hf generator's length sort cannot pad less."""
     if cfg.kind == "engine":
-        # Continuous batching refills a slot as soon as its answer ends, but a call still
-        # waits for its slowest answer while the slots empty: calls of many batches make
-        # that tail a small share of the call.
+        # The turn scheduler streams the engine (data_gen/turns.py) and calls it only through
+        # other schedules (magpie's chunks of candidates). Continuous batching refills a slot
+        # as soon as its answer ends, but a call still waits for its slowest answer while the
+        # slots empty: calls of many batches make that tail a small share of the call.
         return ENGINE_BATCHES_PER_CALL * cfg.batch_size
     if cfg.kind == "openai":
         return cfg.max_concurrency

@@ -1,17 +1,25 @@
 """Every turn regenerated: conversations answered turn by turn on the target's own history,
-scheduled so that a conversation's next turn goes into the very next `generate` call.
+scheduled so that a conversation's next turn is asked as soon as its answer ends.
 
 The pipeline hands this module the shards of one rank. Conversations of the oldest open
-shards come first; when fewer turns are ready than a call takes, the next shard opens, so
-turn 3 of one conversation shares a call with turn 1 of others and no call waits for a whole
-shard to finish a turn. A shard is returned (and then committed by the caller) once all its
-conversations have ended; its rows depend only on its prompts and the settings, because
-every prompt samples from its own seed (run seed, prompt id, turn), whatever call it lands in.
+shards come first; when fewer turns are ready than the generator takes, the next shard opens,
+so turn 3 of one conversation runs beside turn 1 of others and nothing waits for a whole
+shard to finish a turn. Two schedules share that order and the bookkeeping:
+  * streamed, for a generator that answers as its slots free (the engine: `streams`, `wanted`,
+    `submit`, `drain`, `unstarted`): it is fed as many turns as its free slots take, and the
+    moment an answer ends the conversation's next turn is queued, so the engine never drains
+    until the work (or the budget) ends;
+  * in calls, for the others (hf, openai): a conversation's next turn goes into the very next
+    `generate` call.
+A shard is returned (and then committed by the caller) once all its conversations have ended;
+its rows depend only on its prompts and the settings, because every prompt samples from its
+own seed (run seed, prompt id, turn), whatever call, slot or moment it runs in.
 
 A budget (a deadline) ends the schedule early: after it no shard opens and no turn is asked,
-the answers of the call in flight finish, and every open shard in which some conversation
-has begun is returned, each conversation ending at its last answer. Such a shard holds
-fewer turns than its prompts would give; its metadata counts them (`budget_cut`).
+the answers in flight finish, and every open shard in which some conversation has begun is
+returned, each conversation ending at its last answer (a turn queued but not started when the
+deadline passed is cut too). Such a shard holds fewer turns than its prompts would give; its
+metadata counts them (`budget_cut`).
 """
 
 from __future__ import annotations
@@ -130,47 +138,120 @@ def _finish(shard: _Shard) -> tuple[list[dict], dict]:
     return rows, meta
 
 
+class _Schedule:
+    """The bookkeeping both schedules share: the open shards, the turns ready to be asked (the
+    oldest shard's first), and what an answer does to its conversation. A turn is named by
+    its key (shard, position in the shard)."""
+
+    def __init__(self, cfg: DatagenConfig, shaper: ChatShaper, shards: dict[int, list[SourcePrompt]]):
+        self.cfg, self.shaper, self.shards = cfg, shaper, shards
+        self.waiting = sorted(shards)
+        self.active: dict[int, _Shard] = {}
+        self.ready: list[tuple[int, int]] = []  # heap of keys: the oldest shard's turns go first
+
+    def take(self, n: int) -> list[tuple[int, int]]:
+        """Up to n ready turns, opening the next shards while fewer are ready."""
+        while self.waiting and len(self.ready) < n:
+            k = self.waiting.pop(0)
+            shard = self.active[k] = _Shard(k, [_Conversation(p) for p in self.shards[k]])
+            for pos, c in enumerate(shard.convs):
+                if _next_turn(self.cfg, self.shaper, shard, c):
+                    heapq.heappush(self.ready, (k, pos))
+                    shard.open += 1
+        return [heapq.heappop(self.ready) for _ in range(min(n, len(self.ready)))]
+
+    def prompt(self, key: tuple[int, int]) -> tuple[list[int], int]:
+        """The turn's prompt ids and its own sampling seed."""
+        c = self.active[key[0]].convs[key[1]]
+        return c.pending[0], turn_seed(self.cfg.sampling.seed, c.prompt, len(c.answers))
+
+    def answer(self, key: tuple[int, int], result) -> None:
+        """Record the turn's result (None: the budget kept it from starting); its conversation
+        goes on (its next turn ready) or ends."""
+        shard = self.active[key[0]]
+        c = shard.convs[key[1]]
+        if result is None:
+            _cut(shard, c)
+            shard.open -= 1
+            return
+        _record(shard, c, result)
+        if c.pending is not None and _goes_on(self.cfg, self.shaper, shard, c, result.finish_reason):
+            heapq.heappush(self.ready, key)
+        else:
+            shard.open -= 1
+
+    def finished(self) -> Iterator[tuple[int, list[dict], dict]]:
+        """The shards whose conversations have all ended, out of the schedule."""
+        yield from _done(self.active, [k for k, s in self.active.items() if s.open == 0])
+
+    def end_by_budget(self) -> Iterator[tuple[int, list[dict], dict]]:
+        """Every open shard, its ready turns cut."""
+        for k, pos in self.ready:
+            _cut(self.active[k], self.active[k].convs[pos])
+        self.ready = []
+        yield from _done(self.active, sorted(self.active))
+
+
 def generate_shards(cfg: DatagenConfig, shaper: ChatShaper, generator, shards: dict[int, list[SourcePrompt]],
                     call_size: int, deadline: float | None = None) -> Iterator[tuple[int, list[dict], dict]]:
     """(index, rows, metadata) of each shard of `shards` (index -> prompts) as it completes,
     or as the budget ends it (``deadline``, a time.monotonic() value; the module says how).
+    A generator that streams (the engine) is fed turn by turn; any other is called with up
+    to `call_size` turns at a time.
 
     Raises GeneratorUnavailable on a retryable failure: the open shards stay uncommitted."""
-    waiting = sorted(shards)
-    active: dict[int, _Shard] = {}
-    ready: list[tuple[int, int]] = []  # heap of (shard, position): the oldest shard's turns go first
-    while waiting or active:
+    schedule = _Schedule(cfg, shaper, shards)
+    if getattr(generator, "streams", False):
+        yield from _stream(schedule, generator, deadline)
+    else:
+        yield from _calls(schedule, generator, call_size, deadline)
+
+
+def _calls(schedule: _Schedule, generator, call_size: int, deadline: float | None):
+    """Turns in calls: a conversation's next turn goes into the call after its answer's."""
+    while schedule.waiting or schedule.active:
         if past(deadline):
-            yield from _end_by_budget(active, ready)
+            yield from schedule.end_by_budget()
             return
-        while waiting and len(ready) < call_size:
-            k = waiting.pop(0)
-            shard = active[k] = _Shard(k, [_Conversation(p) for p in shards[k]])
-            for pos, c in enumerate(shard.convs):
-                if _next_turn(cfg, shaper, shard, c):
-                    heapq.heappush(ready, (k, pos))
-                    shard.open += 1
-        calls = [heapq.heappop(ready) for _ in range(min(call_size, len(ready)))]
-        convs = [(active[k], active[k].convs[pos]) for k, pos in calls]
-        if convs:
-            results = generator.generate([c.pending[0] for _, c in convs],
-                                         [turn_seed(cfg.sampling.seed, c.prompt, len(c.answers)) for _, c in convs],
-                                         deadline=deadline)
-            retry = [(k, r.detail) for (k, _), r in zip(calls, results) if isinstance(r, Failure) and r.retryable]
-            if retry:
-                where = ", ".join(str(k) for k in sorted({k for k, _ in retry}))
-                raise GeneratorUnavailable(f"shard {where}: {len(retry)} prompts failed, e.g. {retry[0][1]}")
-            for (shard, c), (k, pos), r in zip(convs, calls, results):
-                if r is None:  # not started: the budget ran out during the call
-                    _cut(shard, c)
-                    shard.open -= 1
-                    continue
-                _record(shard, c, r)
-                if c.pending is not None and _goes_on(cfg, shaper, shard, c, r.finish_reason):
-                    heapq.heappush(ready, (k, pos))
-                else:
-                    shard.open -= 1
-        yield from _done(active, [k for k, s in active.items() if s.open == 0])
+        keys = schedule.take(call_size)
+        if keys:
+            prompts, seeds = zip(*map(schedule.prompt, keys))
+            results = generator.generate(list(prompts), list(seeds), deadline=deadline)
+            _raise_retryable(list(zip(keys, results)))
+            for key, r in zip(keys, results):
+                schedule.answer(key, r)
+        yield from schedule.finished()
+
+
+def _stream(schedule: _Schedule, generator, deadline: float | None):
+    """Turns streamed through a generator that answers as its slots free (the engine): it is
+    kept fed with as many turns as its free slots take, and as each answer ends, the
+    conversation's next turn is queued at once, so the generator never drains before the
+    work (or the budget) ends. Queued turns the deadline kept out come back unstarted."""
+
+    def feed() -> None:
+        if not past(deadline):
+            for key in schedule.take(generator.wanted()):
+                generator.submit(key, *schedule.prompt(key))
+
+    feed()
+    for key, result in generator.drain(deadline):
+        _raise_retryable([(key, result)])
+        schedule.answer(key, result)
+        feed()
+        yield from schedule.finished()
+    for key in generator.unstarted():
+        schedule.answer(key, None)
+    yield from schedule.end_by_budget() if past(deadline) else schedule.finished()
+    # Without the budget the drain ends only once no turn is ready and no shard is waiting.
+    assert not schedule.active, f"shards {sorted(schedule.active)} left with turns unanswered"
+
+
+def _raise_retryable(results: list[tuple[tuple[int, int], object]]) -> None:
+    retry = [(k, r.detail) for (k, _), r in results if isinstance(r, Failure) and r.retryable]
+    if retry:
+        where = ", ".join(str(k) for k in sorted({k for k, _ in retry}))
+        raise GeneratorUnavailable(f"shard {where}: {len(retry)} prompts failed, e.g. {retry[0][1]}")
 
 
 def _done(active: dict[int, _Shard], ended: list[int]) -> Iterator[tuple[int, list[dict], dict]]:
@@ -180,10 +261,3 @@ def _done(active: dict[int, _Shard], ended: list[int]) -> Iterator[tuple[int, li
         shard = active.pop(k)
         if not shard.cut or any(c.row is not None for c in shard.convs):
             yield k, *_finish(shard)
-
-
-def _end_by_budget(active: dict[int, _Shard], ready: list[tuple[int, int]]) -> Iterator[tuple[int, list[dict], dict]]:
-    """Every open shard, its waiting turns cut."""
-    for k, pos in ready:
-        _cut(active[k], active[k].convs[pos])
-    yield from _done(active, sorted(active))

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_module
 import data_gen.generators
 import data_gen.pipeline
 from data_gen.config import DatagenConfig, to_datagen_config
+from data_gen.engine import GenerationEngine
 from data_gen.hf_generator import HFGenerator
 
 QUESTIONS = ["What is {a}+{b}? Answer with one number.", "Is {a} bigger than {b}? Answer yes or no."]
@@ -101,3 +102,32 @@ def an_hour_after_each_batch(monkeypatch):
 
     monkeypatch.setattr(HFGenerator, "_batch", then_late)
     return first_batch
+
+
+class Clock:
+    """time.monotonic for data_gen.generators.past: moved by the test, not by the machine."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def an_hour_after_each_admission(monkeypatch) -> Clock:
+    """Drive the datagen budget's clock: it moves an hour on each time the engine admits queued
+    prompts into its slots (those are in flight; after the first admission nothing starts)."""
+    clock = Clock()
+    monkeypatch.setattr(data_gen.generators, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(data_gen.pipeline, "time", types.SimpleNamespace(monotonic=clock.monotonic,
+                                                                         perf_counter=time.perf_counter))
+    admit = GenerationEngine._admit
+
+    def then_late(self, deadline):
+        queued = len(self.queue)
+        admit(self, deadline)
+        if len(self.queue) < queued:
+            clock.now += 3600
+
+    monkeypatch.setattr(GenerationEngine, "_admit", then_late)
+    return clock

@@ -16,8 +16,8 @@ from data_gen.pipeline import run
 from data_gen.template import ChatShaper
 from dflash_train.data.format import load_generated, read_shard_meta
 from tests.conftest import SMOLLM2
-from tests.datagen_helpers import (cli, compose_config, kill_after_first_shard, overrides, write_conversations,
-                                   write_prompts)
+from tests.datagen_helpers import (Clock, cli, compose_config, kill_after_first_shard, overrides,
+                                   write_conversations, write_prompts)
 
 # one thread: tiny matmuls do not split, and on a shared CPU the second thread waits
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -101,8 +101,8 @@ def test_multi_turn_run_equals_hf(tmp_path, smollm2, smollm2_tokenizer):
 
 
 def test_kill_9_then_rerun_holds_every_prompt_once(tmp_path, smollm2, smollm2_tokenizer):
-    """Calls of 16 batches of 2 (generators.ENGINE_BATCHES_PER_CALL): the kill lands with
-    some shards committed and the others not; the rerun finishes those only."""
+    """Prompts streamed through 2 slots, each shard committed as its prompts end: the kill
+    lands with some shards committed and the others not; the rerun finishes those only."""
     num_prompts = 40
     src = tmp_path / "prompts.jsonl"
     write_prompts(src, num_prompts)
@@ -151,8 +151,10 @@ def _benchmark():
 def test_profile_of_an_every_turn_job_with_magpie_on_cpu(tmp_path, capsys):
     """--profile on the issue's kind of job (every turn of multi-turn conversations, plus prompts
     the target writes), both decode attentions: every turn asked is answered, every prompt is
-    a row, the same rows with either attention, each table's parts are measured (none negative, decode and prefill under way) and
-    sum to the wall the host measured, and the attention replay reports its bandwidth."""
+    a row, the same rows with either attention, each table's parts are measured (none negative,
+    decode and prefill under way) and sum to the wall the host measured, the turn scheduler's
+    time inside the streamed drain is reported (on CPU within the drain's gaps), and the
+    attention replay reports its bandwidth."""
     src = tmp_path / "conversations.jsonl"
     write_conversations(src, 4)  # 1, 2, 3 and 1 user turns
     _benchmark()["main"](["--target", SMOLLM2, "--jsonl", str(src), "--prompts", "4", "--all-turns", "--magpie", "2",
@@ -181,20 +183,14 @@ def test_profile_of_an_every_turn_job_with_magpie_on_cpu(tmp_path, capsys):
         assert summed == pytest.approx(sum(parts.values()), abs=0.005)
         assert summed == pytest.approx(wall, rel=0.02, abs=0.02)
         idle = float(re.search(r"device idle: the wall less its spans +(\d+\.\d+)", profile).group(1))
-        waits = parts["host scheduling (device waits, in a call)"] + parts["between calls (the caller's turns)"]
-        assert idle == pytest.approx(waits, abs=0.002)
+        in_drain = parts["host scheduling (device waits, in a drain)"]
+        assert idle == pytest.approx(in_drain + parts["between drains (the caller's calls)"], abs=0.002)
+        # Streamed: the turn scheduler holds each answer inside the one drain, between its spans.
+        caller = re.search(r"the caller's turns inside the drain \(host clock.*\): (\d+\.\d+) s for (\d+) answers",
+                           profile)
+        assert int(caller.group(2)) == answered and float(caller.group(1)) <= in_drain
         read, rate = re.search(r"KV read (\d+\.\d) MB a step: (\d+\.\d) GB/s", profile).groups()
         assert float(read) > 0 and float(rate) > 0
-
-
-class Clock:
-    """time.monotonic for data_gen.generators.past: moved by the test, not by the machine."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
 
 
 @pytest.mark.parametrize("kind", ["engine", "hf"])
