@@ -21,7 +21,8 @@ times the slot's weight. The gradient goes on to h through U and to W1[prev] and
 the Markov term before the chunk's logits are dropped: no autograd graph spans the
 vocabulary, nothing is recomputed in backward, and one chunk of (c, V) tensors exists at a
 time. On CUDA that function is compiled over fixed-size chunks (the last one padded, so it
-compiles once) and reads the logits in the head's dtype; elsewhere it runs eagerly.
+compiles once) and reads the logits, the Markov term's included, in the head's dtype;
+elsewhere it runs eagerly on the Markov term in its weights' dtype.
 ``dspark_chunk_terms`` is the reference both run. The BCE term is ordinary autograd: its
 target is detached, so only the confidence head's inputs get its gradient.
 """
@@ -101,6 +102,7 @@ class _HeadWalk:
     fixed: bool  # every chunk chunk_size rows, the last one padded (one compiled shape)
     ce_alpha: float
     l1_alpha: float
+    markov_dtype: torch.dtype  # the Markov term's matmuls run in it
 
 
 def _head_walk(h, e, s, w2, weight, bias, labels, slot_w, walk: _HeadWalk, with_grad: bool):
@@ -119,18 +121,20 @@ def _head_walk(h, e, s, w2, weight, bias, labels, slot_w, walk: _HeadWalk, with_
     l1 = torch.empty(m + pad, dtype=torch.float32, device=h.device)
     hit = torch.empty(m + pad, dtype=torch.bool, device=h.device)
     grads = (torch.empty_like(h), torch.empty_like(e), torch.zeros_like(w2, dtype=torch.float32)) if with_grad else None
+    w2_m = w2.to(walk.markov_dtype)  # (V, r)
     for start in range(0, m + pad, walk.chunk_size):
         sl = slice(start, start + walk.chunk_size)
+        e_m = e[sl].to(walk.markov_dtype)  # (c, r)
         base = F.linear(h[sl].to(weight.dtype), weight, bias)  # (c, V) in the head's dtype
-        markov = F.linear(e[sl], w2)  # (c, V) in the Markov head's
+        markov = F.linear(e_m, w2_m)  # (c, V)
         teacher = F.linear(s[sl], weight, bias)  # (c, V)
         loss, l1[sl], hit[sl], grad_base, grad_markov = walk.kernel(
             base, markov, teacher, labels[sl], slot_w[sl], walk.ce_alpha, walk.l1_alpha, with_grad)
         total += loss.sum()
         if with_grad:
             grads[0][sl] = grad_base @ weight  # (c, H), into h's dtype
-            grads[1][sl] = grad_markov @ w2  # (c, r)
-            grads[2].add_(grad_markov.t() @ e[sl])  # (V, r)
+            grads[1][sl] = grad_markov @ w2_m  # (c, r), into e's dtype
+            grads[2].add_(grad_markov.t() @ e_m)  # (V, r), summed in float32
     if grads is not None:
         grads = (grads[0][:m], grads[1][:m], grads[2].to(w2.dtype))
     return total, l1[:m], hit[:m], grads
@@ -168,8 +172,8 @@ def dspark_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, block_ids: 
     (B,) exp(-k/gamma). ``correct`` and ``count`` have B + 1 entries, entry k + 1 for slot k
     (the k+1-th token after the anchor, the position DFlash's slot k + 1 predicts), entry 0
     unused: the accuracy logs of both kinds then name the same token. ``index`` as
-    ``dflash_loss``'s; ``fused`` the fixed-size chunks (default: on CUDA), ``compiled`` False
-    runs their function eagerly (tests, debugging).
+    ``dflash_loss``'s; ``fused`` the fixed-size chunks in the head's dtype (default: on CUDA),
+    ``compiled`` False runs their function eagerly (tests, debugging).
     """
     block_size = weights.numel()
     if index is None:
@@ -187,11 +191,16 @@ def dspark_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, block_ids: 
     if fused is None:
         fused = hidden.is_cuda
     kernel = compiled_kernel(dspark_chunk_terms) if fused and compiled else dspark_chunk_terms
-    walk = _HeadWalk(chunk_size, kernel, fused, alphas.ce, alphas.l1)
-    # The head in its own dtype (the target's), the Markov term in the Markov head's; the
+    w2 = drafter.markov_head.markov_w2.weight  # (V, r)
+    # The head in its own dtype (the target's). The Markov term: on the fused walk in the head's
+    # dtype too, like everything there over the vocabulary. A float32 (c, r) x (r, V) matmul
+    # runs without tensor cores: the Markov term's three per chunk are 11.5 TFLOP a step of the
+    # one-H100 recipe, about 0.2 s at an H100's float32 rate (estimated, not measured), as much
+    # as its whole DFlash step; DeepSpec trains the drafter in bf16. On the plain walk in its
+    # weights' dtype: on CPUs without bf16 units bf16 matmuls are the slower ones. The
     # gradients are kept, and scaled in backward, in the dtypes of h, e and W2.
-    head_sum, l1, hit = _HeadTerms.apply(h, e, drafter.markov_head.markov_w2.weight, s, lm_head.weight,
-                                         getattr(lm_head, "bias", None), y, w, walk)
+    walk = _HeadWalk(chunk_size, kernel, fused, alphas.ce, alphas.l1, dtype if fused else w2.dtype)
+    head_sum, l1, hit = _HeadTerms.apply(h, e, w2, s, lm_head.weight, getattr(lm_head, "bias", None), y, w, walk)
     accept = (1 - 0.5 * l1).clamp(0, 1)  # the chance the slot is accepted, given its prefix was
     conf = drafter.confidence_head(h, e)  # (M,)
     bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")

@@ -52,14 +52,15 @@ def loss_case(head_dtype=torch.float32, bias=True, seed=0):
     return drafter, head, hidden, labels, block_ids, final
 
 
-def _reference(drafter, head, hidden, labels, block_ids, final, weights, alphas):
+def _reference(drafter, head, hidden, labels, block_ids, final, weights, alphas, markov_dtype=torch.float32):
     """The loss over full (b, Q, V) logits with autograd, the teacher of slot k of each block
-    read at anchor + k by a loop."""
+    read at anchor + k by a loop, the Markov term's matmul in ``markov_dtype``."""
     dtype = head.weight.dtype
     valid = labels != IGNORE_INDEX
     prev = previous_tokens(labels, block_ids, B).clamp(min=0)  # unsupervised slots: any token, weight 0
     e = drafter.markov_head.embed(prev)  # (b, Q, r)
-    z = head(hidden.to(dtype)).float() + drafter.markov_head.markov_w2(e).float()  # (b, Q, V)
+    w2 = drafter.markov_head.markov_w2.weight
+    z = head(hidden.to(dtype)).float() + F.linear(e.to(markov_dtype), w2.to(markov_dtype)).float()  # (b, Q, V)
     s = torch.zeros(2, N * B, H, dtype=dtype)
     for r in range(2):
         for n, p in enumerate(ANCHORS[r].tolist()):
@@ -80,9 +81,9 @@ def _reference(drafter, head, hidden, labels, block_ids, final, weights, alphas)
 
 
 def _trained(drafter, hidden):
-    m = drafter.markov_head
+    m, c = drafter.markov_head, drafter.confidence_head.proj
     return {"hidden": hidden, "markov_w1": m.markov_w1.weight, "markov_w2": m.markov_w2.weight,
-            "confidence.weight": drafter.confidence_head.proj.weight, "confidence.bias": drafter.confidence_head.proj.bias}
+            "confidence.weight": c.weight, "confidence.bias": c.bias}
 
 
 def _grads(total, drafter, hidden, scale=3.0):
@@ -125,20 +126,40 @@ def test_fixed_size_chunks_equal_the_autograd_loss(chunk, compiled):
     _check(torch.float32, chunk, fused=True, compiled=compiled, **FP32)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_bf16_head_equals_the_autograd_loss(fused):
+def test_bf16_head_equals_the_autograd_loss_on_plain_chunks():
     # The same bf16 logits both ways, and the gradient rounded to bf16 before the head's matmul
     # back, as autograd rounds it. At a backward scale of 1 the two round the same values (a
     # scale is applied before that rounding by autograd, after it here: both one bf16 step
-    # from the exact value). The Markov term's gradients stay float32, as its weights.
+    # from the exact value). The Markov term stays float32 on the plain walk, as its weights.
     drafter, head, hidden, labels, block_ids, final = loss_case(torch.bfloat16)
     weights = contract.slot_weights(B, 2.0, "dspark")
-    out = dspark_loss(drafter, hidden, labels, block_ids, ANCHORS, final, head, weights, 5, ALPHAS,
-                      fused=fused, compiled=False)
+    out = dspark_loss(drafter, hidden, labels, block_ids, ANCHORS, final, head, weights, 5, ALPHAS, fused=False)
     ref, ref_correct = _reference(drafter, head, hidden, labels, block_ids, final, weights, ALPHAS)
     torch.testing.assert_close(out.weighted_sum, ref, rtol=1e-6, atol=1e-5)
     got, want = _grads(out.weighted_sum, drafter, hidden, 1.0), _grads(ref, drafter, hidden, 1.0)
     for name in got:
+        torch.testing.assert_close(got[name], want[name], msg=name, **FP32)
+    assert torch.equal(out.correct, ref_correct)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=NEEDS_CXX)])
+def test_bf16_head_on_fixed_chunks_equals_the_autograd_loss_with_the_markov_matmul_in_bf16(compiled):
+    """The fused walk (the CUDA default) keeps the Markov term in the head's dtype too: its
+    logits are those of W2 and W1[prev] in bf16, and the gradients of W1 and W2 come from the
+    bf16 gradient of the logits, as autocast's matmul would give them."""
+    drafter, head, hidden, labels, block_ids, final = loss_case(torch.bfloat16)
+    weights = contract.slot_weights(B, 2.0, "dspark")
+    out = dspark_loss(drafter, hidden, labels, block_ids, ANCHORS, final, head, weights, 5, ALPHAS,
+                      fused=True, compiled=compiled)
+    ref, ref_correct = _reference(drafter, head, hidden, labels, block_ids, final, weights, ALPHAS, torch.bfloat16)
+    torch.testing.assert_close(out.weighted_sum, ref, rtol=1e-6, atol=1e-5)
+    got, want = _grads(out.weighted_sum, drafter, hidden, 1.0), _grads(ref, drafter, hidden, 1.0)
+    # W2's gradient: each chunk's product rounded to bf16, summed in float32, against one bf16
+    # product over all rows: a bf16 step apart (2^-8 relative; |grad| < 1 here).
+    assert want["markov_w2"].abs().max() < 1
+    torch.testing.assert_close(got.pop("markov_w2"), want.pop("markov_w2"), rtol=2 ** -8, atol=2 ** -9)
+    for name in got:
+        assert got[name].dtype == torch.float32, name
         torch.testing.assert_close(got[name], want[name], msg=name, **FP32)
     assert torch.equal(out.correct, ref_correct)
 
@@ -185,3 +206,30 @@ def test_chunk_gradient_is_autograds_of_the_chunk_terms():
     assert torch.count_nonzero(grad_base[0, :10]) == 0 and torch.count_nonzero(grad_base[-1]) == 0
     assert torch.equal(hit, (base + markov).argmax(-1) == labels)
     assert dspark_chunk_terms(base, markov, teacher, labels, slot_w, 0.1, 0.9, False)[3:] == (None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_compiled_loss_equals_the_eager_walk_and_never_waits_for_the_gpu():
+    """The CUDA default (fixed chunks through torch.compile) on the case above with a bf16 head,
+    against the eager walk on the same device; with the supervised index from the host, as the
+    trainer passes it, no step of the loss waits for the GPU."""
+    drafter, head, hidden, labels, block_ids, final = loss_case(torch.bfloat16)
+    drafter, head, labels, block_ids, final = (x.cuda() for x in (drafter, head, labels, block_ids, final))
+    hidden = hidden.detach().cuda().requires_grad_()
+    weights = contract.slot_weights(B, 2.0, "dspark")  # on the host, like the trainer's
+    index = (labels.cpu().flatten() != IGNORE_INDEX).nonzero().squeeze(1)
+    args = (drafter, hidden, labels, block_ids, ANCHORS.cuda(), final, head, weights, 5, ALPHAS, index)
+    eager = dspark_loss(*args, fused=True, compiled=False)
+    want = _grads(eager.weighted_sum, drafter, hidden)
+    _grads(dspark_loss(*args).weighted_sum, drafter, hidden)  # compiles outside the sync check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = dspark_loss(*args)
+        got = _grads(out.weighted_sum, drafter, hidden)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out.weighted_sum, eager.weighted_sum, rtol=1e-5, atol=1e-5)
+    for name in got:  # the same bf16 logits; inductor's float32 reductions may round differently
+        torch.testing.assert_close(got[name], want[name], msg=name, rtol=1e-2, atol=1e-3)
+    assert torch.equal(out.correct, eager.correct) and torch.equal(out.count, eager.count)
