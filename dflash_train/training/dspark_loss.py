@@ -187,7 +187,7 @@ def dspark_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, block_ids: 
     e = drafter.markov_head.embed(prev)  # (M, r)
     t_index = teacher_index(index, anchors, block_size, final.shape[1])
     s = final.flatten(0, 1).index_select(0, t_index).to(dtype)  # (M, H)
-    w = weights.to(hidden.device, torch.float32).index_select(0, slot)  # (M,)
+    w = weights.to(hidden.device, torch.float32, non_blocking=True).index_select(0, slot)  # (M,)
     if fused is None:
         fused = hidden.is_cuda
     kernel = compiled_kernel(dspark_chunk_terms) if fused and compiled else dspark_chunk_terms
