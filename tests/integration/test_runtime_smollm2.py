@@ -57,12 +57,12 @@ class OracleDrafter(DFlashDraftModel):
     def set_answer(self, ids: torch.Tensor):
         self.answer = ids[0]
 
-    def draft(self, target, block_ids, new_features, start, cache):
-        width = block_ids.shape[1]
-        wanted = self.answer[start + 1 : start + width]
-        logits = torch.zeros(1, width - 1, target.config.vocab_size)
-        logits[0, torch.arange(wanted.numel()), wanted] = 1.0
-        return logits
+    def propose(self, target, anchor, n, room, new_features, start, cache, mask_id, sampling, generator):
+        # the reference loop's drafts of the block at `start` (greedy): the answer's next n tokens
+        drafts = torch.zeros(n, dtype=torch.long)
+        wanted = self.answer[start + 1 : start + 1 + n]
+        drafts[: wanted.numel()] = wanted
+        return drafts, None
 
 
 def test_random_drafter_is_lossless_with_tau_near_one(plain, random_dynamic):
