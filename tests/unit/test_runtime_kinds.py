@@ -17,7 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_train.contract import IGNORE_INDEX, block_input_ids, block_labels, dspark_block_labels
+from dflash_train.contract import (
+    IGNORE_INDEX,
+    block_input_ids,
+    block_labels,
+    dspark_block_labels,
+)
 from dflash_train.eval.acceptance import target_generate
 from dflash_train.eval.batched import spec_generate_batch
 from dflash_train.eval.cli import decode_conversations
@@ -41,6 +46,7 @@ from tests.unit.test_runtime_drafter import (  # noqa: F401 (prompts, target: fi
 )
 from tests.unit.test_runtime_static import record_draft_outputs
 from tests.unit.test_static_batched import ragged_rows
+from tests.unit.test_verify_tokens import assert_every_runtime_is_lossless
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -123,24 +129,7 @@ def plain(target, ids, new_tokens=NEW_TOKENS):  # noqa: F811
 def test_every_runtime_is_lossless_and_the_static_one_accepts_what_the_dynamic_one_does(
         target, prompts, trained, kind, k):  # noqa: F811
     drafter = trained[kind]
-    lengths = []
-    for prompt in prompts:
-        ids = prompt[None]
-        expected = plain(target, ids)
-        dynamic = spec_generate(drafter, target, ids, NEW_TOKENS, return_stats=True, static=False, verify_tokens=k)
-        exported = drafter.spec_generate(target, ids, NEW_TOKENS, return_stats=True, verify_tokens=k)
-        loop = spec_generate(drafter, target, ids, NEW_TOKENS, return_stats=True, static=True, verify_tokens=k)
-        # a clock takes the static runtime's per-step loop (the one sampling uses)
-        stepped = spec_generate(drafter, target, ids, NEW_TOKENS, return_stats=True, static=True, time_steps=True,
-                                verify_tokens=k)
-        for out in (dynamic, exported, loop, stepped):
-            assert torch.equal(out.output_ids, expected)
-            assert max(out.acceptance_lengths) <= most(drafter, k) and sum(out.acceptance_lengths) == NEW_TOKENS - 1
-        assert loop.acceptance_lengths == dynamic.acceptance_lengths == stepped.acceptance_lengths
-        assert exported.acceptance_lengths == dynamic.acceptance_lengths
-        lengths += dynamic.acceptance_lengths
-    # the check has power: some steps accept every verified draft, some stop short
-    assert max(lengths) == most(drafter, k) and min(lengths) < most(drafter, k)
+    assert_every_runtime_is_lossless(drafter, target, prompts, k, most(drafter, k))
 
 
 @pytest.mark.parametrize("kind", KINDS)
