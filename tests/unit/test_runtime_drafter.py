@@ -87,24 +87,29 @@ def trained(target, prompts):
     return train_drafter(target, prompts, BLOCK, TRAIN_STEPS)
 
 
-def train_drafter(target, prompts, block: int, steps: int):
-    """A fresh drafter of ``block`` slots trained ``steps`` full-batch steps on the target's
-    greedy answers to ``prompts`` (every answer position an anchor)."""
+def train_drafter(target, prompts, block: int, steps: int, drafter=None, loss=None):
+    """A drafter trained ``steps`` full-batch steps on the target's greedy answers to
+    ``prompts`` (every answer position an anchor): ``drafter`` (default a fresh DFlash one of
+    ``block`` slots) under ``loss(drafter, seqs, anchors, loss_mask)`` (default DFlash's CE)."""
     with torch.no_grad():
         seqs = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW_TOKENS,
                                do_sample=False, eos_token_id=None, pad_token_id=0)
-    drafter = tiny_drafter(target, seed=5, block_size=block).train()
+    drafter = (tiny_drafter(target, seed=5, block_size=block) if drafter is None else drafter).train()
     for p in target.parameters():
         p.requires_grad_(False)
     anchors = torch.arange(PROMPT_LEN - 1, seqs.shape[1] - 1).expand(len(seqs), -1)  # every answer position
     loss_mask = (torch.arange(seqs.shape[1]) >= PROMPT_LEN).long()
-    labels = torch.stack([block_labels(s, loss_mask, a, block) for s, a in zip(seqs, anchors)]).flatten(1)
+    if loss is None:
+        labels = torch.stack([block_labels(s, loss_mask, a, block) for s, a in zip(seqs, anchors)]).flatten(1)
+
+        def loss(drafter, seqs, anchors, loss_mask):
+            logits = training_logits(target, drafter, seqs, anchors, block)
+            return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     for _ in range(steps):
-        logits = training_logits(target, drafter, seqs, anchors, block)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        value = loss(drafter, seqs, anchors, loss_mask)
         opt.zero_grad()
-        loss.backward()
+        value.backward()
         opt.step()
     for p in target.parameters():
         p.requires_grad_(True)

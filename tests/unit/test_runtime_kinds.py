@@ -42,6 +42,7 @@ from tests.unit.test_runtime_drafter import (  # noqa: F401 (prompts, target: fi
     PROMPT_LEN,
     prompts,
     target,
+    train_drafter,
     training_hidden,
 )
 from tests.unit.test_runtime_static import record_draft_outputs
@@ -91,23 +92,9 @@ def kind_loss(kind: str, drafter, target, seqs, anchors, loss_mask) -> torch.Ten
 
 def train(kind: str, target, prompts):  # noqa: F811
     """A drafter of ``kind`` half-way to memorising the target's greedy answers to ``prompts``."""
-    with torch.no_grad():
-        seqs = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW_TOKENS,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-    drafter = new_drafter(kind, target).train()
-    for p in target.parameters():
-        p.requires_grad_(False)
-    anchors = torch.arange(PROMPT_LEN - 1, seqs.shape[1] - 1).expand(len(seqs), -1)  # every answer position
-    loss_mask = (torch.arange(seqs.shape[1]) >= PROMPT_LEN).long()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    for _ in range(TRAIN_STEPS):
-        loss = kind_loss(kind, drafter, target, seqs, anchors, loss_mask)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    for p in target.parameters():
-        p.requires_grad_(True)
-    return drafter.eval()
+    return train_drafter(target, prompts, BLOCK, TRAIN_STEPS, drafter=new_drafter(kind, target),
+                         loss=lambda drafter, seqs, anchors, mask: kind_loss(kind, drafter, target, seqs, anchors,
+                                                                             mask))
 
 
 @pytest.fixture(scope="module")
