@@ -14,7 +14,7 @@ Four stages, each the project's own command, after an optional fifth that makes 
              and the final save and export take
   2. plan    max_steps = the most steps whose stage fits the budget with its start-up,
              validations, checkpoints and export counted (plan.json lists each part); the
-             warmup + cosine schedule spans exactly those steps (optim.schedule_steps)
+             recipe's warmup + decay schedule spans exactly those steps (optim.schedule_steps)
   3. train   dflash-train with that plan and data.val_rows held out; exports the drafter
   4. eval    dflash-eval of the export on MT-Bench and HumanEval (first N prompts, M tokens)
 and prints one table: training minutes, steps, conversations seen, held-out expected tau,
@@ -417,13 +417,10 @@ def _plan(run: QualityRun, run_dir: Path) -> dict:
 
 def plan_line(plan: dict) -> str:
     """The plan in one line (a plan.json of an older version counted none of the extras)."""
-    def each(key: str) -> float:
-        return plan.get(key, 0.0)
-
     return (f"[plan] {plan['seconds_per_step']:.3f} s per step, {plan['startup_s']:.0f} s start-up, "
-            f"validations {plan.get('validations', 0)} x {each('validation_s'):.1f} s, "
-            f"checkpoints {plan.get('checkpoints', 0)} x {each('checkpoint_s'):.1f} s, export {each('export_s'):.1f} s: "
-            f"{plan['steps']} steps in {plan['budget_min']:g} min")
+            f"validations {plan.get('validations', 0)} x {plan.get('validation_s', 0.0):.1f} s, "
+            f"checkpoints {plan.get('checkpoints', 0)} x {plan.get('checkpoint_s', 0.0):.1f} s, "
+            f"export {plan.get('export_s', 0.0):.1f} s: {plan['steps']} steps in {plan['budget_min']:g} min")
 
 
 def validate(cfg: QualityConfig) -> None:
