@@ -19,27 +19,34 @@ WAIT=$1; shift
 TRAIN='"+experiment=qwen25_coder_05b_1xh100","logging.wandb=disabled","logging.progress_bar=false","data.val_every=500"'
 GEN=(); [ -n "$GEN_MIN" ] && GEN=(datagen_budget_min=$GEN_MIN)
 arm_args() {  # the dflash-quality arguments of arm $1 (run folder /tmp/arm-$1)
+  # Step time the plan counts: 0.195 s on one H100 with the target running; with the feature cache,
+  # 0.195 s in the first epoch and 0.173 s after it (cache_speed.sh), 0.176 s over (f)'s 8-9 epochs
+  local sps=0.195; [ $1 = f-cache-wsd ] && sps=0.176
   local C=(target=qwen25_coder_05b target.name=/tmp/qwen25coder05b.gguf run_dir=/tmp/arm-$1
-    budget_min=${TRAIN_MIN:-14} seconds_per_step=0.195 startup_s=70 'eval=["batch_size=120"]'
+    budget_min=${TRAIN_MIN:-14} seconds_per_step=$sps startup_s=70 'eval=["batch_size=120"]'
     "datasets=[mtbench,humaneval,benchmarks/quality-h100-2026-11-24/sharegpt-heldout.jsonl]")
   local Q=(--config-name quality_generate "${C[@]}" "${GEN[@]}")
   # DATA=DIR: the generated-data arms train on a data set an earlier lease brought back instead
   [ -n "$DATA" ] && Q=("${C[@]}" data.path=$DATA)
+  # The data arms (b)-(e) train with the paper's cosine, as (a) and (c) did (3ba54aa, before the
+  # recipe's WSD): they differ from (c) in their data alone. (f) is the schedule and cache arm.
+  local D="$TRAIN,\"optim.schedule=cosine\""
   case $1 in
     a-shared) ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$TRAIN]") ;;
     b-first-turns) ARGS=("${Q[@]}" datagen_recipe=datagen
-        'datagen=["backend.batch_size=512","sampling.max_new_tokens=512","max_prompt_len=3072"]' "train=[$TRAIN]") ;;
-    c-all-turns-magpie) ARGS=("${Q[@]}" "train=[$TRAIN]") ;;
-    d-magpie-code) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}]\"]" "train=[$TRAIN]") ;;
-    e-temperature) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sampling.temperature=0.7\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256}]\"]" "train=[$TRAIN]") ;;
-    f-cache-wsd) ARGS=("${Q[@]}" "train=[$TRAIN,\"data.cache_features=true\",\"optim.schedule=wsd\"]") ;;
+        'datagen=["backend.batch_size=512","sampling.max_new_tokens=512","max_prompt_len=3072"]' "train=[$D]") ;;
+    c-all-turns-magpie) ARGS=("${Q[@]}" "train=[$D]") ;;
+    d-magpie-code) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}]\"]" "train=[$D]") ;;
+    e-temperature) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sampling.temperature=0.7\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256}]\"]" "train=[$D]") ;;
+    # (f) on the shared set, against (a): its cache fits the GPU (17.4 GB; (c)'s set would need 54)
+    f-cache-wsd) ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$TRAIN,\"data.cache_features=true\",\"optim.schedule=wsd\"]") ;;
     *) echo "arm.sh: unknown arm '$1'"; return 2 ;;
   esac
 }
 guard_overrides() {  # the dflash-train overrides of a guard3 variant
   case $1 in
-    cosine) echo "" ;;  # the recipe's schedule: the A side of guard3-wsd in the same lease
-    wsd) echo "optim.schedule=wsd" ;;
+    cosine) echo "optim.schedule=cosine" ;;  # the paper's schedule (the recipe's until ca7a346)
+    wsd) echo "optim.schedule=wsd" ;;  # the recipe's since ca7a346: guard3 alone runs it too
     dflash2) echo "drafter.kind=dflash2" ;;
     dspark) echo "drafter.kind=dspark loss.position_weighting=decay" ;;  # DSpark weights slots by exp(-k/gamma) only
     *) echo "arm.sh: unknown guard variant '$1'" >&2; return 2 ;;
