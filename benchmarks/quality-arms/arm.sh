@@ -61,7 +61,7 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
       [[ $arm = *-* ]] && { g+=($(guard_overrides ${arm#*-})) || exit 2; }
       echo "date +%s > /tmp/arm-$arm.t0; python3 -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf --data /tmp/data/sharegpt-qwen25-coder-05b --out /tmp/arm-$arm ${g[*]} > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
     elif [[ $arm = verify-ks-* ]]; then  # verify-ks-ARM: issue 41's table, ARM's export at batch 1, k = 3, 7, 15
-      local src=/tmp/arm-${arm#verify-ks-} k
+      local src=/tmp/arm-${arm#verify-ks-}/train k  # the quality run exports into its train/ folder
       echo "date +%s > /tmp/arm-$arm.t0; for k in 3 7 15; do echo \"== verify_tokens=\$k\"; python3 -m dflash_train.eval.speed target=qwen25_coder_05b target.name=/tmp/qwen25coder05b.gguf drafter_path=$src/export device=cuda runtime=static batch_size=1 compile_drafter=true verify_tokens=\$k datasets=[mtbench] limit=20 max_new_tokens=256 output_dir=/tmp/arm-$arm/k\$k; done > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
     else
       arm_args $arm || exit 2
