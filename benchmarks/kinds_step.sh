@@ -1,5 +1,6 @@
 # The training step of several drafter kinds on one recipe, in one call: dflash-bench once per
-# kind (each prints its phase breakdown), then each kind's step and phases against DFlash's.
+# kind (each prints its phase breakdown and writes one step's kernel table to OUT_DIR/profile-KIND.txt),
+# then each kind's step and phases against DFlash's.
 #   bash benchmarks/kinds_step.sh OUT_DIR "KINDS" [dflash-bench overrides...]
 #   bash benchmarks/kinds_step.sh /tmp/kinds "dflash dspark" +experiment=qwen25_coder_05b_1xh100 \
 #       bench.random_target=true data.path=DIR
@@ -14,6 +15,7 @@ for kind in $KINDS; do
   extra=""; [ "$kind" = dspark ] && extra="loss.position_weighting=decay"
   echo "== drafter.kind=$kind"
   python3 -m dflash_train.bench "$@" drafter.kind=$kind $extra bench.json="$OUT_DIR/bench-$kind.json" \
+      bench.profile="$OUT_DIR/profile-$kind.txt" \
     2>&1 | tee "$OUT_DIR/bench-$kind.log" | grep -v "Loading weights" | tail -n 12
 done
 python3 - "$OUT_DIR" $KINDS <<'PY'
