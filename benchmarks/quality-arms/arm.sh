@@ -7,7 +7,8 @@
 # QUEUE k runs on GPU k-1: one arm, or several separated by commas, one after another (on a
 # 2-GPU machine `arm.sh 540 a-shared,guard0 c-all-turns-magpie` runs arms a and c side by side
 # on one host, then the quality guard's seed 0 alone on the first GPU). Guard items: guard0, and
-# guard3-cosine / -wsd / -dflash2 / -dspark (3 seeds side by side; judge one against another with
+# guard3-cosine / -wsd / -dflash2 / -dspark, or guard3@KEY=VAL[@KEY=VAL...] for any dflash-train
+# overrides (e.g. guard3@optim.lr=3e-3@optim.decay_ratio=0.4) (3 seeds side by side; judge one against another with
 # quality_guard.py --metrics /tmp/arm-guard3-wsd --baseline /tmp/arm-guard3-cosine). verify-ks-ARM
 # after ARM in its queue: ARM's export decoded at batch 1 with verify_tokens 3, 7 and 15 (eval.speed).
 # Run by every call of a lease's chain (benchmarks/gpu/setup.sh carries the GGUF over in parts):
@@ -21,9 +22,11 @@ GEN=(); [ -n "$GEN_MIN" ] && GEN=(datagen_budget_min=$GEN_MIN)
 arm_args() {  # the dflash-quality arguments of arm $1 (run folder /tmp/arm-$1)
   # Step time the plan counts: 0.195 s on one H100 with the target running; with the feature cache,
   # 0.195 s in the first epoch and 0.173 s after it (cache_speed.sh), 0.176 s over (f)'s 8-9 epochs
+  # The kinds' arms (k-KIND) leave the plan to dflash-quality's probe: each kind's own step time.
   local sps=0.195; [ $1 = f-cache-wsd ] && sps=0.176
+  local P=(seconds_per_step=$sps startup_s=70); [[ $1 = k-* ]] && P=()
   local C=(target=qwen25_coder_05b target.name=/tmp/qwen25coder05b.gguf run_dir=/tmp/arm-$1
-    budget_min=${TRAIN_MIN:-14} seconds_per_step=$sps startup_s=70 'eval=["batch_size=120"]'
+    budget_min=${TRAIN_MIN:-14} "${P[@]}" 'eval=["batch_size=120"]'
     "datasets=[mtbench,humaneval,benchmarks/quality-h100-2026-11-24/sharegpt-heldout.jsonl]")
   local Q=(--config-name quality_generate "${C[@]}" "${GEN[@]}")
   # DATA=DIR: the generated-data arms train on a data set an earlier lease brought back instead
@@ -40,6 +43,11 @@ arm_args() {  # the dflash-quality arguments of arm $1 (run folder /tmp/arm-$1)
     e-temperature) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sampling.temperature=0.7\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256}]\"]" "train=[$D]") ;;
     # (f) on the shared set, against (a): its cache fits the GPU (17.4 GB; (c)'s set would need 54)
     f-cache-wsd) ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$TRAIN,\"data.cache_features=true\",\"optim.schedule=wsd\"]") ;;
+    # Issue 38's quality run per kind: the shared set, the recipe (WSD, no feature cache), the same
+    # minutes; k-dflash is the DFlash side of the same lease
+    k-dflash|k-dflash2|k-dspark) local kind=${1#k-} extra=""
+        [ $kind = dspark ] && extra=',"loss.position_weighting=decay"'
+        ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$TRAIN,\"drafter.kind=$kind\"$extra]") ;;
     *) echo "arm.sh: unknown arm '$1'"; return 2 ;;
   esac
 }
@@ -58,7 +66,8 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
     if [[ $arm = guard* ]]; then
       # guard0: the guard's seed 0; guard3[-VARIANT]: seeds 0-2 side by side, VARIANT one of guard_overrides'
       local g=(--seeds 0); [[ $arm = guard3* ]] && g=(--seeds 0 1 2 --parallel 3)
-      [[ $arm = *-* ]] && { g+=($(guard_overrides ${arm#*-})) || exit 2; }
+      if [[ $arm = *@* ]]; then g+=(${arm#*@}); g=("${g[@]//@/ }")  # guard3@KEY=VAL[@KEY=VAL]: one lever
+      elif [[ $arm = *-* ]]; then g+=($(guard_overrides ${arm#*-})) || exit 2; fi
       echo "date +%s > /tmp/arm-$arm.t0; python3 -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf --data /tmp/data/sharegpt-qwen25-coder-05b --out /tmp/arm-$arm ${g[*]} > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
     elif [[ $arm = verify-ks-* ]]; then  # verify-ks-ARM: issue 41's table, ARM's export at batch 1, k = 3, 7, 15
       local src=/tmp/arm-${arm#verify-ks-}/train k  # the quality run exports into its train/ folder
