@@ -104,7 +104,8 @@ def load_job(args, target, tokenizer, out_dir: str):
     _, _, _, shaper, prompts, skips = setup(cfg, tokenizer, Generators(cfg, tokenizer, target=target))
     magpie = skips.reports.get("magpie")
     line = None if magpie is None else (
-        f"magpie: {magpie['kept']} prompts kept of {magpie['candidates']} candidates, written in "
+        f"magpie: {magpie['kept']} prompts kept of {magpie['candidates']} candidates ({magpie['dropped']} dropped), "
+        f"{100 * magpie['waste']:.1f}% of their {magpie['tokens']} tokens wasted, written in "
         f"{time.perf_counter() - started:.1f} s (not timed below)")
     return cfg, shaper, prompts, line
 

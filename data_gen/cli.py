@@ -56,11 +56,11 @@ def _magpie_lines(reports: dict) -> list[str]:
     for name, r in sorted(reports.items()):
         dropped = ", ".join(f"{reason} {n}" for reason, n in r["dropped"].items()) or "none"
         wasted = r["tokens_dropped"] + r["tokens_unused"]
-        share = f"{100 * wasted / r['tokens']:.1f}%" if r["tokens"] else "0%"
         lines += [f"  magpie {name}: {r['candidates']} candidates written, {r['kept']} kept, "
                   f"{sum(r['dropped'].values())} dropped ({dropped}), {r['unused']} unused",
-                  f"    {r['tokens']} tokens written, {wasted} ({share}) on candidates not kept: "
-                  f"{r['tokens_dropped']} dropped, {r['tokens_unused']} unused"]
+                  f"    {r['tokens']} tokens written, {wasted} ({100 * r['waste']:.1f}% waste) on candidates not "
+                  f"kept: {r['tokens_dropped']} dropped ({r['tokens_truncated']} truncated), "
+                  f"{r['tokens_unused']} unused"]
         if r["stopped_by_budget"]:
             lines.append("    its writing was stopped by the budget (budget_min): fewer prompts than num_prompts")
     return lines

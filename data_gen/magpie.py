@@ -7,14 +7,18 @@ from there: what it writes until its end-of-turn token is a user prompt in the s
 training chats. Each candidate i is sampled from its own seed (run seed, source name, i),
 so the prompts are the same whatever the batch or the number of ranks.
 
-A candidate stops at the end of its user turn: the ids that end an assistant turn (the
-target's eos) and the special token the template closes a user message with, when that is
-another one (user_turn_stop_ids). A candidate is `truncated` when it did not end its user turn
-within the source's ``max_tokens``: its text is cut mid-turn, and it is dropped here; empty,
-duplicate, eval and too-long prompts are dropped by the common filters of
-sources.iter_prompts, like those of any other source. `MagpieWriter.report` counts what the
-writing cost: candidates written, kept, dropped by reason, written but never needed (the last
-chunk's surplus), and the tokens of each.
+A candidate stops at the end of its user turn: at the ids that end an assistant turn (the
+target's eos) and at every special token the template puts between two user messages' contents
+(user_turn_stop_ids): the one that closes a user message when that is another (Mistral's
+``[/INST]``), and those that open a turn (ChatML's ``<|im_start|>``), so a target that starts
+another turn without closing its own keeps the turn it wrote and never a second one. The
+same tags written as plain text pieces end it too (their text would tokenize to the tag).
+A candidate is `truncated` when it did none of this within the source's ``max_tokens``: its
+text is cut mid-turn, and it is dropped here; empty, duplicate, eval and too-long prompts are
+dropped by the common filters of sources.iter_prompts, like those of any other source.
+`MagpieWriter.report` counts what the writing cost: candidates written, kept, dropped by
+reason, written but never needed (the last chunk's surplus), the tokens of each, and the
+waste (the share of the tokens written that are not in a kept prompt).
 
 Candidates are generated in chunks, each written to ``<out_dir>/prompts/<name>/`` once
 complete, beside the settings that made them: a restarted run reads them back instead of
@@ -66,17 +70,22 @@ def user_prefix(shaper: ChatShaper, system_prompt: str | None = None) -> str:
 
 
 def user_turn_stop_ids(shaper: ChatShaper) -> list[int]:
-    """Ids that end a user turn the target writes: the stop ids of an answer, plus the special
-    token the template closes a user message with when it is not one of them (a template
-    whose user turn ends in another tag than the answer's eos, as Mistral's ``[/INST]``).
-    A user turn closed by plain text has only the stop ids."""
-    text = shaper.render(shaper.messages(None, [SENTINELS[0]], []), add_generation_prompt=True)
-    after = text[text.index(SENTINELS[0]) + len(SENTINELS[0]):].lstrip()
-    first = shaper.tokenizer(after, add_special_tokens=False)["input_ids"][:1]
+    """Ids that end a user turn the target writes: the stop ids of an answer, then every
+    special token the template puts between one user message's content and the next one's,
+    in order: the tag that closes a user message when it is not an answer's stop id
+    (Mistral's ``[/INST]``) and those that open a turn (ChatML's ``<|im_start|>``, Llama 3's
+    ``<|start_header_id|>``). A target that opens another turn without closing its own has
+    ended its user turn there, and what follows would be a second turn inside one prompt.
+    A template whose turns are marked by plain text only has the stop ids."""
+    users = list(SENTINELS)
+    text = shaper.render(shaper.messages(None, users, ["answer"]), add_generation_prompt=False)
+    between = text[text.index(users[0]) + len(users[0]): text.index(users[1])]
     added = shaper.tokenizer.added_tokens_decoder
-    if first and first[0] in added and added[first[0]].special and first[0] not in shaper.stop_ids:
-        return [*shaper.stop_ids, first[0]]
-    return list(shaper.stop_ids)
+    ids = list(shaper.stop_ids)
+    for i in shaper.tokenizer(between, add_special_tokens=False)["input_ids"]:
+        if i in added and added[i].special and i not in ids:
+            ids.append(i)
+    return ids
 
 
 class MagpieWriter:
@@ -95,6 +104,7 @@ class MagpieWriter:
         self.prefix = user_prefix(shaper, src.system_prompt)
         self.prefix_ids = shaper.tokenizer(self.prefix, add_special_tokens=False)["input_ids"]
         self.stop_ids = user_turn_stop_ids(shaper)
+        self.stop_tags = [shaper.tokenizer.decode([i]) for i in self.stop_ids]
         self.generator, self.chunk = generator, chunk
         self.budget, self.progress = budget, progress
         source = asdict(src)
@@ -135,8 +145,13 @@ class MagpieWriter:
     def _record(self, index: int, r: Completion) -> dict:
         # A candidate that ended its turn ends with a stop id (Completion's rule): not text.
         ids = r.ids[:-1] if r.finish_reason == "stop" else r.ids
-        return {"index": index, "text": self.shaper.tokenizer.decode(ids, skip_special_tokens=False).strip(),
-                "finish_reason": r.finish_reason, "num_tokens": len(r.ids)}
+        text, finish = self.shaper.tokenizer.decode(ids, skip_special_tokens=False), r.finish_reason
+        # A stop tag spelled in pieces decodes to the tag's text, which the template would
+        # tokenize as the tag itself: the turn ends there too.
+        found = [text.index(tag) for tag in self.stop_tags if tag in text]
+        if found:
+            text, finish = text[:min(found)], "stop"
+        return {"index": index, "text": text.strip(), "finish_reason": finish, "num_tokens": len(r.ids)}
 
     def _sample(self, start: int, size: int, kept: int) -> list[dict]:
         """Candidates start..start+size-1, or those of them written before the budget ran out."""
@@ -219,7 +234,9 @@ class MagpieWriter:
     def report(self, kept_ids: set[str], dropped: Counter) -> dict:
         """What the source's prompts cost, once the prompts are read: candidates written (by any
         attempt), kept as prompts (`kept_ids`: the prompt ids taken), dropped by reason, unused
-        (written, never needed), and the tokens the target wrote for each group."""
+        (written, never needed), the tokens the target wrote for each group (the dropped ones'
+        also for the truncated alone), and the waste: the share of all tokens written that are
+        not in a kept prompt."""
         stored = self._stored()
         claimed: set[str] = set()
         kept_tokens = 0
@@ -232,5 +249,8 @@ class MagpieWriter:
         tokens = sum(r["num_tokens"] for r in stored)
         return {"candidates": len(stored), "kept": len(claimed), "dropped": dict(sorted(dropped.items())),
                 "unused": len(stored) - len(self.read), "tokens": tokens, "tokens_kept": kept_tokens,
-                "tokens_dropped": read_tokens - kept_tokens, "tokens_unused": tokens - read_tokens,
+                "tokens_dropped": read_tokens - kept_tokens,
+                "tokens_truncated": sum(r["num_tokens"] for r in self.read if r["finish_reason"] != "stop"),
+                "tokens_unused": tokens - read_tokens,
+                "waste": round((tokens - kept_tokens) / tokens, 4) if tokens else 0.0,
                 "stopped_by_budget": self.closed}

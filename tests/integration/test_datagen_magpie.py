@@ -44,10 +44,12 @@ def test_target_writes_prompts_and_a_restart_reads_them_back(tmp_path, smollm2, 
     assert [r["finish_reason"] == "stop" for r in stored[:10]] == [i in (0, 2, 9) for i in range(10)]
     # Written: 12 candidates; read: 10 (3 kept, 7 truncated); 2 never needed.
     tokens = [r["num_tokens"] for r in stored]
+    kept = tokens[0] + tokens[2] + tokens[9]
     assert result.counts["magpie"] == read_manifest(cfg.out_dir)["counts"]["magpie"] == {"magpie": {
         "candidates": 12, "kept": 3, "dropped": {"truncated": 7}, "unused": 2, "stopped_by_budget": False,
-        "tokens": sum(tokens), "tokens_kept": tokens[0] + tokens[2] + tokens[9],
-        "tokens_dropped": sum(tokens[:10]) - tokens[0] - tokens[2] - tokens[9], "tokens_unused": sum(tokens[10:])}}
+        "tokens": sum(tokens), "tokens_kept": kept, "tokens_dropped": 7 * 24, "tokens_truncated": 7 * 24,
+        "tokens_unused": sum(tokens[10:]), "waste": round(1 - kept / sum(tokens), 4)}}
+    assert sum(tokens[:10]) == kept + 7 * 24
     assert all(n == 24 for r, n in zip(stored, tokens) if r["finish_reason"] == "length")
     texts = [smollm2_tokenizer.decode(r["input_ids"][: r["prompt_len"]]) for r in data]
     assert f"<|im_start|>user\n{FIRST}<|im_end|>\n<|im_start|>assistant\n" in texts[0]

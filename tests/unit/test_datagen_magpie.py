@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from data_gen.config import to_datagen_config
+from data_gen.generators import trim_response
 from data_gen.magpie import MagpieWriter, user_prefix, user_turn_stop_ids
 from data_gen.pipeline import setup
 from data_gen.template import ChatShaper
@@ -37,16 +38,48 @@ def test_prefix_keeps_the_system_prompt_and_stops_at_the_user_content(smollm2_to
 
 
 def test_a_written_user_turn_stops_where_the_template_ends_a_user_message(smollm2_tokenizer):
-    """SmolLM2 (and Qwen) end a user turn with the answer's stop token <|im_end|> (2); a
-    template that closes it with another special token adds that one (<file_sep>, 5, after
-    a space); plain-text closings add nothing (no token to stop at)."""
+    """SmolLM2 (and Qwen) end a user turn with the answer's stop token <|im_end|> (2) and open
+    every turn with <|im_start|> (1); a template that closes a user turn with another special
+    token adds that one too (<file_sep>, 5, after a space); plain-text turns add nothing (no
+    token to stop at)."""
     tok = smollm2_tokenizer
-    assert user_turn_stop_ids(ChatShaper(tok, [2])) == [2]
-    assert user_turn_stop_ids(ChatShaper(tok, [2, 0])) == [2, 0]
-    assert user_turn_stop_ids(ChatShaper(tok, [2], chat_template=str(TEMPLATES / "qwen2_5.jinja"))) == [2]
+    assert user_turn_stop_ids(ChatShaper(tok, [2])) == [2, 1]
+    assert user_turn_stop_ids(ChatShaper(tok, [2, 0])) == [2, 0, 1]
+    assert user_turn_stop_ids(ChatShaper(tok, [2], chat_template=str(TEMPLATES / "qwen2_5.jinja"))) == [2, 1]
     tagged = ChatShaper(tok, [2], chat_template=str(TEMPLATES / "user_tag.jinja"))
-    assert user_turn_stop_ids(tagged) == [2, 5] and tok.convert_ids_to_tokens(5) == "<file_sep>"
+    assert user_turn_stop_ids(tagged) == [2, 5, 1] and tok.convert_ids_to_tokens([5, 1]) == ["<file_sep>", "<|im_start|>"]
     assert user_turn_stop_ids(ChatShaper(tok, [2], chat_template=str(TEMPLATES / "plain_text.jinja"))) == [2]
+
+
+# Real SmolLM2 token sequences a target may write after the user prefix, and the candidate
+# each one becomes (text, finish_reason, num_tokens): ended by <|im_end|> (2); by <|im_start|>
+# (1), another turn opened without closing this one; by "<|im_start|>" spelled in nine plain
+# pieces (what the template would tokenize back to the tag); and cut at max_tokens.
+WRITTEN = [
+    ([2020, 536, 25157, 746, 47, 2], ("How do magnets work?", "stop", 6)),
+    ([2020, 536, 25157, 746, 47, 1, 520, 9531, 198, 34017, 1175], ("How do magnets work?", "stop", 6)),
+    ([4898, 15137, 108, 306, 79, 3738, 108, 46, 4093], ("Why?", "stop", 9)),
+    ([2020, 536, 25157], ("How do magnets", "length", 3)),
+]
+
+
+def test_a_candidate_ends_at_its_user_turn_and_never_holds_another(tmp_path, smollm2_tokenizer):
+    """The generators cut a candidate after its first user-turn stop id (trim_response, as
+    they do); the writer keeps the text before the stop, or before a stop tag spelled in
+    pieces, and counts every token written. A kept prompt, rendered for its answer, opens
+    exactly the template's three turns (system, user, assistant)."""
+    tok = smollm2_tokenizer
+    cfg = config(tmp_path / "out", 3)
+    shaper = ChatShaper(tok, stop_token_ids(tok))
+    writer = MagpieWriter(cfg.sources[0], shaper, Path(cfg.out_dir), 0, target_identity(SMOLLM2), None, 8)
+    assert writer.settings["stop_token_ids"] == [2, 1]
+    assert tok.decode(WRITTEN[2][0]) == "Why?<|im_start|>user" and 1 not in WRITTEN[2][0]
+    records = [writer._record(i, trim_response(ids, writer.stop_ids)) for i, (ids, _) in enumerate(WRITTEN)]
+    assert [(r["text"], r["finish_reason"], r["num_tokens"]) for r in records] == [want for _, want in WRITTEN]
+    for r in records[:3]:
+        ids, _ = shaper.prompt(None, [r["text"]], [])
+        assert ids.count(1) == 3 and tok.decode(ids).endswith(f"user\n{r['text']}<|im_end|>\n<|im_start|>assistant\n")
+
 
 def config(out_dir, num_prompts, **overrides):
     cfg = {"target": {"name": SMOLLM2}, "out_dir": str(out_dir), "max_prompt_len": 64,
@@ -83,7 +116,8 @@ def test_filters_drop_empty_duplicate_truncated_eval_and_too_long(tmp_path, smol
                                                                  kept_tokens, unused):
     """Reading stops at num_prompts usable prompts; with more asked than stored, at the last
     stored candidate (a rank other than 0 never samples). The report counts candidates and
-    their tokens: kept (0, 6, 7, 8), dropped (1 to 5, 20 tokens), stored but never read."""
+    their tokens: kept (0, 6, 7, 8), dropped (1 to 5, 20 tokens; the truncated 3, 4 tokens),
+    stored but never read; the waste is the share of all tokens not in a kept prompt."""
     cfg = config(tmp_path / "out", num_prompts)
     store(cfg, smollm2_tokenizer, candidates())
     _, _, _, _, prompts, skips = setup(cfg, smollm2_tokenizer)
@@ -95,7 +129,8 @@ def test_filters_drop_empty_duplicate_truncated_eval_and_too_long(tmp_path, smol
     assert skips.reports == {"magpie": {
         "candidates": 9, "kept": kept, "unused": unused, "stopped_by_budget": False,
         "dropped": {"duplicate": 1, "empty": 1, "eval_overlap": 1, "too_long": 1, "truncated": 1},
-        "tokens": 45, "tokens_kept": kept_tokens, "tokens_dropped": 20, "tokens_unused": 45 - kept_tokens - 20}}
+        "tokens": 45, "tokens_kept": kept_tokens, "tokens_dropped": 20, "tokens_truncated": 4,
+        "tokens_unused": 45 - kept_tokens - 20, "waste": round((45 - kept_tokens) / 45, 4)}}
 
 
 def test_stored_prompts_of_other_settings_are_refused(tmp_path, smollm2_tokenizer):
@@ -111,12 +146,13 @@ def test_the_summary_shows_what_the_magpie_prompts_cost():
     from data_gen.pipeline import RunResult
 
     report = {"candidates": 12, "kept": 3, "dropped": {"duplicate": 1, "truncated": 7}, "unused": 1,
-              "tokens": 200, "tokens_kept": 40, "tokens_dropped": 150, "tokens_unused": 10, "stopped_by_budget": True}
+              "tokens": 200, "tokens_kept": 40, "tokens_dropped": 150, "tokens_truncated": 120, "tokens_unused": 10,
+              "waste": 0.8, "stopped_by_budget": True}
     counts = {"prompts": 3, "rows": 0, "tokens": 0, "response_tokens": 0, "retokenized": 0, "finish_reasons": {},
               "ended_early": {}, "skipped": {"duplicate": 1, "truncated": 7}, "skipped_examples": {},
               "magpie": {"magpie": report}}
     lines = format_summary(RunResult("out", counts, 0.0, 0, 1.0, False, True, 3)).splitlines()
     start = lines.index("  magpie magpie: 12 candidates written, 3 kept, 8 dropped (duplicate 1, truncated 7), 1 unused")
     assert lines[start + 1:start + 3] == [
-        "    200 tokens written, 160 (80.0%) on candidates not kept: 150 dropped, 10 unused",
+        "    200 tokens written, 160 (80.0% waste) on candidates not kept: 150 dropped (120 truncated), 10 unused",
         "    its writing was stopped by the budget (budget_min): fewer prompts than num_prompts"]
