@@ -56,7 +56,8 @@ def _magpie_lines(reports: dict) -> list[str]:
     for name, r in sorted(reports.items()):
         dropped = ", ".join(f"{reason} {n}" for reason, n in r["dropped"].items()) or "none"
         wasted = r["tokens_dropped"] + r["tokens_unused"]
-        lines += [f"  magpie {name}: {r['candidates']} candidates written, {r['kept']} kept, "
+        cut = f" ({r['cut']} read cut at max_tokens, kept_truncated)" if "cut" in r else ""
+        lines += [f"  magpie {name}: {r['candidates']} candidates written, {r['kept']} kept{cut}, "
                   f"{sum(r['dropped'].values())} dropped ({dropped}), {r['unused']} unused",
                   f"    {r['tokens']} tokens written, {wasted} ({100 * r['waste']:.1f}% waste) on candidates not "
                   f"kept: {r['tokens_dropped']} dropped ({r['tokens_truncated']} truncated), "

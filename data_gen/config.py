@@ -45,6 +45,11 @@ class SourceConfig:
     top_p: float = 1.0
     max_tokens: int = field(default=256, metadata={MIN: 1})
     max_candidates: int | None = None
+    # magpie only: keep a truncated candidate as a prompt (its text as written up to max_tokens)
+    # instead of dropping it. The drafter trains on the target's answers, and the target answers
+    # a prompt cut mid-turn as it answers any other; a coder target writes long user turns (code
+    # files, task statements with code), so dropping them throws away about half its writing.
+    keep_truncated: bool = False
     # magpie only: the system prompt the target writes its prompts under, steering their
     # domain (a coder target: one that says users ask coding questions); None: the run's
     # template's. The answers are made under the run's template either way.
@@ -67,7 +72,7 @@ class SourceConfig:
         elif self.prompt_column is not None or self.messages_column is not None:
             raise ValueError(f"{where}: prompt_column/messages_column apply only to kind 'hf', not {self.kind!r}")
         magpie_only = {k: getattr(self, k) for k in ("temperature", "top_p", "max_tokens", "max_candidates",
-                                                     "system_prompt")
+                                                     "system_prompt", "keep_truncated")
                        if getattr(self, k) != getattr(SourceConfig, k)}
         if magpie_only:
             raise ValueError(f"{where}: {magpie_only} apply only to kind 'magpie', not {self.kind!r}")

@@ -14,7 +14,8 @@ target's eos) and at every special token the template puts between two user mess
 another turn without closing its own keeps the turn it wrote and never a second one. The
 same tags written as plain text pieces end it too (their text would tokenize to the tag).
 A candidate is `truncated` when it did none of this within the source's ``max_tokens``: its
-text is cut mid-turn, and it is dropped here; empty, duplicate, eval and too-long prompts are
+text is cut mid-turn, and it is dropped here, unless the source's ``keep_truncated`` keeps it
+as a prompt (counted as kept, and as `cut` in the report); empty, duplicate, eval and too-long prompts are
 dropped by the common filters of sources.iter_prompts, like those of any other source.
 `MagpieWriter.report` counts what the writing cost: candidates written, kept, dropped by
 reason, written but never needed (the last chunk's surplus), the tokens of each, and the
@@ -108,8 +109,9 @@ class MagpieWriter:
         self.generator, self.chunk = generator, chunk
         self.budget, self.progress = budget, progress
         source = asdict(src)
-        if source["system_prompt"] is None:  # as stored before the key existed: a restart reads them back
-            del source["system_prompt"]
+        for key, default in (("system_prompt", None), ("keep_truncated", False)):
+            if source[key] == default:  # as stored before the key existed: a restart reads them back
+                del source[key]
         self.settings = {"source": source, "seed": seed, "prefix": self.prefix,
                          "target_weights": identity["weights"], "stop_token_ids": self.stop_ids}
         self._sampler = None
@@ -195,7 +197,7 @@ class MagpieWriter:
         if self._out_of_time():
             self._close(start)
             return None
-        size = min(max(remaining, self.chunk), MAX_CHUNK, self.src.max_candidates - start)
+        size = min(max(self._needed(remaining), self.chunk), MAX_CHUNK, self.src.max_candidates - start)
         records = self._sample(start, size, self.src.num_prompts - remaining)
         if self.budget is not None:  # first: a kill between the two then counts the seconds
             self.budget.save()
@@ -204,6 +206,18 @@ class MagpieWriter:
         if len(records) < size:
             self._close(start + len(records))
         return records or None
+
+    def _usable(self, r: dict) -> bool:
+        return r["finish_reason"] == "stop" or self.src.keep_truncated
+
+    def _needed(self, remaining: int) -> int:
+        """Candidates to write for `remaining` more prompts: at the share of the candidates read
+        so far that were usable, with a tenth more (duplicates and filters drop some). Only the
+        chunk's size moves: each candidate comes from its own seed."""
+        usable = sum(map(self._usable, self.read))
+        if not usable:
+            return remaining
+        return -(-remaining * len(self.read) * 11 // (10 * usable))
 
     def candidates(self, remaining: Callable[[], int], skips) -> Iterator[tuple[str, str, object]]:
         """(where, "prompt", text) per usable candidate, until `remaining()` is 0 or the cap."""
@@ -218,7 +232,7 @@ class MagpieWriter:
                     return
                 self.read.append(r)
                 where = f"{self.src.name} candidate {r['index']}"
-                if r["finish_reason"] != "stop":
+                if not self._usable(r):
                     skips.add("truncated", f"{where}: no end of its user turn within max_tokens={self.src.max_tokens}",
                               source=self.src.name)
                     continue
@@ -241,7 +255,7 @@ class MagpieWriter:
         claimed: set[str] = set()
         kept_tokens = 0
         for r in self.read:  # a duplicate's first copy is the one taken
-            pid = prompt_hash(r["text"])[:16] if r["finish_reason"] == "stop" else None
+            pid = prompt_hash(r["text"])[:16] if self._usable(r) else None
             if pid in kept_ids and pid not in claimed:
                 claimed.add(pid)
                 kept_tokens += r["num_tokens"]
@@ -250,7 +264,8 @@ class MagpieWriter:
         return {"candidates": len(stored), "kept": len(claimed), "dropped": dict(sorted(dropped.items())),
                 "unused": len(stored) - len(self.read), "tokens": tokens, "tokens_kept": kept_tokens,
                 "tokens_dropped": read_tokens - kept_tokens,
-                "tokens_truncated": sum(r["num_tokens"] for r in self.read if r["finish_reason"] != "stop"),
+                "tokens_truncated": sum(r["num_tokens"] for r in self.read if not self._usable(r)),
+                **({"cut": sum(r["finish_reason"] != "stop" for r in self.read)} if self.src.keep_truncated else {}),
                 "tokens_unused": tokens - read_tokens,
                 "waste": round((tokens - kept_tokens) / tokens, 4) if tokens else 0.0,
                 "stopped_by_budget": self.closed}

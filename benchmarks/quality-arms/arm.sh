@@ -39,7 +39,7 @@ arm_args() {  # the dflash-quality arguments of arm $1 (run folder /tmp/arm-$1)
     b-first-turns) ARGS=("${Q[@]}" datagen_recipe=datagen
         'datagen=["backend.batch_size=512","sampling.max_new_tokens=512","max_prompt_len=3072"]' "train=[$D]") ;;
     c-all-turns-magpie) ARGS=("${Q[@]}" "train=[$D]") ;;
-    d-magpie-code) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}]\"]" "train=[$D]") ;;
+    d-magpie-code) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256, keep_truncated: true, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}]\"]" "train=[$D]") ;;
     e-temperature) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sampling.temperature=0.7\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256}]\"]" "train=[$D]") ;;
     # (f) on the shared set, against (a): its cache fits the GPU (17.4 GB; (c)'s set would need 54)
     f-cache-wsd) ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$TRAIN,\"data.cache_features=true\",\"optim.schedule=wsd\"]") ;;

@@ -58,8 +58,9 @@ def test_target_writes_prompts_and_a_restart_reads_them_back(tmp_path, smollm2, 
     again = run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
     assert again.generated_tokens == 0 and len(list(folder.iterdir())) == 4
 
-    # As if killed after the first chunk: only it is on disk. The restart samples the rest two
-    # candidates per call (batch_size=2), from the same per-candidate seeds: the same data.
+    # As if killed after the first chunk: only it is on disk. The restart sizes its chunks by the
+    # usable share so far (2 of 4 read: 3 candidates for the one prompt missing, then 2 of 7: 4)
+    # at two candidates per call (batch_size=2), from the same per-candidate seeds: the same data.
     partial = tmp_path / "partial" / "prompts" / "magpie"
     partial.mkdir(parents=True)
     for name in ("settings.json", "candidates-000000000.jsonl"):
@@ -67,7 +68,8 @@ def test_target_writes_prompts_and_a_restart_reads_them_back(tmp_path, smollm2, 
     resumed = config(tmp_path / "partial", batch_size=2)
     run(resumed, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
     assert load_generated(resumed.out_dir)[:] == data[:]
-    assert len(list(partial.iterdir())) == 2 + 3  # candidates 4..9, two per file
+    assert sorted(p.name for p in partial.iterdir()) == [
+        "candidates-000000000.jsonl", "candidates-000000004.jsonl", "candidates-000000007.jsonl", "settings.json"]
 
 
 def test_a_system_prompt_steers_the_prompts_not_the_answers(tmp_path, smollm2, smollm2_tokenizer):

@@ -156,3 +156,50 @@ def test_the_summary_shows_what_the_magpie_prompts_cost():
     assert lines[start + 1:start + 3] == [
         "    200 tokens written, 160 (80.0% waste) on candidates not kept: 150 dropped (120 truncated), 10 unused",
         "    its writing was stopped by the budget (budget_min): fewer prompts than num_prompts"]
+    counts["magpie"]["magpie"] = {**report, "cut": 2}
+    lines = format_summary(RunResult("out", counts, 0.0, 0, 1.0, False, True, 3)).splitlines()
+    assert ("  magpie magpie: 12 candidates written, 3 kept (2 read cut at max_tokens, kept_truncated), 8 dropped "
+            "(duplicate 1, truncated 7), 1 unused") in lines
+
+
+def test_keep_truncated_keeps_a_cut_candidate_as_a_prompt(tmp_path, smollm2_tokenizer):
+    """keep_truncated: the candidate cut at max_tokens (3: "A question cut off at", 4 tokens) is
+    a prompt like any other; the common filters still drop the rest, and the report counts it as
+    cut, its tokens as kept."""
+    cfg = config(tmp_path / "out", 5, sources=[{"kind": "magpie", "num_prompts": 5, "max_tokens": 24,
+                                                "keep_truncated": True}])
+    store(cfg, smollm2_tokenizer, candidates())
+    _, _, _, _, prompts, skips = setup(cfg, smollm2_tokenizer)
+    assert [p.user_turns[0] for p in prompts] == ["Write a poem about the sea.", "A question cut off at",
+                                                  "How do magnets work?", "Explain recursion.", "Name three rivers."]
+    assert dict(skips.counts) == {"empty": 1, "duplicate": 1, "eval_overlap": 1, "too_long": 1}
+    assert skips.reports["magpie"] == {
+        "candidates": 9, "kept": 5, "unused": 0, "stopped_by_budget": False, "cut": 1,
+        "dropped": {"duplicate": 1, "empty": 1, "eval_overlap": 1, "too_long": 1},
+        "tokens": 45, "tokens_kept": 1 + 4 + 7 + 8 + 9, "tokens_dropped": 2 + 3 + 5 + 6, "tokens_truncated": 0,
+        "tokens_unused": 0, "waste": round(16 / 45, 4)}
+
+
+def test_keep_truncated_is_a_magpie_setting_and_settings_keep_their_old_form(tmp_path, smollm2_tokenizer):
+    with pytest.raises(ValueError, match=r"\{'keep_truncated': True\} apply only to kind 'magpie', not 'sharegpt'"):
+        config(tmp_path / "out", 3, sources=[{"kind": "sharegpt", "keep_truncated": True}])
+    shaper = ChatShaper(smollm2_tokenizer, stop_token_ids(smollm2_tokenizer))
+    for keep in (False, True):
+        cfg = config(tmp_path / "out", 3, sources=[{"kind": "magpie", "num_prompts": 3, "keep_truncated": keep}])
+        writer = MagpieWriter(cfg.sources[0], shaper, Path(cfg.out_dir), 0, target_identity(SMOLLM2), None, 8)
+        # the default is not stored: prompts written before the setting existed are read back
+        assert ("keep_truncated" in writer.settings["source"]) is keep
+
+
+def test_a_chunk_is_sized_by_the_share_of_candidates_usable_so_far(tmp_path, smollm2_tokenizer):
+    """Nothing read: as many as the prompts missing. Then the missing prompts over the usable
+    share of the candidates read, a tenth more, rounded up: 4 usable of 10 read, 100 missing ->
+    275; with keep_truncated every candidate is usable -> 110."""
+    shaper = ChatShaper(smollm2_tokenizer, stop_token_ids(smollm2_tokenizer))
+    read = [{"finish_reason": "stop" if i < 4 else "length"} for i in range(10)]
+    for keep, want in ((False, 275), (True, 110)):
+        cfg = config(tmp_path / "out", 3, sources=[{"kind": "magpie", "num_prompts": 3, "keep_truncated": keep}])
+        writer = MagpieWriter(cfg.sources[0], shaper, Path(cfg.out_dir), 0, target_identity(SMOLLM2), None, 8)
+        assert writer._needed(100) == 100
+        writer.read = read
+        assert writer._needed(100) == want
