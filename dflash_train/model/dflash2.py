@@ -129,6 +129,16 @@ class DFlash2Config(DFlashConfig):
         return config
 
 
+class KernelProjection(nn.Linear):
+    """The convolution's kernel predictor: a Linear that starts (and resets) at zero without
+    drawing random numbers, so a DFlash2 drafter's backbone draws exactly what a DFlash
+    drafter's does from the same seed (``DFlash2DraftModel._init_weights``)."""
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.zero_()
+
+
 class GroupedDynamicCausalConv(nn.Module):
     """Depthwise causal convolution inside each block, with per-token per-group kernels."""
 
@@ -137,7 +147,7 @@ class GroupedDynamicCausalConv(nn.Module):
         self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
         self.groups = hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.empty(SIDES, kernel_size, hidden_size))  # (2, Kc, H)
-        self.kernel_projection = nn.Linear(hidden_size, SIDES * kernel_size * self.groups, bias=False)
+        self.kernel_projection = KernelProjection(hidden_size, SIDES * kernel_size * self.groups, bias=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -243,7 +253,12 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.candidate_selector.reset_parameters(getattr(self.config, "initializer_range", 0.02))
 
     def _init_weights(self, module):
-        # Also reached when transformers initialises weights a checkpoint lacks.
+        # Also reached when transformers initialises weights a checkpoint lacks. The kernel
+        # projections draw nothing (DFlash's _init_weights would draw them as any Linear), and
+        # the selector is built after post_init: the backbone is DFlash's from the same seed.
+        if isinstance(module, KernelProjection):
+            module.reset_parameters()
+            return
         super()._init_weights(module)
         if isinstance(module, GroupedDynamicCausalConv):
             module.reset_parameters()
