@@ -37,7 +37,8 @@ path exactly as it was):
 
 A DFlash2 drafter's selector rescores each supervised slot's top-K tokens under the same head:
 ``dflash_loss(top_k=K)`` keeps them (``Candidates``) from the logits its walk computes anyway,
-and ``selector_term`` adds the selector's K-way CE without running the head again.
+with the weight each slot's CE got (D-PACE's too), and ``selector_term`` adds the selector's
+K-way CE under those weights without running the head again.
 """
 
 from __future__ import annotations
