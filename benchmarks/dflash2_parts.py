@@ -62,11 +62,12 @@ def wrap_reference(conv, sublayer, h: torch.Tensor) -> torch.Tensor:
 def selector_term_reference(model, hidden, labels, input_ids, anchors, lm_head, weights, chunk_size):
     """The first formulation of ``selector_term``: a second pass of the head over every
     supervised slot for its top-K, and the candidates' unary logits from their gathered
-    (M, K, H) head rows. Returns (the term, how many slots have their gold among the top-K)."""
-    block = weights.numel()
+    (M, K, H) head rows; ``weights`` (M,): each supervised slot's. Returns (the term, how many
+    slots have their gold among the top-K)."""
+    block = model.block_size
     index = (labels.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
     pred = input_ids.flatten()[soft_target_index(index, anchors, block, input_ids.shape[1])]
-    h, gold, w = hidden.flatten(0, 1)[index], labels.flatten()[index], weights[index % labels.shape[1] % block]
+    h, gold, w = hidden.flatten(0, 1)[index], labels.flatten()[index], weights
     head_w, head_b = lm_head.weight, lm_head.bias
     h = h.to(head_w.dtype)
     with torch.no_grad():
@@ -169,11 +170,11 @@ def loss_rows(model, g: dict, device: torch.device, runs: int) -> dict[str, tupl
     def step(kind):
         out = dflash_loss(hidden, labels, head, weights, CHUNK, index=index, top_k=TOP_K if kind == "dflash2" else 0)
         total = out.weighted_sum
-        rows = (model, hidden, labels, input_ids, anchors, head, weights)
+        rows = (model, hidden, labels, input_ids, anchors, head)
         if kind == "dflash2":
-            total = total + selector_term(*rows, out.candidates, index)
+            total = total + selector_term(*rows, out.candidates, index)[0]
         elif kind == "dflash2, first":
-            total = total + selector_term_reference(*rows, CHUNK)[0]
+            total = total + selector_term_reference(*rows, weights[index % q % BLOCK], CHUNK)[0]
         total.backward()
         hidden.grad = None
         model.zero_grad(set_to_none=True)

@@ -46,16 +46,33 @@ Decisions where the authors published nothing (their repository is inference-onl
     whose gold token is not in the unary top-K adds no selector term (what serving can
     pick from is exactly the top-K, so injecting the gold would train a case that never
     occurs), and the selector term is added to the unary numerator over the trainer's one
-    global denominator. alpha = 1 (every public trainer's default). Under D-PACE the
-    selector term keeps the contract's decay weights (D-PACE reweights the unary CE only).
+    global denominator. alpha = 1 (every public trainer's default). Each slot's selector CE
+    has the weight its unary CE has, D-PACE's included (computed from the unary CE, then
+    kept to the covered slots): SpecForge `specforge/core/dflash.py` post-PR #793
+    (`_selector_chunk_terms`: `selector_loss_weights = loss_weights * target_is_candidate`,
+    `loss_weights` the base objective's, D-PACE's under `loss_type=dpace`) and NeMo
+    AutoModel `dflash2_core.py` @ 18ccd0466350739a95169cbd2713382fc32c15b4 (`weighted_mean`
+    of the selector NLL with the base NLL's D-PACE schedule). (The first version here kept
+    the contract's decay weights under D-PACE: about 6.6 per block of 16 against D-PACE's
+    2 to 5, so the selector term outweighed the unary CE the drafts come from.)
     The top-K indices are chosen without gradient; the gradient reaches the K unary logits
-    (so the backbone through the LM head), h through P, and A and B. The trainer takes the
-    top-K and their logits from the DFlash loss's own logits (training/loss.py), so the head
-    runs once per slot.
+    (so the backbone through the LM head), h through P, and A and B (SpecForge's default,
+    `selector_stop_gradient=False`; NeMo detaches nothing). The trainer takes the top-K and
+    their logits from the DFlash loss's own logits (training/loss.py), so the head runs once
+    per slot.
+  * What a DFlash2 drafter is measured by: its drafts are the walk's, so the trainer's
+    per-slot accuracies (and the expected tau made of them, training and held-out) count
+    the selector's pick after the gold predecessor, which is the walk's own pick whenever
+    the slots before it were accepted (NeMo's `DFlash2StepMetrics`: the primary accuracy
+    and acceptance length are the selector path's, `base_*` the unary argmax's; ours:
+    `val_unary_expected_tau`).
   * Initialisation (SpecForge's): each convolution starts as the identity (base tap 0 = 1,
     other taps 0, kernel_projection 0) and the successor codebook B at 0, so a fresh DFlash2
     drafter computes exactly what a fresh DFlash drafter with the same backbone weights
-    does, and its walk is the unary argmax; A and P start N(0, initializer_range).
+    does, and its walk is the unary argmax; A and P start N(0, initializer_range). The
+    backbone is drawn as DFlash's is: from the same seed, the same weights (the kernel
+    projections draw no random numbers and the selector is drawn after the backbone), so
+    two kinds trained from one seed start from one backbone.
   * output_multiplier, final_logit_softcapping and input_embedding_scale (for targets such
     as Muse/Gemma) are not implemented: a config setting them to anything but their
     neutral value is refused rather than served differently.
@@ -129,6 +146,16 @@ class DFlash2Config(DFlashConfig):
         return config
 
 
+class KernelProjection(nn.Linear):
+    """The convolution's kernel predictor: a Linear that starts (and resets) at zero without
+    drawing random numbers, so a DFlash2 drafter's backbone draws exactly what a DFlash
+    drafter's does from the same seed (``DFlash2DraftModel._init_weights``)."""
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.zero_()
+
+
 class GroupedDynamicCausalConv(nn.Module):
     """Depthwise causal convolution inside each block, with per-token per-group kernels."""
 
@@ -137,7 +164,7 @@ class GroupedDynamicCausalConv(nn.Module):
         self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
         self.groups = hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.empty(SIDES, kernel_size, hidden_size))  # (2, Kc, H)
-        self.kernel_projection = nn.Linear(hidden_size, SIDES * kernel_size * self.groups, bias=False)
+        self.kernel_projection = KernelProjection(hidden_size, SIDES * kernel_size * self.groups, bias=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -243,7 +270,12 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.candidate_selector.reset_parameters(getattr(self.config, "initializer_range", 0.02))
 
     def _init_weights(self, module):
-        # Also reached when transformers initialises weights a checkpoint lacks.
+        # Also reached when transformers initialises weights a checkpoint lacks. The kernel
+        # projections draw nothing (DFlash's _init_weights would draw them as any Linear), and
+        # the selector is built after post_init: the backbone is DFlash's from the same seed.
+        if isinstance(module, KernelProjection):
+            module.reset_parameters()
+            return
         super()._init_weights(module)
         if isinstance(module, GroupedDynamicCausalConv):
             module.reset_parameters()

@@ -37,7 +37,8 @@ path exactly as it was):
 
 A DFlash2 drafter's selector rescores each supervised slot's top-K tokens under the same head:
 ``dflash_loss(top_k=K)`` keeps them (``Candidates``) from the logits its walk computes anyway,
-and ``selector_term`` adds the selector's K-way CE without running the head again.
+with the weight each slot's CE got (D-PACE's too), and ``selector_term`` adds the selector's
+K-way CE under those weights without running the head again.
 """
 
 from __future__ import annotations
@@ -290,7 +291,8 @@ def _fused_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i * loss(hidden_i @ W^T + b, label_i), with grad only for ``hidden``; also the
-    argmax hits and, when ``walk.top_k``, each row's top-k tokens and float32 logits (else None).
+    argmax hits and, when ``walk.top_k``, each row's top-k tokens and float32 logits and its
+    weight w_i (else None).
 
     ``reweight`` None: w = ``slot_w``. Otherwise the walk runs with ``slot_w`` (all ones)
     and ``reweight(ce_rows)`` gives the weights afterwards (D-PACE needs every slot's CE of a
@@ -302,6 +304,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # hidden (M, H), weight (V, H), labels (M,), slot_w (M,) float32
         walker = _fused_chunks if walk.fused else _plain_chunks
         total, correct, grad, rows, cand = walker(hidden, weight, bias, labels, slot_w, walk, ctx.needs_input_grad[0])
+        w = slot_w
         if reweight is not None:
             w = reweight(rows[1])  # (M,)
             total = (rows[0] * w).sum()
@@ -309,11 +312,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad *= w[:, None].to(grad.dtype)
         ctx.save_for_backward(grad)
         tokens, logits = cand or (None, None)
-        ctx.mark_non_differentiable(correct, *(cand or ()))
-        return total, correct, tokens, logits
+        row_w = w if cand is not None else None  # the weights a DFlash2 selector term shares
+        ctx.mark_non_differentiable(correct, *(cand or ()), *(() if row_w is None else (row_w,)))
+        return total, correct, tokens, logits, row_w
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct, _grad_tokens, _grad_logits):
+    def backward(ctx, grad_total, _grad_correct, _grad_tokens, _grad_logits, _grad_row_w):
         (grad,) = ctx.saved_tensors
         return grad * grad_total.to(grad.dtype), None, None, None, None, None, None
 
@@ -373,6 +377,9 @@ class Candidates:
 
     tokens: torch.Tensor  # (M, k) long, the highest logit first
     logits: torch.Tensor  # (M, k) float32, detached: the head's logits at ``tokens``
+    # (M,) float32, detached: the weight the loss gave each row (the slot weights, or the
+    # D-PACE weights from this forward's CE), which the selector term shares
+    weights: torch.Tensor
 
 
 class _CandidateLogits(torch.autograd.Function):
@@ -394,29 +401,33 @@ class _CandidateLogits(torch.autograd.Function):
 
 
 def selector_term(drafter: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, input_ids: torch.Tensor,
-                  anchors: torch.Tensor, lm_head: nn.Module, weights: torch.Tensor, candidates: Candidates,
-                  index: torch.Tensor | None = None) -> torch.Tensor:
-    """() float32: a DFlash2 drafter's selector loss over the supervised slots, weighted by
-    the per-slot ``weights`` (B,) and summed like ``dflash_loss``'s numerator.
+                  anchors: torch.Tensor, lm_head: nn.Module, candidates: Candidates,
+                  index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DFlash2 drafter's selector loss over the supervised slots: (() float32, summed like
+    ``dflash_loss``'s numerator; (B,) float32, the selector's hits per slot).
 
     Each supervised slot k of the block at anchor p is scored with its teacher-forced
     predecessor x[p + k - 1] (the anchor for slot 1), read from ``input_ids`` (b, T) at the
-    position ``soft_target_index`` names; its candidates are ``dflash_loss``'s top-k of the
-    same slots (``candidates``, from the same ``index``); the rest is
-    ``DFlash2DraftModel.selector_loss``.
+    position ``soft_target_index`` names; its candidates and its weight are ``dflash_loss``'s
+    for the same slots (``candidates``, from the same ``index``): the selector's CE is weighted
+    as the unary CE is, D-PACE included (SpecForge and NeMo AutoModel do the same; see
+    model/dflash2.py). The rest is ``DFlash2DraftModel.selector_loss``. A hit is a slot whose
+    selector pick, after its gold predecessor, is the gold token: what the drafting walk
+    proposes there whenever the slots before it were accepted.
     """
-    block_size = weights.numel()
+    block_size = drafter.block_size
     if index is None:
         index = (labels.flatten() != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
     index = index.to(labels.device, non_blocking=True)
     pred = input_ids.flatten().index_select(0, soft_target_index(index, anchors, block_size, input_ids.shape[1]))
     h = hidden.flatten(0, 1).index_select(0, index)  # (M, H)
     gold = labels.flatten().index_select(0, index)  # (M,)
-    w = weights.to(hidden.device, torch.float32).index_select(0, index % labels.shape[1] % block_size)  # (M,)
     unary = _CandidateLogits.apply(h.to(lm_head.weight.dtype), lm_head.weight, candidates.tokens,
                                    candidates.logits)  # (M, k)
-    total, _hits = drafter.selector_loss(h, pred, gold, candidates.tokens, unary, w)
-    return total
+    total, hits = drafter.selector_loss(h, pred, gold, candidates.tokens, unary, candidates.weights)
+    slot = index % labels.shape[1] % block_size  # (M,)
+    correct = torch.zeros(block_size, dtype=torch.float32, device=hidden.device).scatter_add(0, slot, hits.float())
+    return total, correct
 
 
 @dataclass
@@ -428,6 +439,9 @@ class LossOutput:
     correct: torch.Tensor  # (B,) float32: argmax hits per slot
     count: torch.Tensor  # (B,) float32: supervised slots per slot index
     candidates: Candidates | None = None  # with ``top_k``: each supervised slot's top-k under the head
+    # (B,) float32: the unary argmax's hits per slot where ``correct`` counts other drafts
+    # (a DFlash2 drafter's selector walk; set by the trainer), else None
+    unary_correct: torch.Tensor | None = None
 
 
 def dflash_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, weights: torch.Tensor,
@@ -478,12 +492,12 @@ def dflash_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, 
         reweight = functools.partial(dpace_weights, block=index // block_size, slot=slot,
                                      num_blocks=labels.numel() // block_size, block_size=block_size, alpha=dpace_alpha)
     walk = _Walk(chunk_size, kernel, fused, teacher, keep_rows=reweight is not None, top_k=top_k)
-    total, hit, tokens, logits = _LinearCrossEntropy.apply(h, lm_head.weight, getattr(lm_head, "bias", None), y, w,
-                                                           walk, reweight)
+    total, hit, tokens, logits, row_w = _LinearCrossEntropy.apply(h, lm_head.weight, getattr(lm_head, "bias", None),
+                                                                  y, w, walk, reweight)
     # scatter_add, not bincount: bincount reads its maximum back to the host on CUDA.
     zeros = torch.zeros(block_size, dtype=torch.float32, device=hidden.device)
     count = zeros.scatter_add(0, slot, torch.ones_like(w))
     correct = zeros.scatter_add(0, slot, hit.float())
     norm = w.sum() if reweight is None else supervised_blocks(labels, block_size)
-    candidates = None if tokens is None else Candidates(tokens, logits)
+    candidates = None if tokens is None else Candidates(tokens, logits, row_w)
     return LossOutput(weighted_sum=total, weight_sum=norm, correct=correct, count=count, candidates=candidates)

@@ -333,9 +333,11 @@ class Trainer:
         out = dflash_loss(hidden, batch.labels, self.target.lm_head, self.slot_weights, lc.chunk_size,
                           index=batch.supervised_index, distill=distill, dpace_alpha=self.dpace_alpha, top_k=top_k)
         if dflash2:  # its candidate selector's K-way CE (model/dflash2.py)
-            selector = selector_term(self.drafter, hidden, batch.labels, batch.input_ids, batch.anchors,
-                                     self.target.lm_head, self.slot_weights, out.candidates, batch.supervised_index)
+            selector, walk_correct = selector_term(self.drafter, hidden, batch.labels, batch.input_ids, batch.anchors,
+                                                   self.target.lm_head, out.candidates, batch.supervised_index)
             out.weighted_sum = out.weighted_sum + self.cfg.drafter.dflash2.selector_loss_weight * selector
+            # Its drafts are the walk's picks, not the unary argmax: accuracies and tau count those.
+            out.unary_correct, out.correct = out.correct, walk_correct
         return out
 
     def loss_normaliser(self, labels: torch.Tensor) -> torch.Tensor:
@@ -401,11 +403,13 @@ class Trainer:
     def validate(self) -> dict:
         """Loss, per-position accuracy and expected tau on the held-out rows, with the same
         anchors every time (epoch 0's). The training metrics are measured on rows the
-        drafter is fitting; these tell whether it generalises."""
+        drafter is fitting; these tell whether it generalises. A DFlash2 drafter's accuracies
+        are its selector walk's (what it drafts); ``val_unary_expected_tau`` is its unary argmax's."""
         val = self.val_data
         b = self.positions
         world, rank, per = self.slice.world_size, self.slice.rank, self.slice.micro_batch_size
-        sums = torch.zeros(2 + 2 * b, dtype=torch.float64, device=self.backend.device)
+        unary = self.cfg.drafter.kind == contract.DFLASH2
+        sums = torch.zeros(2 + (3 if unary else 2) * b, dtype=torch.float64, device=self.backend.device)
         self.drafter.eval()
         try:
             # Every rank runs the same number of forwards (sharded models gather weights
@@ -417,15 +421,20 @@ class Trainer:
                 batch = self._collate([val.example(r, 0) for r in rows or [0]], val).to(self.backend.device)
                 out = self.micro_step(batch)
                 if rows:
-                    sums += torch.cat([out.weighted_sum.reshape(1), out.weight_sum.reshape(1),
-                                       out.correct, out.count]).double()
+                    sums += torch.cat([out.weighted_sum.reshape(1), out.weight_sum.reshape(1), out.correct,
+                                       out.count, *([out.unary_correct] if unary else [])]).double()
         finally:
             self.drafter.train()
         sums = self.backend.all_reduce_sum(sums)
-        acc = position_accuracy(sums[2:2 + b].tolist(), sums[2 + b:].tolist())
-        return {"val_loss": float(sums[0] / sums[1].clamp(min=1e-12)),
-                "val_expected_tau": contract.expected_acceptance_length(torch.tensor(acc)),
-                **{f"val_acc_pos_{k}": a for k, a in enumerate(acc, start=1)}}
+        count = sums[2 + b:2 + 2 * b].tolist()
+        acc = position_accuracy(sums[2:2 + b].tolist(), count)
+        result = {"val_loss": float(sums[0] / sums[1].clamp(min=1e-12)),
+                  "val_expected_tau": contract.expected_acceptance_length(torch.tensor(acc)),
+                  **{f"val_acc_pos_{k}": a for k, a in enumerate(acc, start=1)}}
+        if unary:
+            unary_acc = position_accuracy(sums[2 + 2 * b:].tolist(), count)
+            result["val_unary_expected_tau"] = contract.expected_acceptance_length(torch.tensor(unary_acc))
+        return result
 
     def _validation_due(self, step: int) -> bool:
         every = self.cfg.data.val_every

@@ -216,12 +216,14 @@ def test_selector_term_reads_the_teacher_forced_predecessor():
     hidden = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 0.0]]])
     weights = torch.tensor([0.0, 1.0, 0.5, 0.25])
     candidates = dflash_loss(hidden, labels, head, weights, chunk_size=8, top_k=2).candidates
-    got = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, weights, candidates)
+    assert candidates.weights.tolist() == [1.0, 0.5]  # the slot weights of slots 1 and 2
+    got, correct = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, candidates)
     # slot 1: predecessor x[2] = 1, gold 0; slot 2: predecessor x[3] = 0, gold 1
     unary, cand = head(hidden[0, 1:3]).topk(2, dim=-1)
-    expected, _ = model.selector_loss(hidden[0, 1:3], torch.tensor([1, 0]), torch.tensor([0, 1]), cand, unary,
-                                      weights[1:3])
+    expected, hits = model.selector_loss(hidden[0, 1:3], torch.tensor([1, 0]), torch.tensor([0, 1]), cand, unary,
+                                         weights[1:3])
     assert float(got.detach()) == float(expected.detach())
+    assert correct.tolist() == [0.0, *hits.float().tolist(), 0.0]  # per slot of the block
 
 
 @torch.inference_mode()
@@ -270,6 +272,104 @@ def test_dflash2_trains_and_resumes_to_the_same_weights(tiny, tmp_path):
     for k in ("layers.0.attention_conv.kernel_projection.weight", "layers.0.mlp_conv.base_kernel",
               "candidate_selector.successor_codebook", "candidate_selector.hidden_projection.weight"):
         assert not torch.equal(after[k], fresh[k]), k
+
+
+def test_without_its_selector_term_dflash2_starts_exactly_as_dflash(tiny, tmp_path):
+    """Same seed, same data: the DFlash2 backbone is DFlash's, its identity convolutions pass
+    every value and gradient through unchanged, so with selector_loss_weight 0 the first step's
+    loss and every trunk gradient are DFlash's bit for bit; the selector term changes both."""
+    runs = {name: Trainer(tiny_train_config(tiny["target"], tiny["data"], tmp_path / name, max_steps=1,
+                                            drafter=drafter))
+            for name, drafter in [("dflash", {"kind": "dflash"}),
+                                  ("off", {"kind": "dflash2", "dflash2": {"selector_top_k": 2048,
+                                                                          "selector_loss_weight": 0.0}}),
+                                  ("on", {"kind": "dflash2", "dflash2": {"selector_top_k": 2048}})]}
+    results = {}
+    for name, tr in runs.items():
+        out = tr.micro_step(tr.micro_batches(0)[0])
+        out.weighted_sum.backward()
+        results[name] = (out.weighted_sum.detach(), {k: p.grad for k, p in tr.drafter.named_parameters()})
+    loss, grads = results["dflash"]
+    for k, v in runs["dflash"].drafter.state_dict().items():
+        assert torch.equal(v, runs["off"].drafter.state_dict()[k]), k
+    assert torch.equal(results["off"][0], loss)
+    for k, g in grads.items():
+        assert torch.equal(results["off"][1][k], g), k
+    assert results["on"][0] > loss  # some slots have their gold among the 2048 candidates
+    assert not torch.equal(results["on"][1]["fc.weight"], grads["fc.weight"])
+
+
+def test_the_selector_term_shares_the_dpace_weights_of_the_unary_ce():
+    model, head = _hand_loss_model()
+    input_ids = torch.tensor([[3, 3, 1, 0, 1, 3]])
+    labels = torch.tensor([[-100, 0, 1, 3]])
+    hidden = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.5, 0.0]]])
+    slot_weights = torch.tensor([0.0, 1.0, 0.5, 0.25])
+    out = dflash_loss(hidden, labels, head, slot_weights, chunk_size=8, top_k=2, dpace_alpha=0.5)
+    ce = nn.functional.cross_entropy(head(hidden[0, 1:]), labels[0, 1:], reduction="none")
+    q = 0.5 * torch.exp(-ce) + 0.5  # D-PACE's smoothed confidences of slots 1..3
+    reach = q.cumprod(0)
+    want = reach.flip(0).cumsum(0).flip(0)  # w_j = sum_{m >= j} prod_{i <= m} q_i
+    torch.testing.assert_close(out.candidates.weights, want, rtol=1e-6, atol=0)
+    got, _ = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, out.candidates)
+    unary, cand = head(hidden[0, 1:]).topk(2, dim=-1)
+    expected, _ = model.selector_loss(hidden[0, 1:], torch.tensor([1, 0, 1]), labels[0, 1:], cand, unary, want)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+
+
+class _Head:
+    """What ``pick_drafts`` reads of a target: its output embeddings."""
+
+    def __init__(self, head):
+        self.head = head
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+@torch.no_grad()
+def test_a_dflash2_drafters_accuracies_are_its_walks_acceptance():
+    """The trainer's per-slot hits of a DFlash2 drafter are the selector walk's picks after the
+    gold predecessor, as ``pick_drafts`` (every runtime's pick) makes them; and in every block
+    the leading run of those hits is the run of drafts greedy decoding accepts from the walk
+    itself: expected tau measures what the drafter proposes, not its unary argmax."""
+    block, blocks, seq, top_k = 4, 3, 20, 4
+    config = DFlash2Config.from_target(make_tiny_target("qwen3", layers=4, seed=3).config, mask_token_id=MASK_ID,
+                                       num_hidden_layers=1, block_size=block, selector_rank=8, selector_top_k=top_k)
+    torch.manual_seed(1)
+    model = DFlash2DraftModel(config)
+    for p in model.candidate_selector.parameters():
+        p.normal_(0, 0.5)
+    head = nn.Linear(64, 97, bias=False)
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(1, blocks * block, 64, generator=gen)
+    # Labels drawn among each slot's unary top-K, written into the sequence they come from.
+    anchors = torch.tensor([[1, 6, 12]])
+    input_ids = torch.randint(0, 97, (1, seq), generator=gen)
+    top = head(hidden[0]).topk(top_k, dim=-1).indices  # (12, K)
+    labels = torch.full((1, blocks * block), -100)
+    for n, p in enumerate(anchors[0].tolist()):
+        for k in range(1, block):
+            q = n * block + k
+            labels[0, q] = input_ids[0, p + k] = top[q, torch.randint(0, top_k, (1,), generator=gen)]
+    out = dflash_loss(hidden, labels, head, torch.tensor([0.0, 1.0, 0.7, 0.4]), 8, top_k=top_k)
+    _, correct = selector_term(model, hidden, labels, input_ids, anchors, head, out.candidates)
+
+    shim, expected, runs = _Head(head), torch.zeros(block), []
+    for n, p in enumerate(anchors[0].tolist()):
+        h = hidden[:, n * block:(n + 1) * block]  # (1, B, H): slot 0 the anchor's
+        gold = labels[0, n * block + 1:(n + 1) * block]
+        hits = []
+        for k in range(1, block):  # one walk step from the gold predecessor x[p + k - 1]
+            pick, _ = model.pick_drafts(shim, h[:, [0, k]], input_ids[0, p + k - 1:p + k], 1, Sampling(), None)
+            hits.append(bool(pick[0, 0] == gold[k - 1]))
+            expected[k] += hits[-1]
+        drafts, _ = model.pick_drafts(shim, h, input_ids[0, p:p + 1], block - 1, Sampling(), None)
+        accepted = int((drafts[0] == gold).long().cumprod(0).sum())
+        assert accepted == int(torch.tensor(hits).long().cumprod(0).sum())
+        runs.append(accepted)
+    assert torch.equal(correct, expected)
+    assert correct.sum() > 0 and not torch.equal(correct, out.correct)  # the walk is not the argmax here
 
 
 def test_unknown_kind_is_a_one_line_error(tiny, tmp_path):

@@ -91,9 +91,9 @@ def test_selector_term_equals_the_second_head_pass_formulation(walk, bias):
     options = {"plain": {}, "fused": dict(fused=True, compiled=False), "dpace": dict(dpace_alpha=0.3),
                "distill": dict(distill=Distillation(torch.randn(2, SEQ, 64), anchors, weight=0.5))}[walk]
     out = dflash_loss(hidden, labels, head, weights, chunk, top_k=TOP_K, **options)
-    got = _grads(model, hidden, selector_term(model, hidden, labels, input_ids, anchors, head, weights,
-                                              out.candidates))
-    reference, covered = selector_term_reference(model, hidden, labels, input_ids, anchors, head, weights, chunk)
+    got = _grads(model, hidden, selector_term(model, hidden, labels, input_ids, anchors, head, out.candidates)[0])
+    row_weights = out.candidates.weights  # the slot weights, or the D-PACE weights of this forward
+    reference, covered = selector_term_reference(model, hidden, labels, input_ids, anchors, head, row_weights, chunk)
     want = _grads(model, hidden, reference)
     assert covered >= 10 and want[0] > 0  # most of the 19 supervised slots have a selector term
     for a, b in zip(got, want, strict=True):
