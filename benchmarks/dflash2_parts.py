@@ -171,7 +171,7 @@ def loss_rows(model, g: dict, device: torch.device, runs: int) -> dict[str, tupl
         total = out.weighted_sum
         rows = (model, hidden, labels, input_ids, anchors, head, weights)
         if kind == "dflash2":
-            total = total + selector_term(*rows, out.candidates, index)
+            total = total + selector_term(*rows, out.candidates, index)[0]
         elif kind == "dflash2, first":
             total = total + selector_term_reference(*rows, CHUNK)[0]
         total.backward()

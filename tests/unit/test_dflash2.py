@@ -216,7 +216,7 @@ def test_selector_term_reads_the_teacher_forced_predecessor():
     hidden = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 0.0]]])
     weights = torch.tensor([0.0, 1.0, 0.5, 0.25])
     candidates = dflash_loss(hidden, labels, head, weights, chunk_size=8, top_k=2).candidates
-    got = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, weights, candidates)
+    got, _ = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, weights, candidates)
     # slot 1: predecessor x[2] = 1, gold 0; slot 2: predecessor x[3] = 0, gold 1
     unary, cand = head(hidden[0, 1:3]).topk(2, dim=-1)
     expected, _ = model.selector_loss(hidden[0, 1:3], torch.tensor([1, 0]), torch.tensor([0, 1]), cand, unary,
