@@ -32,7 +32,8 @@ both) and two of its own, modelopt.seq_len (4096) and modelopt.bf16 (true):
      block after 4 training rows, its pseudo_speculative_generate against our drafter read from
      the export (the share of equal drafts, logged and kept in train.json; 1.0 on the CPU).
   5. Our evaluation reads that export through model/foreign.py: dflash-train's held-out expected
-     tau on the held-out rows (Trainer.validate, drafter.init_from=<export>) and dflash-eval
+     tau and tau counted block by block on the held-out rows (Trainer.validate,
+     drafter.init_from=<export>) and dflash-eval
      exactly as dflash-quality's eval stage runs it (datasets, limit, max_new_tokens, device,
      eval=[...]).
 Prints dflash-quality's table; writes <run_dir>/quality.json and <run_dir>/metrics.jsonl. A
@@ -425,15 +426,17 @@ def train_and_export(run, options: ModeloptOptions, machine: list[str], device, 
 
 
 # ------------------------------------------------------------------ our evaluation
-def held_out_tau(run, machine: list[str], export_dir: Path) -> float:
-    """dflash-train's held-out expected tau of the export: the trainer's validation of the same
-    held-out rows (same anchors) with every drafter weight taken from the export."""
+def held_out_tau(run, machine: list[str], export_dir: Path) -> dict:
+    """dflash-train's held-out expected tau and tau counted block by block of the export
+    ({"val_expected_tau", "val_tau"}): the trainer's validation of the same held-out rows
+    (same anchors) with every drafter weight taken from the export."""
     from dflash_train.training.trainer import Trainer
 
     cfg = our_config(our_overrides(run, machine, Path(run.cfg.run_dir) / "heldout", init_from=export_dir))
     trainer = Trainer(cfg)
     try:
-        return trainer.validate()["val_expected_tau"]
+        held_out = trainer.validate()
+        return {key: held_out[key] for key in ("val_expected_tau", "val_tau")}
     finally:
         trainer.backend.shutdown()
 
@@ -450,10 +453,10 @@ def run_eval(command: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def summary(trained: dict, tau: float, evals: dict, eval_s: float) -> dict:
+def summary(trained: dict, tau: float, evals: dict, eval_s: float, val_tau: float | None = None) -> dict:
     """dflash-quality's table numbers (quality.summarise's keys) for this trainer."""
     return {"train_minutes": trained["train_minutes"], "eval_minutes": eval_s / 60, "steps": trained["steps"],
-            "conversations": trained["conversations"], "val_expected_tau": tau,
+            "conversations": trained["conversations"], "val_expected_tau": tau, "val_tau": val_tau,
             "tau": {n: d["tau"] for n, d in evals.items()}, "prompts": {n: d["num_prompts"] for n, d in evals.items()}}
 
 
@@ -487,7 +490,7 @@ def _compare(run, options: ModeloptOptions, started: float) -> None:
     trained = _stage(run_dir / TRAIN_FILE, lambda: train_and_export(run, options, machine, device, started))
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    tau = _stage(run_dir / HELD_OUT_FILE, lambda: {"val_expected_tau": held_out_tau(run, machine, export_dir)})
+    tau = _stage(run_dir / HELD_OUT_FILE, lambda: held_out_tau(run, machine, export_dir))
     eval_dir = run_dir / "eval"
     if not (eval_dir / "results.json").exists():
         eval_s = run_eval(quality.eval_command(run, export_dir, eval_dir, str(device)))  # dflash-quality's eval stage
@@ -495,7 +498,7 @@ def _compare(run, options: ModeloptOptions, started: float) -> None:
     evals = json.loads((eval_dir / "results.json").read_text())["datasets"]
     eval_time = run_dir / EVAL_TIME_FILE
     eval_s = json.loads(eval_time.read_text())["seconds"] if eval_time.exists() else float("nan")
-    s = summary(trained, tau["val_expected_tau"], evals, eval_s)
+    s = summary(trained, tau["val_expected_tau"], evals, eval_s, tau.get("val_tau"))  # none in an older stage file
     (run_dir / "quality.json").write_text(json.dumps({**trained, **s}, indent=2))
     print(f"\nModel-Optimizer DFlash: target={run.target_recipe} data={run.data_path} budget={run.cfg.budget_min:g} min")
     print(quality.table(s))

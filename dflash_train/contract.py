@@ -194,10 +194,31 @@ def expected_acceptance_length(position_accuracy: torch.Tensor) -> float:
 
     A draft is accepted up to its first wrong slot and the target adds one token, so with
     independent slots the expected committed length is the bonus token plus the chance that
-    each prefix is entirely right. Slots with no data (NaN) end the prefix.
+    each prefix is entirely right. Slots with no data (NaN) end the prefix. Slots are not
+    independent (a drafter that misses one slot often misses the next), so this is an
+    estimate; ``accepted_prefix`` and ``acceptance_length`` count the run block by block.
     """
     acc = torch.nan_to_num(position_accuracy.double(), nan=0.0).clamp(0.0, 1.0)
     return 1.0 + float(torch.cumprod(acc, dim=0).sum())
+
+
+def accepted_prefix(hits: torch.Tensor) -> torch.Tensor:
+    """(n,) long: the drafts greedy verification accepts in each of n blocks.
+
+    ``hits`` (n, D) bool: whether each drafted slot's prediction equals its label, slots in
+    drafting order, False where a slot is not supervised. The target accepts drafts up to
+    the first one that differs from its own token, so a block accepts its leading run of
+    hits; an unsupervised slot (past the answer or the row) ends the run too, as nothing
+    says the target would have produced that token.
+    """
+    return hits.long().cumprod(dim=1).sum(dim=1)
+
+
+def acceptance_length(blocks: float, accepted: float) -> float:
+    """tau measured block by block: 1 + the mean number of accepted drafts over ``blocks``
+    blocks holding ``accepted`` accepted drafts in all (the target adds one token to every
+    verification). NaN without blocks."""
+    return 1.0 + accepted / blocks if blocks else float("nan")
 
 
 def truncate(values: torch.Tensor, max_length: int) -> torch.Tensor:

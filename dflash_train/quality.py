@@ -17,9 +17,10 @@ Four stages, each the project's own command, after an optional fifth that makes 
              recipe's warmup + decay schedule spans exactly those steps (optim.schedule_steps)
   3. train   dflash-train with that plan and data.val_rows held out; exports the drafter
   4. eval    dflash-eval of the export on MT-Bench and HumanEval (first N prompts, M tokens)
-and prints one table: training minutes, steps, conversations seen, held-out expected tau,
-tau per eval dataset (also written to <run_dir>/quality.json), and with a datagen stage a
-second one: its minutes, conversations, tokens and answer tokens.
+and prints one table: training minutes, steps, conversations seen, held-out expected tau (from
+the per-slot accuracies), held-out tau counted block by block (val_tau), tau per eval dataset
+(also written to <run_dir>/quality.json), and with a datagen stage a second one: its minutes,
+conversations, tokens and answer tokens.
 Settings are Hydra overrides of recipes/quality.yaml (or of the recipe --config-name names),
 which says what each key does. target=NAME and every target.KEY=VALUE of the command line go
 to both dflash-train and dflash-eval (a local target folder: target.name=/models/qwen25-coder-05b);
@@ -273,6 +274,7 @@ def summarise(lines: list[dict], train_seconds: float, evals: dict, eval_seconds
             "steps": max((m["step"] for m in lines), default=0),
             "conversations": int(sum(m.get("conversations", 0) for m in lines)),
             "val_expected_tau": None if held_out is None else held_out["val_expected_tau"],
+            "val_tau": None if held_out is None else held_out.get("val_tau"),
             "tau": {name: d["tau"] for name, d in evals.items()},
             "prompts": {name: d["num_prompts"] for name, d in evals.items()}}
 
@@ -280,10 +282,11 @@ def summarise(lines: list[dict], train_seconds: float, evals: dict, eval_seconds
 def table(s: dict) -> str:
     """A Markdown table, pasteable into a record under benchmarks/."""
     names = list(s["tau"])
-    head = ["training min", "steps", "conversations", "held-out expected tau"] + [
+    head = ["training min", "steps", "conversations", "held-out expected tau", "held-out tau (blocks)"] + [
         f"tau {n} ({s['prompts'][n]})" for n in names] + ["eval min"]
-    val = "-" if s["val_expected_tau"] is None else f"{s['val_expected_tau']:.2f}"
-    row = [f"{s['train_minutes']:.1f}", str(s["steps"]), str(s["conversations"]), val] + [
+    # A summary written before the block-by-block tau existed has no val_tau: "-".
+    held_out = ["-" if s.get(key) is None else f"{s[key]:.2f}" for key in ("val_expected_tau", "val_tau")]
+    row = [f"{s['train_minutes']:.1f}", str(s["steps"]), str(s["conversations"]), *held_out] + [
         f"{s['tau'][n]:.2f}" for n in names] + [f"{s['eval_minutes']:.1f}"]
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), "| " + " | ".join(row) + " |"])
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.contract import ANCHOR_SLOT, IGNORE_INDEX
-from dflash_train.training.loss import LossOutput, compiled_kernel
+from dflash_train.training.loss import LossOutput, accepted_drafts, compiled_kernel, supervised_blocks
 
 
 @dataclass
@@ -208,4 +208,7 @@ def dspark_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, block_ids: 
     zeros = torch.zeros(block_size + 1, dtype=torch.float32, device=hidden.device)
     count = zeros.scatter_add(0, slot + 1, torch.ones_like(w))
     correct = zeros.scatter_add(0, slot + 1, hit.float())
-    return LossOutput(weighted_sum=total, weight_sum=w.sum(), correct=correct, count=count)
+    # Every slot drafts (slot 0 the first token after the anchor), each after its gold predecessor.
+    accepted = accepted_drafts(index, hit, labels.numel(), block_size, first_slot=0)
+    return LossOutput(weighted_sum=total, weight_sum=w.sum(), correct=correct, count=count,
+                      blocks=supervised_blocks(labels, block_size), accepted=accepted)

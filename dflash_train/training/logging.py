@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from dflash_train.config import LoggingConfig
-from dflash_train.contract import expected_acceptance_length
+from dflash_train.contract import acceptance_length, expected_acceptance_length
 from dflash_train.training.flops import peak_memory_gib
 
 METRICS_FILE = "metrics.jsonl"
@@ -76,9 +76,11 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
         if self.bar is not None:
-            if "val_expected_tau" in metrics:  # kept on the bar until the next validation
-                self.val_tau = f"{metrics['val_expected_tau']:.2f}"
-            shown = {"loss": f"{metrics['loss']:.3f}", "tau": f"{metrics['expected_tau']:.2f}"}
+            # tau counted block by block, training rows and held out (the expected taus, made
+            # of per-slot accuracies, are in metrics.jsonl)
+            if "val_tau" in metrics:  # kept on the bar until the next validation
+                self.val_tau = f"{metrics['val_tau']:.2f}"
+            shown = {"loss": f"{metrics['loss']:.3f}", "tau": f"{metrics['tau']:.2f}"}
             if self.val_tau is not None:
                 shown["val_tau"] = self.val_tau
             self.bar.set_postfix(shown, refresh=False)
@@ -141,6 +143,7 @@ class MetricWindow:
 
     def reset(self) -> None:
         self.loss_sum = self.weight_sum = self.tokens = self.flops = self.seconds = 0.0
+        self.blocks = self.accepted = 0.0
         self.samples = 0
         self.correct = [0.0] * self.block_size
         self.count = [0.0] * self.block_size
@@ -155,6 +158,8 @@ class MetricWindow:
             return  # a skipped step teaches nothing: keep its NaN out of the averages
         self.loss_sum += float(sums["loss_sum"])
         self.weight_sum += float(sums["weight_sum"])
+        self.blocks += float(sums["blocks"])
+        self.accepted += float(sums["accepted"])
         self.correct = [a + float(b) for a, b in zip(self.correct, sums["correct"])]
         self.count = [a + float(b) for a, b in zip(self.count, sums["count"])]
         self.grad_norm = sums["grad_norm"]
@@ -164,6 +169,7 @@ class MetricWindow:
         out = {
             "loss": self.loss_sum / self.weight_sum if self.weight_sum else float("nan"),
             "expected_tau": expected_acceptance_length(torch.tensor(acc)),
+            "tau": acceptance_length(self.blocks, self.accepted),
             **{f"acc_pos_{k}": a for k, a in enumerate(acc, start=1)},
             "lr": lr,
             "grad_norm": self.grad_norm,

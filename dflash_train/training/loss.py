@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.contract import IGNORE_INDEX
+from dflash_train.contract import ANCHOR_SLOT, IGNORE_INDEX, accepted_prefix
 from dflash_train.training import ce_kernel
 
 # One chunk: (logits (c, V), teacher logits (c, V) or None, labels (c,), slot_w (c,) float32, with_grad)
@@ -347,6 +347,22 @@ def supervised_blocks(labels: torch.Tensor, block_size: int) -> torch.Tensor:
     return (labels.reshape(-1, block_size) != IGNORE_INDEX).any(dim=1).float().sum()
 
 
+def accepted_drafts(index: torch.Tensor, hit: torch.Tensor, queries: int, block_size: int,
+                    first_slot: int) -> torch.Tensor:
+    """() float32: the drafts greedy verification accepts, summed over all blocks, from the
+    hits ``hit`` (M,) bool of the supervised slots ``index`` (M,) (flat indices into the
+    ``queries`` = b * N * B slots, whole blocks of B back to back).
+
+    A block drafts slots ``first_slot``..B-1 (DFlash: 1.., the anchor slot predicts nothing;
+    DSpark: 0..) and accepts them up to its first miss or unsupervised slot
+    (``contract.accepted_prefix``). Under teacher forcing that is the runtime's own count
+    for every kind: while the drafts before a slot were accepted they equal the gold tokens
+    a Markov head or a selector was fed. Integer ops on the device, no host sync.
+    """
+    hits = torch.zeros(queries, dtype=torch.bool, device=hit.device).scatter_(0, index, hit)  # (b * N * B,)
+    return accepted_prefix(hits.view(-1, block_size)[:, first_slot:]).sum().float()
+
+
 @dataclass
 class Distillation:
     """The target's own next-token distributions as soft targets (see the module docstring)."""
@@ -402,9 +418,11 @@ class _CandidateLogits(torch.autograd.Function):
 
 def selector_term(drafter: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, input_ids: torch.Tensor,
                   anchors: torch.Tensor, lm_head: nn.Module, candidates: Candidates,
-                  index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A DFlash2 drafter's selector loss over the supervised slots: (() float32, summed like
-    ``dflash_loss``'s numerator; (B,) float32, the selector's hits per slot).
+    ``dflash_loss``'s numerator; (B,) float32, the selector's hits per slot; () float32, the
+    drafts its walk gets accepted, ``accepted_drafts`` of those hits: what a DFlash2 drafter
+    proposes is the walk's pick, not the unary argmax).
 
     Each supervised slot k of the block at anchor p is scored with its teacher-forced
     predecessor x[p + k - 1] (the anchor for slot 1), read from ``input_ids`` (b, T) at the
@@ -427,7 +445,7 @@ def selector_term(drafter: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
     total, hits = drafter.selector_loss(h, pred, gold, candidates.tokens, unary, candidates.weights)
     slot = index % labels.shape[1] % block_size  # (M,)
     correct = torch.zeros(block_size, dtype=torch.float32, device=hidden.device).scatter_add(0, slot, hits.float())
-    return total, correct
+    return total, correct, accepted_drafts(index, hits, labels.numel(), block_size, ANCHOR_SLOT + 1)
 
 
 @dataclass
@@ -438,6 +456,10 @@ class LossOutput:
     weight_sum: torch.Tensor
     correct: torch.Tensor  # (B,) float32: argmax hits per slot
     count: torch.Tensor  # (B,) float32: supervised slots per slot index
+    # () float32: blocks with a supervised slot, and the drafts greedy verification accepts
+    # in them in all (``accepted_drafts``): the exact tau is 1 + accepted / blocks
+    blocks: torch.Tensor
+    accepted: torch.Tensor
     candidates: Candidates | None = None  # with ``top_k``: each supervised slot's top-k under the head
     # (B,) float32: the unary argmax's hits per slot where ``correct`` counts other drafts
     # (a DFlash2 drafter's selector walk; set by the trainer), else None
@@ -498,6 +520,9 @@ def dflash_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module, 
     zeros = torch.zeros(block_size, dtype=torch.float32, device=hidden.device)
     count = zeros.scatter_add(0, slot, torch.ones_like(w))
     correct = zeros.scatter_add(0, slot, hit.float())
-    norm = w.sum() if reweight is None else supervised_blocks(labels, block_size)
+    blocks = supervised_blocks(labels, block_size)
+    accepted = accepted_drafts(index, hit, labels.numel(), block_size, ANCHOR_SLOT + 1)
+    norm = w.sum() if reweight is None else blocks
     candidates = None if tokens is None else Candidates(tokens, logits, row_w)
-    return LossOutput(weighted_sum=total, weight_sum=norm, correct=correct, count=count, candidates=candidates)
+    return LossOutput(weighted_sum=total, weight_sum=norm, correct=correct, count=count, blocks=blocks,
+                      accepted=accepted, candidates=candidates)

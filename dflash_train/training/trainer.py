@@ -332,9 +332,10 @@ class Trainer:
         top_k = self.drafter.selector_top_k if dflash2 else 0
         out = dflash_loss(hidden, batch.labels, self.target.lm_head, self.slot_weights, lc.chunk_size,
                           index=batch.supervised_index, distill=distill, dpace_alpha=self.dpace_alpha, top_k=top_k)
-        if dflash2:  # its candidate selector's K-way CE (model/dflash2.py)
-            selector, walk_correct = selector_term(self.drafter, hidden, batch.labels, batch.input_ids, batch.anchors,
-                                                   self.target.lm_head, out.candidates, batch.supervised_index)
+        if dflash2:  # its candidate selector's K-way CE (model/dflash2.py); its walk's accepted drafts
+            selector, walk_correct, out.accepted = selector_term(
+                self.drafter, hidden, batch.labels, batch.input_ids, batch.anchors, self.target.lm_head,
+                out.candidates, batch.supervised_index)
             out.weighted_sum = out.weighted_sum + self.cfg.drafter.dflash2.selector_loss_weight * selector
             # Its drafts are the walk's picks, not the unary argmax: accuracies and tau count those.
             out.unary_correct, out.correct = out.correct, walk_correct
@@ -357,13 +358,14 @@ class Trainer:
         global_weight = self.backend.all_reduce_sum(weight_sum).clamp(min=1e-12)
         scale = self.slice.grad_accum_steps * self.slice.world_size / global_weight
         loss_sum = torch.zeros((), device=self.backend.device)
-        correct = count = 0
+        correct = count = blocks = accepted = 0
         conversations = tokens = step_flops = 0.0
         for m, batch in enumerate(batches):
             out = self.micro_step(batch)
             self.backend.backward(out.weighted_sum * scale, sync=m == len(batches) - 1)
             loss_sum = loss_sum + out.weighted_sum.detach()
             correct, count = correct + out.correct, count + out.count
+            blocks, accepted = blocks + out.blocks, accepted + out.accepted
             conversations += batch.stats.conversations
             tokens += batch.stats.tokens
             step_flops += self._flops(batch)
@@ -373,7 +375,8 @@ class Trainer:
         if self.backend.device.type == "cuda":
             local = local.pin_memory()
         local = local.to(self.backend.device, non_blocking=True)
-        sums = torch.cat([loss_sum.reshape(1).double(), local, correct.double(), count.double()])
+        sums = torch.cat([loss_sum.reshape(1).double(), local, torch.stack([blocks, accepted]).double(),
+                          correct.double(), count.double()])
         sums = self.backend.all_reduce_sum(sums)
         # A non-finite loss, or a finite one with inf/NaN gradients, skips the update:
         # weights, moments and schedule stay as they were, and the norm comes back NaN.
@@ -381,8 +384,8 @@ class Trainer:
         finite = math.isfinite(grad_norm)
         b = self.positions
         return {"finite": finite, "loss_sum": sums[0], "weight_sum": global_weight.double(), "tokens": sums[1],
-                "flops": sums[2], "conversations": sums[3], "correct": sums[4:4 + b], "count": sums[4 + b:],
-                "grad_norm": grad_norm}
+                "flops": sums[2], "conversations": sums[3], "blocks": sums[4], "accepted": sums[5],
+                "correct": sums[6:6 + b], "count": sums[6 + b:], "grad_norm": grad_norm}
 
     def _flops(self, batch: Batch) -> float:
         """Useful FLOPs of a micro-batch: real tokens, valid blocks and supervised slots only
@@ -401,15 +404,16 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict:
-        """Loss, per-position accuracy and expected tau on the held-out rows, with the same
-        anchors every time (epoch 0's). The training metrics are measured on rows the
-        drafter is fitting; these tell whether it generalises. A DFlash2 drafter's accuracies
-        are its selector walk's (what it drafts); ``val_unary_expected_tau`` is its unary argmax's."""
+        """Loss, per-position accuracy, expected tau and tau counted block by block
+        (``val_tau``) on the held-out rows, with the same anchors every time (epoch 0's). The
+        training metrics are measured on rows the drafter is fitting; these tell whether it
+        generalises. A DFlash2 drafter's accuracies and tau are its selector walk's (what it
+        drafts); ``val_unary_expected_tau`` is its unary argmax's."""
         val = self.val_data
         b = self.positions
         world, rank, per = self.slice.world_size, self.slice.rank, self.slice.micro_batch_size
         unary = self.cfg.drafter.kind == contract.DFLASH2
-        sums = torch.zeros(2 + (3 if unary else 2) * b, dtype=torch.float64, device=self.backend.device)
+        sums = torch.zeros(4 + (3 if unary else 2) * b, dtype=torch.float64, device=self.backend.device)
         self.drafter.eval()
         try:
             # Every rank runs the same number of forwards (sharded models gather weights
@@ -421,18 +425,20 @@ class Trainer:
                 batch = self._collate([val.example(r, 0) for r in rows or [0]], val).to(self.backend.device)
                 out = self.micro_step(batch)
                 if rows:
-                    sums += torch.cat([out.weighted_sum.reshape(1), out.weight_sum.reshape(1), out.correct,
-                                       out.count, *([out.unary_correct] if unary else [])]).double()
+                    sums += torch.cat([out.weighted_sum.reshape(1), out.weight_sum.reshape(1), out.blocks.reshape(1),
+                                       out.accepted.reshape(1), out.correct, out.count,
+                                       *([out.unary_correct] if unary else [])]).double()
         finally:
             self.drafter.train()
         sums = self.backend.all_reduce_sum(sums)
-        count = sums[2 + b:2 + 2 * b].tolist()
-        acc = position_accuracy(sums[2:2 + b].tolist(), count)
+        count = sums[4 + b:4 + 2 * b].tolist()
+        acc = position_accuracy(sums[4:4 + b].tolist(), count)
         result = {"val_loss": float(sums[0] / sums[1].clamp(min=1e-12)),
                   "val_expected_tau": contract.expected_acceptance_length(torch.tensor(acc)),
+                  "val_tau": contract.acceptance_length(float(sums[2]), float(sums[3])),
                   **{f"val_acc_pos_{k}": a for k, a in enumerate(acc, start=1)}}
         if unary:
-            unary_acc = position_accuracy(sums[2 + 2 * b:].tolist(), count)
+            unary_acc = position_accuracy(sums[4 + 2 * b:].tolist(), count)
             result["val_unary_expected_tau"] = contract.expected_acceptance_length(torch.tensor(unary_acc))
         return result
 

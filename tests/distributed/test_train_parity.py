@@ -25,7 +25,7 @@ pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("_train_worker.py")
 FIRST, TOTAL = 2, 4  # the 2-process run stops (and checkpoints) after FIRST steps
-COMPARED = ("loss", "grad_norm", "lr")
+COMPARED = ("loss", "grad_norm", "lr", "tau")
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_validation_on_two_sharded_processes_matches_one(backend, tiny, tmp_path
                  max_steps=2, val_rows=3)
     want, got = one["metrics"][-1], two["metrics"][-1]
     assert "val_loss" in want and "val_loss" not in one["metrics"][0]
-    for key in ("val_loss", "val_expected_tau", "val_acc_pos_1"):
+    for key in ("val_loss", "val_expected_tau", "val_tau", "val_acc_pos_1"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
 
 

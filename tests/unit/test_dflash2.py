@@ -217,7 +217,7 @@ def test_selector_term_reads_the_teacher_forced_predecessor():
     weights = torch.tensor([0.0, 1.0, 0.5, 0.25])
     candidates = dflash_loss(hidden, labels, head, weights, chunk_size=8, top_k=2).candidates
     assert candidates.weights.tolist() == [1.0, 0.5]  # the slot weights of slots 1 and 2
-    got, correct = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, candidates)
+    got, correct, _ = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, candidates)
     # slot 1: predecessor x[2] = 1, gold 0; slot 2: predecessor x[3] = 0, gold 1
     unary, cand = head(hidden[0, 1:3]).topk(2, dim=-1)
     expected, hits = model.selector_loss(hidden[0, 1:3], torch.tensor([1, 0]), torch.tensor([0, 1]), cand, unary,
@@ -311,7 +311,7 @@ def test_the_selector_term_shares_the_dpace_weights_of_the_unary_ce():
     reach = q.cumprod(0)
     want = reach.flip(0).cumsum(0).flip(0)  # w_j = sum_{m >= j} prod_{i <= m} q_i
     torch.testing.assert_close(out.candidates.weights, want, rtol=1e-6, atol=0)
-    got, _ = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, out.candidates)
+    got, _, _ = selector_term(model, hidden, labels, input_ids, torch.tensor([[2]]), head, out.candidates)
     unary, cand = head(hidden[0, 1:]).topk(2, dim=-1)
     expected, _ = model.selector_loss(hidden[0, 1:], torch.tensor([1, 0, 1]), labels[0, 1:], cand, unary, want)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
@@ -353,7 +353,7 @@ def test_a_dflash2_drafters_accuracies_are_its_walks_acceptance():
             q = n * block + k
             labels[0, q] = input_ids[0, p + k] = top[q, torch.randint(0, top_k, (1,), generator=gen)]
     out = dflash_loss(hidden, labels, head, torch.tensor([0.0, 1.0, 0.7, 0.4]), 8, top_k=top_k)
-    _, correct = selector_term(model, hidden, labels, input_ids, anchors, head, out.candidates)
+    _, correct, _ = selector_term(model, hidden, labels, input_ids, anchors, head, out.candidates)
 
     shim, expected, runs = _Head(head), torch.zeros(block), []
     for n, p in enumerate(anchors[0].tolist()):

@@ -270,6 +270,8 @@ def test_the_quickstart_recipe_trains_a_dspark_drafter_on_smollm2(tmp_path, smol
     lines = [json.loads(x) for x in (tmp_path / "run" / METRICS_FILE).read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, 9)) and all(math.isfinite(x["loss"]) for x in lines)
     assert "val_expected_tau" in lines[5] and "acc_pos_4" in lines[0] and "acc_pos_5" not in lines[0]
+    # blocks of 4: DSpark drafts 4 tokens a block (its slot 0 included), so tau is at most 5
+    assert 1 <= lines[5]["val_tau"] <= 5 and all(1 <= x["tau"] <= 5 for x in lines)
     resumed = Trainer(load_command(TrainConfig, [*args, "max_steps=9"], "train_quickstart", "", validate))
     resumed.resume()
     assert resumed.state.step == 8

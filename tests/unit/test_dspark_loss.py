@@ -233,3 +233,4 @@ def test_cuda_compiled_loss_equals_the_eager_walk_and_never_waits_for_the_gpu():
     for name in got:  # the same bf16 logits; inductor's float32 reductions may round differently
         torch.testing.assert_close(got[name], want[name], msg=name, rtol=1e-2, atol=1e-3)
     assert torch.equal(out.correct, eager.correct) and torch.equal(out.count, eager.count)
+    assert torch.equal(out.blocks, eager.blocks) and torch.equal(out.accepted, eager.accepted)

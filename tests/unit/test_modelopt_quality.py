@@ -109,12 +109,12 @@ def test_the_table_has_dflash_qualitys_columns():
     trained = {"train_minutes": 5.04, "steps": 1200, "conversations": 1200}
     evals = {"mtbench": {"tau": 1.81, "num_prompts": 40}, "humaneval": {"tau": 1.9, "num_prompts": 40},
              "sharegpt-heldout": {"tau": 1.75, "num_prompts": 40}}
-    s = mo.summary(trained, 1.666, evals, 90.0)
+    s = mo.summary(trained, 1.666, evals, 90.0, 1.8)
     assert quality.table(s) == (
-        "| training min | steps | conversations | held-out expected tau | tau mtbench (40) | tau humaneval (40) "
-        "| tau sharegpt-heldout (40) | eval min |\n"
-        "|---|---|---|---|---|---|---|---|\n"
-        "| 5.0 | 1200 | 1200 | 1.67 | 1.81 | 1.90 | 1.75 | 1.5 |")
+        "| training min | steps | conversations | held-out expected tau | held-out tau (blocks) | tau mtbench (40) "
+        "| tau humaneval (40) | tau sharegpt-heldout (40) | eval min |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+        "| 5.0 | 1200 | 1200 | 1.67 | 1.80 | 1.81 | 1.90 | 1.75 | 1.5 |")
     ours = quality.summarise([{"step": 1200, "time": 0, "conversations": 9000, "val_expected_tau": 2.0}], 300.0,
                              evals, 90.0)
     assert set(s) == set(ours)  # the same numbers dflash-quality reports
@@ -187,12 +187,12 @@ def test_the_side_by_side_table_has_one_row_per_trainer_and_budget(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "quality.json").write_text(json.dumps(summary))
     assert side.side_by_side(side.run_rows(tmp_path)) == (
-        "| trainer | budget min | training min | steps | conversations | held-out expected tau | tau mtbench (40) "
-        "| tau sharegpt-heldout (40) | eval min |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
-        "| dflash-train | 5 | 5.2 | 900 | 11700 | 1.61 | 1.50 | 1.25 | 1.1 |\n"
-        "| Model-Optimizer 0.47 | 5 | 5.0 | 800 | 800 | 1.23 | 1.50 | 1.25 | 1.2 |\n"
-        "| dflash-train | 10 | 5.2 | 900 | 11700 | 1.61 | 1.50 | 1.25 | 1.1 |")
+        "| trainer | budget min | training min | steps | conversations | held-out expected tau | held-out tau (blocks) "
+        "| tau mtbench (40) | tau sharegpt-heldout (40) | eval min |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "| dflash-train | 5 | 5.2 | 900 | 11700 | 1.61 | - | 1.50 | 1.25 | 1.1 |\n"
+        "| Model-Optimizer 0.47 | 5 | 5.0 | 800 | 800 | 1.23 | - | 1.50 | 1.25 | 1.2 |\n"
+        "| dflash-train | 10 | 5.2 | 900 | 11700 | 1.61 | - | 1.50 | 1.25 | 1.1 |")
     (tmp_path / "modelopt-10").mkdir()
     (tmp_path / "modelopt-10" / "quality.json").write_text(json.dumps({**theirs, "tau": {"mtbench": 1.5}}))
     with pytest.raises(ValueError, match=r"^Model-Optimizer 0.47 at 10 min was evaluated on \['mtbench'\], not "

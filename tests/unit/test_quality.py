@@ -28,14 +28,17 @@ def test_step_timing_leaves_out_the_warmup_steps():
 
 def test_summary_table():
     lines = [{"step": 10, "time": 0, "conversations": 40.0},
-             {"step": 20, "time": 0, "conversations": 40.0, "val_expected_tau": 1.234}]
+             {"step": 20, "time": 0, "conversations": 40.0, "val_expected_tau": 1.234, "val_tau": 1.375}]
     evals = {"mtbench": {"tau": 1.5, "num_prompts": 40}, "humaneval": {"tau": 2.25, "num_prompts": 40}}
     s = quality.summarise(lines, 600.0, evals, 150.0)
     assert quality.table(s) == (
-        "| training min | steps | conversations | held-out expected tau | tau mtbench (40) | tau humaneval (40) "
-        "| eval min |\n"
-        "|---|---|---|---|---|---|---|\n"
-        "| 10.0 | 20 | 80 | 1.23 | 1.50 | 2.25 | 2.5 |")
+        "| training min | steps | conversations | held-out expected tau | held-out tau (blocks) | tau mtbench (40) "
+        "| tau humaneval (40) | eval min |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+        "| 10.0 | 20 | 80 | 1.23 | 1.38 | 1.50 | 2.25 | 2.5 |")
+    # a summary kept from before val_tau existed
+    old = {k: v for k, v in s.items() if k != "val_tau"}
+    assert quality.table(old).splitlines()[2] == "| 10.0 | 20 | 80 | 1.23 | - | 1.50 | 2.25 | 2.5 |"
 
 
 # No drafter.attention: on this CPU dflash-quality picks the dense masks itself.
@@ -74,7 +77,7 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys):
     plan = out["plan"]
     assert out["steps"] == plan["steps"] >= 1 and not (run / "probe").exists()
     assert set(out["tau"]) == {"mtbench", "humaneval"} and all(t >= 1 for t in out["tau"].values())
-    assert out["val_expected_tau"] >= 1 and out["conversations"] == 2 * plan["steps"]
+    assert out["val_expected_tau"] >= 1 and out["val_tau"] >= 1 and out["conversations"] == 2 * plan["steps"]
     eval_s = json.loads((run / "eval_seconds.json").read_text())["seconds"]
     assert out["eval_minutes"] == pytest.approx(eval_s / 60) and 0 < eval_s < 600
     lines = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
@@ -83,7 +86,7 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys):
     assert lines[-1]["step"] == plan["steps"]
     assert lines[-1]["lr"] == pytest.approx(_lr_after(plan["steps"]), abs=1e-12)
     printed = capsys.readouterr().out
-    assert "| training min | steps | conversations | held-out expected tau |" in printed
+    assert "| training min | steps | conversations | held-out expected tau | held-out tau (blocks) |" in printed
     # Run again: every stage is reused and the same table printed.
     quality.main(argv)
     assert quality.table(out) in capsys.readouterr().out

@@ -126,6 +126,34 @@ def test_a_paired_ab_against_a_baseline(guard, tmp_path, capsys):
     assert "| held-out tau @ 600 | 1.397 | 1.347 | -0.050 | -0.016 | FAIL |" in capsys.readouterr().out
 
 
+def with_block_tau(seed_runs: dict[int, list[dict]], shift: float) -> dict[int, list[dict]]:
+    """The runs with a held-out tau counted block by block at each validation: expected + shift."""
+    for lines in seed_runs.values():
+        for m in lines:
+            if "val_expected_tau" in m:
+                m["val_tau"] = m["val_expected_tau"] + shift
+    return seed_runs
+
+
+def test_the_block_by_block_tau_is_reported_and_never_judged(guard, tmp_path, capsys):
+    measured = guard.measure(with_block_tau(runs({}, ("0", "1")), 0.5), "H100", "def")
+    assert measured["block_tau"]["1"]["600"] == pytest.approx(1.82)
+    rows, ok = guard.judge(measured, PINNED, SD)
+    assert ok and not any("blocks" in r for r in rows)  # the verdict is the expected tau's alone
+    # against the pin, which holds none: the measured mean of seeds 0 and 1 only
+    assert guard.reported_rows(measured, PINNED)[-1] == "| held-out tau (blocks) @ 600 | - | 1.845 | - | - | reported |"
+    # a paired A/B: a fall of 0.3 in the block-by-block tau is shown, and the verdict stays PASS
+    write_seed_runs(tmp_path / "base", with_block_tau(runs({}, ("0", "1")), 0.5))
+    write_seed_runs(tmp_path / "new", with_block_tau(runs({}, ("0", "1")), 0.2))
+    pinned = tmp_path / "pinned.json"
+    pinned.write_text(json.dumps(PINNED))
+    assert guard.main(["--metrics", str(tmp_path / "new"), "--pinned", str(pinned),
+                       "--baseline", str(tmp_path / "base")]) == 0
+    out = capsys.readouterr().out
+    assert "| held-out tau (blocks) @ 150 | 1.605 | 1.305 | -0.300 | - | reported |" in out
+    assert out.rstrip().endswith("PASS")
+
+
 def test_the_pinned_figures_cover_the_arm(guard):
     pinned = json.loads(guard.PINNED.read_text())
     assert sorted(pinned["seeds"]) == ["0", "1", "2"]

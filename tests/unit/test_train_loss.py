@@ -181,6 +181,7 @@ def test_cuda_default_fused_walk_never_waits_for_the_gpu():
     torch.testing.assert_close(out.weighted_sum, plain.weighted_sum, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, plain_grad, rtol=1e-2, atol=1e-2)
     assert torch.equal(out.correct, plain.correct) and torch.equal(out.count, plain.count)
+    assert torch.equal(out.blocks, plain.blocks) and torch.equal(out.accepted, plain.accepted)
 
 
 @pytest.mark.gpu

@@ -201,10 +201,14 @@ def test_validation_is_logged_and_does_not_touch_training(tiny, tmp_path):
     for k, v in _weights(end).items():
         assert torch.equal(v, _weights(every)[k]), k
     final = _metrics(tmp_path / "end")[-1]
-    assert final["val_loss"] == lines[-1]["val_loss"] and final["val_expected_tau"] == lines[-1]["val_expected_tau"]
+    for key in ("val_loss", "val_expected_tau", "val_tau"):
+        assert final[key] == lines[-1][key], key
     # the same number again from the trained drafter: validation is deterministic
-    assert end.validate()["val_loss"] == pytest.approx(final["val_loss"], rel=1e-6)
-    assert 1.0 <= final["val_expected_tau"] <= 8.0 and final["val_loss"] > 0
+    again = end.validate()
+    assert again["val_loss"] == pytest.approx(final["val_loss"], rel=1e-6) and again["val_tau"] == final["val_tau"]
+    # blocks of 8 accept at most 7 drafts
+    assert 1.0 <= final["val_expected_tau"] <= 8.0 and 1.0 <= final["val_tau"] <= 8.0 and final["val_loss"] > 0
+    assert all(1.0 <= m["tau"] <= 8.0 for m in lines)
 
 
 def test_progress_bar_keeps_the_last_validation_tau(tmp_path):
@@ -212,11 +216,12 @@ def test_progress_bar_keeps_the_last_validation_tau(tmp_path):
     from dflash_train.training.logging import MetricsLogger
 
     logger = MetricsLogger(LoggingConfig(wandb="disabled", progress_bar=True), tmp_path, 10, 0, True, {})
-    logger.log(1, {"loss": 2.5, "expected_tau": 1.25})
+    logger.log(1, {"loss": 2.5, "expected_tau": 1.25, "tau": 1.5})
     assert "val_tau" not in logger.bar.postfix
-    logger.log(2, {"loss": 2.0, "expected_tau": 1.5, "val_expected_tau": 1.125})
-    logger.log(3, {"loss": 1.5, "expected_tau": 1.75})
-    assert logger.bar.postfix == "loss=1.500, tau=1.75, val_tau=1.12"
+    logger.log(2, {"loss": 2.0, "expected_tau": 1.5, "tau": 1.625, "val_expected_tau": 1.125, "val_tau": 1.25})
+    logger.log(3, {"loss": 1.5, "expected_tau": 1.75, "tau": 2.0})
+    # the bar shows the taus counted block by block; metrics.jsonl keeps both kinds
+    assert logger.bar.postfix == "loss=1.500, tau=2.00, val_tau=1.25"
     logger.close()
-    assert [json.loads(line).get("val_expected_tau") for line in (tmp_path / METRICS_FILE).read_text().splitlines()] \
-        == [None, 1.125, None]
+    lines = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert [(m.get("val_expected_tau"), m.get("val_tau")) for m in lines] == [(None, None), (1.125, 1.25), (None, None)]
