@@ -69,7 +69,9 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys):
     data = write_datagen_dir(tmp_path / "data", target, tok, repeat=4)
     run = tmp_path / "run"
     both = [f"target.name={target}", "target.num_layers=6", "target.mask_token_id=16", "target.dtype=float32"]
-    argv = ["target=smollm2_135m", f"data.path={data}", "budget_min=0.4", f"run_dir={run}", "probe_steps=4",
+    # 15 s: after the ~6 s start-up and ~1 s export an idle CPU core plans ~200 steps of 0.04 s,
+    # so the lr check below sees a schedule that decayed to its end.
+    argv = ["target=smollm2_135m", f"data.path={data}", "budget_min=0.25", f"run_dir={run}", "probe_steps=4",
             "warmup_steps=1", "data.val_rows=4", "limit=2", "max_new_tokens=8", "device=cpu", *both,
             _listed("train", TINY_TRAIN)]
     quality.main(argv)
@@ -93,10 +95,10 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys):
     # Run again with another budget: a refusal naming the change, not the stale plan.
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     with pytest.raises(SystemExit) as exit_info:
-        quality.main([("budget_min=0.8" if a == "budget_min=0.4" else a) for a in argv])
+        quality.main([("budget_min=0.8" if a == "budget_min=0.25" else a) for a in argv])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == (
-        f"dflash-quality: error: run_dir '{run}' holds a quality run with other settings (budget_min 0.4 -> "
+        f"dflash-quality: error: run_dir '{run}' holds a quality run with other settings (budget_min 0.25 -> "
         "0.8): rerun with its settings to finish it, or use a new run_dir for a new plan")
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
@@ -115,7 +117,7 @@ def test_quality_run_generates_its_data_first(tmp_path, capfd):
     datagen = [f"sources=[{{kind: jsonl, path: {prompts}}}]", "shard_size=4", "backend.batch_size=4",
                "backend.cpu_threads=1", "sampling.max_new_tokens=12", "max_prompt_len=64"]
     argv = ["target=smollm2_135m", "datagen_budget_min=5", "datagen_recipe=datagen", _listed("datagen", datagen),
-            "budget_min=0.3", f"run_dir={run}", "probe_steps=4", "warmup_steps=1", "data.val_rows=2", "limit=2",
+            "budget_min=0.2", f"run_dir={run}", "probe_steps=4", "warmup_steps=1", "data.val_rows=2", "limit=2",
             "max_new_tokens=8", "device=cpu", *both,
             _listed("train", [*TINY_TRAIN, "drafter.init_from_target=true", "logging.progress_bar=true"])]
     quality.main(argv)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,7 @@ def test_two_trainings_on_one_folder(tiny, tmp_path):
     try:
         while not (run / "metrics.jsonl").exists():  # training, not only loading
             assert first.poll() is None, first.communicate()
+            time.sleep(0.05)  # not a busy wait: it would take a core from the loading command
         second = run_cli("dflash-train", *tiny_train_args(tiny["target"], tiny["data"], run, "optim.lr=1e-2"))
         assert first.poll() is None  # still training: the refusal came from the lock
     finally:
