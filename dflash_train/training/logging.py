@@ -19,8 +19,7 @@ from tqdm import tqdm
 from dflash_train.config import LoggingConfig
 from dflash_train.contract import acceptance_length, expected_acceptance_length
 from dflash_train.training.flops import peak_memory_gib
-
-METRICS_FILE = "metrics.jsonl"
+from dflash_train.training.run_dir import METRICS_FILE
 
 
 def _jsonable(value):

@@ -70,7 +70,7 @@ from dflash_train.training.run_dir import (
     EXPORT_DIR,
     INIT_MAP_FILE,
     MANIFEST_COPY,
-    check_output_dir,
+    check_train_output_dir,
     mark_output_dir,
 )
 
@@ -115,7 +115,7 @@ class Trainer:
         if self.backend.is_main:
             check_sinks(cfg.logging)
             # Before minutes of loading and hours of training: where the results go.
-            check_output_dir(self.output_dir, (f"{EXPORT_DIR}/*", MANIFEST_COPY))
+            check_train_output_dir(self.output_dir)
             check_writable_dir(self.output_dir, "output_dir")
             if cfg.export:
                 check_export_destination(self.output_dir / EXPORT_DIR, "dflash-train")
