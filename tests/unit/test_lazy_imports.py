@@ -44,6 +44,8 @@ def _users_folder(tmp_path: Path) -> Path:
     return folder
 
 
+# (command, its module): the commands whose settings are refused before torch is imported.
+COMMANDS = {"dflash-train": "dflash_train.train", "dflash-export": "dflash_train.export.cli"}
 TRAIN_REFUSALS = {
     "unknown key": (["optim.lrr=1", "data.path=d", "output_dir=o"], "unknown key optim.lrr (did you mean optim.lr?)"),
     "missing output_dir": (["data.path=d"], "missing value for output_dir: add output_dir=<run folder> to the command"),
@@ -54,15 +56,36 @@ TRAIN_REFUSALS = {
 }
 
 
+EXPORT_REFUSALS = {
+    "unknown key": (["runs/x", "outt=y"], "unknown key outt (did you mean out?)"),
+    "missing path": (["out=y"], "missing value for path: add path=<run output_dir or checkpoint directory> to the command"),
+    "retired flag": (["runs/x", "--push"], "--push"),
+    "wrong type": (["runs/x", "push=maybe"], "push='maybe'"),
+}
+
+
 @pytest.mark.parametrize("case", sorted(TRAIN_REFUSALS))
 def test_train_refuses_before_importing_torch(tmp_path, case):
     _users_folder(tmp_path)
     args, message = TRAIN_REFUSALS[case]
-    seen, err = run_main("dflash_train.train", args, tmp_path)
-    assert seen == {"code": 2, "torch": False, "transformers": False}
-    assert err.startswith("dflash-train: error: ") and message in err and err.count("\n") == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # nothing written, no folder made
+    assert_refused_without_torch("dflash-train", args, message, tmp_path)
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("case", sorted(EXPORT_REFUSALS))
+def test_export_refuses_settings_before_importing_torch(tmp_path, case):
+    args, message = EXPORT_REFUSALS[case]
+    assert_refused_without_torch("dflash-export", args, message, tmp_path)
+
+
+def assert_refused_without_torch(prog: str, args: list[str], message: str, cwd: Path) -> None:
+    """``prog`` refuses ``args`` in one line holding ``message``, exit 2, having imported neither
+    torch nor transformers and written nothing in ``cwd``."""
+    before = sorted(p.name for p in cwd.iterdir())
+    seen, err = run_main(COMMANDS[prog], args, cwd)
+    assert seen == {"code": 2, "torch": False, "transformers": False}
+    assert err.startswith(f"{prog}: error: ") and message in err and err.count("\n") == 1
+    assert sorted(p.name for p in cwd.iterdir()) == before  # nothing written, no folder made
 
 
 def test_train_imports_torch_once_the_checks_pass(tmp_path):
