@@ -17,7 +17,7 @@ from dflash_train.distributed.launch import launch_env
 from dflash_train.errors import run_command
 from dflash_train.recipe import load_command, log_to_stdout
 from dflash_train.run_lock import hold_folder
-from dflash_train.training.run_dir import check_train_output_dir
+from dflash_train.training.run_dir import check_sinks, check_train_output_dir
 
 
 def load(argv: list[str] | None = None) -> TrainConfig:
@@ -26,10 +26,11 @@ def load(argv: list[str] | None = None) -> TrainConfig:
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    """The refusals that need no torch, before importing it: a user's folder as output_dir
-    (rank 0, which writes there; the trainer checks it again) and a data.path that is not
-    a dflash-datagen output."""
+    """The refusals that need no torch, before importing it: a logging sink that cannot work,
+    a user's folder as output_dir (rank 0, which writes there; the trainer checks both again)
+    and a data.path that is not a dflash-datagen output."""
     if launch_env().rank == 0:
+        check_sinks(cfg.logging)
         check_train_output_dir(cfg.output_dir)
     read_manifest(cfg.data.path)
 

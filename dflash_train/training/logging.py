@@ -7,7 +7,6 @@ variables (WANDB_MODE, WANDB_API_KEY, ...) keep their usual meaning.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import time
@@ -96,15 +95,6 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.finish()
         self.file.close()
-
-
-def check_sinks(cfg: LoggingConfig) -> None:
-    """Fail before any model is loaded when a configured sink cannot work."""
-    if cfg.wandb != "disabled" and importlib.util.find_spec("wandb") is None:
-        raise ValueError(
-            f"logging.wandb={cfg.wandb!r} needs wandb: pip install 'dflash-train[wandb]', "
-            "or set logging.wandb=disabled"
-        )
 
 
 def _start_wandb(cfg: LoggingConfig, output_dir: Path, run_config: dict):

@@ -15,12 +15,14 @@ refuses it in one line before anything loads.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from dflash_train.atomic import atomic_write_text
+from dflash_train.config import LoggingConfig
 from dflash_train.errors import check_own_folder
 
 RUN_FILE = "run.json"
@@ -69,6 +71,15 @@ def check_train_output_dir(output_dir: str | Path) -> None:
     """check_output_dir for dflash-train, which also writes its export and the data manifest;
     imports no torch, so the command refuses a user's folder before loading anything."""
     check_output_dir(output_dir, (f"{EXPORT_DIR}/*", MANIFEST_COPY))
+
+
+def check_sinks(cfg: LoggingConfig) -> None:
+    """Fail before any model is loaded when a configured sink cannot work."""
+    if cfg.wandb != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            f"logging.wandb={cfg.wandb!r} needs wandb: pip install 'dflash-train[wandb]', "
+            "or set logging.wandb=disabled"
+        )
 
 
 def mark_output_dir(output_dir: str | Path) -> None:

@@ -63,13 +63,14 @@ from dflash_train.training.checkpoint import (
 )
 from dflash_train.training.dspark_loss import DSparkLossWeights, dspark_loss
 from dflash_train.training.feature_cache import FeatureCache, bytes_needed
-from dflash_train.training.logging import MetricsLogger, MetricWindow, check_sinks, position_accuracy
+from dflash_train.training.logging import MetricsLogger, MetricWindow, position_accuracy
 from dflash_train.training.loss import Distillation, LossOutput, dflash_loss, selector_term, supervised_blocks
 from dflash_train.training.optim import optimizer_factory, scheduler_factory
 from dflash_train.training.run_dir import (
     EXPORT_DIR,
     INIT_MAP_FILE,
     MANIFEST_COPY,
+    check_sinks,
     check_train_output_dir,
     mark_output_dir,
 )
