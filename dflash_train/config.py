@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from dflash_train.contract import DEFAULT_BLOCK_SIZE, DRAFTER_KINDS, DSPARK, default_gamma
+from dflash_train.contract_base import DEFAULT_BLOCK_SIZE, DRAFTER_KINDS, DSPARK, default_gamma
 from dflash_train.recipe import HINT, to_config
 
 ATTENTION_KINDS = ("flex", "dense")

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import pickle
-import re
 import shutil
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -42,8 +41,8 @@ from omegaconf import OmegaConf
 
 from dflash_train.atomic import disk_full, disk_full_error, file_sha256, publish
 from dflash_train.config import TrainConfig, as_dict
+from dflash_train.training.run_dir import STEP_DIR, checkpoint_root, list_checkpoints
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
@@ -73,21 +72,8 @@ class TrainerState:
         return self.step * self.global_batch
 
 
-def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = checkpoint_root(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

@@ -7,7 +7,6 @@ variables (WANDB_MODE, WANDB_API_KEY, ...) keep their usual meaning.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import time
@@ -19,8 +18,7 @@ from tqdm import tqdm
 from dflash_train.config import LoggingConfig
 from dflash_train.contract import acceptance_length, expected_acceptance_length
 from dflash_train.training.flops import peak_memory_gib
-
-METRICS_FILE = "metrics.jsonl"
+from dflash_train.training.run_dir import METRICS_FILE
 
 
 def _jsonable(value):
@@ -97,15 +95,6 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.finish()
         self.file.close()
-
-
-def check_sinks(cfg: LoggingConfig) -> None:
-    """Fail before any model is loaded when a configured sink cannot work."""
-    if cfg.wandb != "disabled" and importlib.util.find_spec("wandb") is None:
-        raise ValueError(
-            f"logging.wandb={cfg.wandb!r} needs wandb: pip install 'dflash-train[wandb]', "
-            "or set logging.wandb=disabled"
-        )
 
 
 def _start_wandb(cfg: LoggingConfig, output_dir: Path, run_config: dict):

@@ -15,21 +15,38 @@ refuses it in one line before anything loads.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from dflash_train.atomic import atomic_write_text
+from dflash_train.config import LoggingConfig
 from dflash_train.errors import check_own_folder
-from dflash_train.training.checkpoint import checkpoint_root, list_checkpoints
-from dflash_train.training.logging import METRICS_FILE
 
 RUN_FILE = "run.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+STEP_DIR = re.compile(r"^step_(\d+)$")  # a checkpoint's folder in CHECKPOINT_DIR
 EXPORT_DIR = "export"
 MANIFEST_COPY = "data_manifest.json"
 INIT_MAP_FILE = "init_from_target.json"
 WRITTEN_BY = "dflash-train"
-OWN_FILES = (RUN_FILE, METRICS_FILE, INIT_MAP_FILE, f"{checkpoint_root('').name}/*", "wandb/*")
+OWN_FILES = (RUN_FILE, METRICS_FILE, INIT_MAP_FILE, f"{CHECKPOINT_DIR}/*", "wandb/*")
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / CHECKPOINT_DIR
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
 
 
 def _ours(output_dir: Path) -> bool:
@@ -48,6 +65,21 @@ def check_output_dir(output_dir: str | Path, extra: Sequence[str] = (), key: str
     more patterns the caller writes there (its export folder, the data manifest); ``key``:
     the caller's name for the folder (dflash-quickstart's run_dir)."""
     check_own_folder(output_dir, key, WRITTEN_BY, (*OWN_FILES, *extra), _ours)
+
+
+def check_train_output_dir(output_dir: str | Path) -> None:
+    """check_output_dir for dflash-train, which also writes its export and the data manifest;
+    imports no torch, so the command refuses a user's folder before loading anything."""
+    check_output_dir(output_dir, (f"{EXPORT_DIR}/*", MANIFEST_COPY))
+
+
+def check_sinks(cfg: LoggingConfig) -> None:
+    """Fail before any model is loaded when a configured sink cannot work."""
+    if cfg.wandb != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            f"logging.wandb={cfg.wandb!r} needs wandb: pip install 'dflash-train[wandb]', "
+            "or set logging.wandb=disabled"
+        )
 
 
 def mark_output_dir(output_dir: str | Path) -> None:

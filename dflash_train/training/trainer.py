@@ -63,14 +63,15 @@ from dflash_train.training.checkpoint import (
 )
 from dflash_train.training.dspark_loss import DSparkLossWeights, dspark_loss
 from dflash_train.training.feature_cache import FeatureCache, bytes_needed
-from dflash_train.training.logging import MetricsLogger, MetricWindow, check_sinks, position_accuracy
+from dflash_train.training.logging import MetricsLogger, MetricWindow, position_accuracy
 from dflash_train.training.loss import Distillation, LossOutput, dflash_loss, selector_term, supervised_blocks
 from dflash_train.training.optim import optimizer_factory, scheduler_factory
 from dflash_train.training.run_dir import (
     EXPORT_DIR,
     INIT_MAP_FILE,
     MANIFEST_COPY,
-    check_output_dir,
+    check_sinks,
+    check_train_output_dir,
     mark_output_dir,
 )
 
@@ -115,7 +116,7 @@ class Trainer:
         if self.backend.is_main:
             check_sinks(cfg.logging)
             # Before minutes of loading and hours of training: where the results go.
-            check_output_dir(self.output_dir, (f"{EXPORT_DIR}/*", MANIFEST_COPY))
+            check_train_output_dir(self.output_dir)
             check_writable_dir(self.output_dir, "output_dir")
             if cfg.export:
                 check_export_destination(self.output_dir / EXPORT_DIR, "dflash-train")

@@ -67,7 +67,7 @@ def test_fsdp2_checkpoint_is_sharded_and_resumes_on_one_fsdp2_process(tiny, tmp_
     """Each of the 2 processes writes its own shards (DCP), nothing gathered; one FSDP2
     process reshards them on load and goes on like the uninterrupted run, and dflash-export
     turns the sharded checkpoint into the weights the run itself gathered."""
-    from dflash_train.export.cli import export_checkpoint
+    from dflash_train.export.job import export_checkpoint
 
     want = tiny["reference"]["metrics"]
     two = launch(2, tmp_path / "two.pt", script=WORKER, target=tiny["target"], data=tiny["data"],

@@ -14,7 +14,7 @@ from dflash_train import contract
 from dflash_train.config import TrainConfig, validate
 from dflash_train.contract import IGNORE_INDEX
 from dflash_train.data.dataset import anchor_counts, build_example
-from dflash_train.export.cli import export_checkpoint
+from dflash_train.export.job import export_checkpoint
 from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel
 from dflash_train.model.io import load_drafter
 from dflash_train.recipe import load_command

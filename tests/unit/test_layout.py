@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dflash_train", "data_gen")
 LAYERS = (
     ("dflash_train.errors", "dflash_train.resources", "dflash_train.atomic", "dflash_train.contract",
-     "dflash_train.model.dflash", "dflash_train.model.dflash2", "dflash_train.recipe", "dflash_train.console"),
+     "dflash_train.contract_base", "dflash_train.model.dflash", "dflash_train.model.dflash2", "dflash_train.recipe",
+     "dflash_train.console"),
     ("dflash_train.data.format", "dflash_train.data.prompts"),
     ("dflash_train.config",),
     ("dflash_train.data",),
