@@ -108,19 +108,24 @@ def test_bf16_graphs_run_and_match_eager_static():
     assert torch.equal(spec_generate(drafter, model, ids, 40), graphed.output_ids)  # the GPU default: static
 
 
-def test_a_compiled_draft_step_keeps_the_targets_tokens(on_gpu, prompts):  # noqa: F811
-    """eval's compile_drafter: the draft step compiled inside the graphs. Drafts may move by
-    rounding, the committed tokens may not, and the drafter is still accepted."""
-    model, drafter = on_gpu
+def check_compiled_draft_keeps_the_targets_tokens(drafter, model, rows, new: int, **reference) -> None:
+    """eval's compile_drafter: the draft step (the kind's pick included) compiled inside the
+    graphs. Drafts may move by rounding, the committed tokens may not (against
+    target_generate(..., **reference)), and the drafter is still accepted."""
     drafter.compile_static_draft = True
     try:
         lengths = []
-        for prompt in prompts:
+        for prompt in rows:
             ids = prompt[None].cuda()
-            out = _static(drafter, model, ids, NEW_TOKENS, graphs=True)
+            out = _static(drafter, model, ids, new, graphs=True)
             assert drafter.__dict__["_static_runtime"].compiled
-            assert torch.equal(out.output_ids, target_generate(model, ids, NEW_TOKENS, static=True))
+            assert torch.equal(out.output_ids, target_generate(model, ids, new, **reference))
             lengths += out.acceptance_lengths
         assert sum(lengths) / len(lengths) > 1.5
     finally:
         drafter.compile_static_draft = False
+
+
+def test_a_compiled_draft_step_keeps_the_targets_tokens(on_gpu, prompts):  # noqa: F811
+    model, drafter = on_gpu
+    check_compiled_draft_keeps_the_targets_tokens(drafter, model, prompts, NEW_TOKENS, static=True)

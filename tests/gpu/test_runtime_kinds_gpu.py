@@ -13,6 +13,7 @@ from dflash_train.eval.acceptance import target_generate
 from dflash_train.eval.static_batched import speculate_static_batch
 from dflash_train.model.dflash import NO_CLOCK, Sampling
 from dflash_train.model.runtime import spec_generate, speculate_static
+from tests.gpu.test_runtime_gpu import check_compiled_draft_keeps_the_targets_tokens
 from tests.unit.test_runtime_drafter import NEW_TOKENS, prompts, target  # noqa: F401 (fixtures)
 from tests.unit.test_runtime_kinds import KINDS, train
 
@@ -79,19 +80,5 @@ def test_sampled_graphs_decode(on_gpu, prompts, kind):  # noqa: F811
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_compiled_draft_step_keeps_the_targets_tokens(on_gpu, prompts, kind):  # noqa: F811
-    """eval's compile_drafter: the draft step, the kind's pick included, compiled inside the
-    graphs. Drafts may move by rounding, the committed tokens may not."""
     model, drafters = on_gpu
-    drafter = drafters[kind]
-    drafter.compile_static_draft = True
-    try:
-        lengths = []
-        for prompt in prompts:
-            ids = prompt[None].cuda()
-            out = _static(drafter, model, ids, NEW_TOKENS, graphs=True)
-            assert drafter.__dict__["_static_runtime"].compiled
-            assert torch.equal(out.output_ids, target_generate(model, ids, NEW_TOKENS))
-            lengths += out.acceptance_lengths
-        assert sum(lengths) / len(lengths) > 1.5
-    finally:
-        drafter.compile_static_draft = False
+    check_compiled_draft_keeps_the_targets_tokens(drafters[kind], model, prompts, NEW_TOKENS)
