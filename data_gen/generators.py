@@ -71,6 +71,12 @@ def past(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() >= deadline
 
 
+def slots(cfg: BackendConfig) -> int:
+    """How many prompts the generator answers at once: the engine's and hf's batch, the server
+    requests in flight."""
+    return cfg.max_concurrency if cfg.kind == "openai" else cfg.batch_size
+
+
 def prompts_per_call(cfg: BackendConfig, varied_lengths: bool = True) -> int:
     """How many prompts the pipeline hands one `generate` call: enough to keep the generator
     busy, few enough that a conversation's next turn waits one call at most.

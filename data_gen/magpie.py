@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from data_gen.config import SamplingConfig, SourceConfig
 from data_gen.generators import SEED_DIGEST, Completion, Failure, GeneratorUnavailable, past
+from data_gen.sampling import SAMPLER
 from data_gen.template import SENTINELS, ChatShaper
 from dflash_train.atomic import atomic_write_text
 from dflash_train.contract import derive_seed
@@ -95,10 +96,12 @@ class MagpieWriter:
     `generator(sampling, stop_ids)` builds the generator that writes them (None: only read
     what another rank wrote, every chunk it needed exists by then). `budget` (the run's, or
     None) gives the deadline after which no candidate starts, and is saved after each chunk;
-    `progress` shows a bar per chunk of candidates."""
+    `progress` shows a bar per chunk of candidates. A chunk holds the candidates the prompts
+    still missing need (`_needed`), at least `least` (one batch of the generator: fewer would
+    leave its slots idle) and at most MAX_CHUNK."""
 
     def __init__(self, src: SourceConfig, shaper: ChatShaper, out_dir: Path, seed: int, identity: dict,
-                 generator: Callable[[SamplingConfig, list[int]], object] | None, chunk: int, budget=None,
+                 generator: Callable[[SamplingConfig, list[int]], object] | None, least: int, budget=None,
                  progress: bool = False):
         self.src, self.shaper, self.seed = src, shaper, seed
         self.folder = Path(out_dir) / PROMPTS_DIR / src.name
@@ -106,13 +109,15 @@ class MagpieWriter:
         self.prefix_ids = shaper.tokenizer(self.prefix, add_special_tokens=False)["input_ids"]
         self.stop_ids = user_turn_stop_ids(shaper)
         self.stop_tags = [shaper.tokenizer.decode([i]) for i in self.stop_ids]
-        self.generator, self.chunk = generator, chunk
+        self.generator, self.least = generator, least
         self.budget, self.progress = budget, progress
         source = asdict(src)
         for key, default in (("system_prompt", None), ("keep_truncated", False)):
             if source[key] == default:  # as stored before the key existed: a restart reads them back
                 del source[key]
-        self.settings = {"source": source, "seed": seed, "prefix": self.prefix,
+        # The sampler: a candidate's seed gives another prompt under another one (v1 folders are
+        # refused rather than finished with v2's candidates).
+        self.settings = {"source": source, "seed": seed, "prefix": self.prefix, "sampler": SAMPLER,
                          "target_weights": identity["weights"], "stop_token_ids": self.stop_ids}
         self._sampler = None
         self.read: list[dict] = []  # the candidates handed on or dropped, in order
@@ -197,7 +202,7 @@ class MagpieWriter:
         if self._out_of_time():
             self._close(start)
             return None
-        size = min(max(self._needed(remaining), self.chunk), MAX_CHUNK, self.src.max_candidates - start)
+        size = self._size(start, remaining)
         records = self._sample(start, size, self.src.num_prompts - remaining)
         if self.budget is not None:  # first: a kill between the two then counts the seconds
             self.budget.save()
@@ -209,6 +214,10 @@ class MagpieWriter:
 
     def _usable(self, r: dict) -> bool:
         return r["finish_reason"] == "stop" or self.src.keep_truncated
+
+    def _size(self, start: int, remaining: int) -> int:
+        """Candidates the chunk at `start` writes for `remaining` more prompts."""
+        return min(max(self._needed(remaining), self.least), MAX_CHUNK, self.src.max_candidates - start)
 
     def _needed(self, remaining: int) -> int:
         """Candidates to write for `remaining` more prompts: at the share of the candidates read

@@ -19,8 +19,9 @@ from tests.datagen_helpers import an_hour_after_each_batch, write_prompts
 
 # one thread: tiny matmuls do not split, and on a shared CPU the second thread waits
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
-# What SmolLM2 writes from candidate seeds 0, 2 and 9 (the others run past 24 tokens).
-FIRST = "Can you provide a detailed guide on cholesterol levels and how they can affect various medical conditions?"
+# What SmolLM2 writes from candidate seed 1, the first of those (1, 2 and 7 of the first eight)
+# that end their user turn within 24 tokens (sampler v2: the CDF in token order).
+FIRST = "Can you suggest a DIY project that could help reduce energy consumption while improving mental health?"
 IM_END = 2  # <|im_end|>: SmolLM2's end of a turn, a user's as an assistant's
 
 
@@ -36,27 +37,28 @@ def test_target_writes_prompts_and_a_restart_reads_them_back(tmp_path, smollm2, 
     result = run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
     data = load_generated(cfg.out_dir)
     folder = tmp_path / "full" / "prompts" / "magpie"
-    # Candidates in chunks of 4 (one generate call each) until three usable ones.
+    # Candidates in chunks until three usable ones: 4 (as many as the prompts missing, at least
+    # one batch of 4), then 4 (1 missing over 2 usable of 4 read, a tenth more: 3; a batch: 4).
     assert sorted(p.name for p in folder.iterdir()) == [
-        "candidates-000000000.jsonl", "candidates-000000004.jsonl", "candidates-000000008.jsonl", "settings.json"]
-    assert result.counts["skipped"] == {"truncated": 7} and result.counts["prompts"] == 3
+        "candidates-000000000.jsonl", "candidates-000000004.jsonl", "settings.json"]
+    assert result.counts["skipped"] == {"truncated": 5} and result.counts["prompts"] == 3
     stored = [json.loads(line) for f in sorted(folder.glob("candidates-*")) for line in f.read_text().splitlines()]
-    assert [r["finish_reason"] == "stop" for r in stored[:10]] == [i in (0, 2, 9) for i in range(10)]
-    # Written: 12 candidates; read: 10 (3 kept, 7 truncated); 2 never needed.
+    assert [r["finish_reason"] == "stop" for r in stored] == [i in (1, 2, 7) for i in range(8)]
+    # Written: 8 candidates; read: 8 (3 kept, 5 truncated); none unused.
     tokens = [r["num_tokens"] for r in stored]
-    kept = tokens[0] + tokens[2] + tokens[9]
+    kept = tokens[1] + tokens[2] + tokens[7]
     assert result.counts["magpie"] == read_manifest(cfg.out_dir)["counts"]["magpie"] == {"magpie": {
-        "candidates": 12, "kept": 3, "dropped": {"truncated": 7}, "unused": 2, "stopped_by_budget": False,
-        "tokens": sum(tokens), "tokens_kept": kept, "tokens_dropped": 7 * 24, "tokens_truncated": 7 * 24,
-        "tokens_unused": sum(tokens[10:]), "waste": round(1 - kept / sum(tokens), 4)}}
-    assert sum(tokens[:10]) == kept + 7 * 24
+        "candidates": 8, "kept": 3, "dropped": {"truncated": 5}, "unused": 0, "stopped_by_budget": False,
+        "tokens": sum(tokens), "tokens_kept": kept, "tokens_dropped": 5 * 24, "tokens_truncated": 5 * 24,
+        "tokens_unused": 0, "waste": round(1 - kept / sum(tokens), 4)}}
+    assert sum(tokens) == kept + 5 * 24
     assert all(n == 24 for r, n in zip(stored, tokens) if r["finish_reason"] == "length")
     texts = [smollm2_tokenizer.decode(r["input_ids"][: r["prompt_len"]]) for r in data]
     assert f"<|im_start|>user\n{FIRST}<|im_end|>\n<|im_start|>assistant\n" in texts[0]
     assert set(data["source"]) == {"magpie"} and read_manifest(cfg.out_dir)["counts"]["rows"] == 3
 
     again = run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
-    assert again.generated_tokens == 0 and len(list(folder.iterdir())) == 4
+    assert again.generated_tokens == 0 and len(list(folder.iterdir())) == 3
 
     # As if killed after the first chunk: only it is on disk. The restart sizes its chunks by the
     # usable share so far (2 of 4 read: 3 candidates for the one prompt missing, then 2 of 7: 4)
@@ -107,7 +109,7 @@ def test_a_candidate_stops_at_the_end_of_its_user_turn(tmp_path, smollm2, smollm
         ids = full.ids[: full.ids.index(IM_END) + 1] if ended else full.ids[:24]
         assert (r["finish_reason"], r["num_tokens"]) == ("stop" if ended else "length", len(ids))
         assert r["text"] == smollm2_tokenizer.decode(ids[:-1] if ended else ids).strip()
-    assert [r["finish_reason"] for r in stored] == ["stop", "length", "stop", "length"]
+    assert [r["finish_reason"] for r in stored] == ["length", "stop", "stop", "length"]
 
 
 def test_the_budget_covers_writing_prompts_and_a_cut_keeps_them_final(tmp_path, smollm2, smollm2_tokenizer,

@@ -203,3 +203,24 @@ def test_a_chunk_is_sized_by_the_share_of_candidates_usable_so_far(tmp_path, smo
         assert writer._needed(100) == 100
         writer.read = read
         assert writer._needed(100) == want
+
+
+def test_a_chunk_writes_what_the_missing_prompts_need_at_least_one_batch(tmp_path, smollm2_tokenizer):
+    """The chunk's size: the first is as many as the prompts missing, at most MAX_CHUNK; later
+    ones what `_needed` says, never fewer than one batch of the generator (`slots`: 512 engine
+    slots). The arm of 2026-11-27 (keep_truncated, 5,000 prompts, 512 slots) wrote 4,096 + 4,096
+    candidates and used 5,000 of them: the second chunk is now 995."""
+    from data_gen.config import BackendConfig
+    from data_gen.generators import slots
+    from data_gen.magpie import MAX_CHUNK
+
+    assert slots(BackendConfig(kind="engine", batch_size=512)) == 512
+    assert slots(BackendConfig(kind="openai", max_concurrency=16)) == 16
+    shaper = ChatShaper(smollm2_tokenizer, stop_token_ids(smollm2_tokenizer))
+    cfg = config(tmp_path / "out", 3, sources=[{"kind": "magpie", "num_prompts": 5000, "keep_truncated": True}])
+    writer = MagpieWriter(cfg.sources[0], shaper, Path(cfg.out_dir), 0, target_identity(SMOLLM2), None, 512)
+    assert writer._size(0, 5000) == MAX_CHUNK == 4096
+    writer.read = [{"finish_reason": "length"}] * 4096  # cut, and kept: every candidate usable
+    assert writer._size(4096, 904) == 995  # 904 * 1.1, rounded up
+    assert writer._size(4096, 10) == 512  # one batch at least
+    assert writer._size(19_900, 904) == 100  # the source's max_candidates (20,000) caps it

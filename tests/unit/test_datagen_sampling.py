@@ -12,7 +12,9 @@ from data_gen.sampling import sample_tokens, uniform_stream
 def reference_token(logits: list[float], u: float, temperature: float, top_p: float, top_k: int) -> int:
     """One row, one token, in plain Python: the distribution written out step by step."""
     weights = [math.exp((x - max(logits)) / temperature) for x in logits]
-    order = sorted(range(len(logits)), key=lambda i: (-weights[i], i))
+    order = range(len(logits))  # nothing cut: the CDF in token order
+    if top_k or top_p < 1:  # cut from the most likely down: the CDF in that order
+        order = sorted(order, key=lambda i: (-weights[i], i))
     kept = order[:top_k] if top_k else order
     total = sum(weights[i] for i in kept)
     nucleus, mass = [], 0.0
@@ -51,6 +53,18 @@ def test_frequencies_follow_the_cut_distribution():
     assert counts[2:] == [0, 0]
     # 4 standard deviations of a binomial(20000, 0.6): 277
     assert abs(counts[0] - 0.6 * n) < 280
+
+
+def test_frequencies_follow_the_distribution_when_nothing_is_cut():
+    """No top_k or top_p: the CDF runs in token order, and the draws follow the softmax
+    (0.1, 0.45, 0.15, 0.3; 4 standard deviations of 20000 draws are under 300)."""
+    probs = torch.tensor([0.1, 0.45, 0.15, 0.3])
+    n = 20000
+    u = uniform_stream([12], n)[0]
+    counts = torch.bincount(sample_tokens(probs.log().expand(n, 4), u, temperature=1.0), minlength=4)
+    assert (counts.double() - probs.double() * n).abs().max() < 300
+    # the token-order CDF: u below 0.1 picks token 0, between 0.1 and 0.55 token 1
+    assert sample_tokens(probs.log().expand(2, 4), torch.tensor([0.05, 0.5], dtype=torch.float64), 1.0).tolist() == [0, 1]
 
 
 def test_streams_depend_on_their_seed_only():
