@@ -18,7 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dflash_train.eval.batched import spec_generate_batch, target_generate_batch
-from dflash_train.eval.cli import EvalConfig, setup, validate
+from dflash_train.eval.job import setup
+from dflash_train.eval.settings import EvalConfig, validate
 from dflash_train.model.dflash import Sampling
 from dflash_train.recipe import load_command
 

@@ -36,6 +36,7 @@ import tempfile
 import torch
 
 from dflash_train import bench
+from dflash_train.training import throughput
 
 STEPS = 3
 MIN_GAP_US = 50.0
@@ -141,7 +142,7 @@ def main(argv: list[str]) -> None:
 
     def profile(trainer, step: int) -> str:
         options = dict(with_stack=True) if gaps else dict(record_shapes=True, with_flops=True)
-        prof = bench.profile_steps(trainer, step, STEPS, **options)
+        prof = throughput.profile_steps(trainer, step, STEPS, **options)
         events = trace_events(prof, trace)
         report["text"] = gap_table(events) if gaps else kernel_tables(prof, events)
         return report["text"]

@@ -19,7 +19,8 @@ import time
 import torch
 
 from dflash_train.errors import run_command
-from dflash_train.eval.cli import EvalConfig, setup, validate
+from dflash_train.eval.job import setup
+from dflash_train.eval.settings import EvalConfig, validate
 from dflash_train.model.runtime import StaticSpeculator, TargetSlots
 from dflash_train.recipe import load_command
 

@@ -33,7 +33,8 @@ import json
 import torch
 
 from benchmarks.runtime_parts import per_call_ms
-from dflash_train.bench import GEOMETRIES, random_target, target_config
+from dflash_train.bench import GEOMETRIES, target_config
+from dflash_train.training.throughput import random_target
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
 from dflash_train.model.runtime import StaticSpeculator, TargetSlots, static_unsupported
 

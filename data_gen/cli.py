@@ -13,13 +13,17 @@ unavailable, shards left to do), 2 on a configuration or input error.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from data_gen.config import DatagenConfig
 from data_gen.generators import GeneratorUnavailable
-from data_gen.pipeline import RunResult, run
+from data_gen.inputs import check_inputs
 from dflash_train.errors import one_line, run_command
 from dflash_train.recipe import load_command
 from dflash_train.run_lock import hold_folder
+
+if TYPE_CHECKING:
+    from data_gen.pipeline import RunResult
 
 
 def format_summary(result: RunResult) -> str:
@@ -71,6 +75,10 @@ def generate(cfg: DatagenConfig, **run_kwargs) -> int:
     """Run and report; the exit status of the command."""
     try:
         with hold_folder(cfg.out_dir, "out_dir", "dflash-datagen"):
+            check_inputs(cfg)  # before torch: a mistake fails in a second
+            cfg.backend.resolve()  # backend.kind=auto asks torch for a GPU
+            from data_gen.pipeline import run
+
             result = run(cfg, **run_kwargs)
     except GeneratorUnavailable as e:
         print(f"dflash-datagen: error: {one_line(e)}; rerun the same command once the backend is up "
@@ -84,8 +92,9 @@ def generate(cfg: DatagenConfig, **run_kwargs) -> int:
 
 
 def load(argv: list[str] | None = None) -> DatagenConfig:
-    """The validated settings of a command line; loads nothing."""
-    return load_command(DatagenConfig, argv, "datagen", __doc__, DatagenConfig.validate)
+    """The checked settings of a command line; loads nothing, imports no torch (``generate``
+    resolves backend.kind=auto)."""
+    return load_command(DatagenConfig, argv, "datagen", __doc__, DatagenConfig.check)
 
 
 def main(argv: list[str] | None = None) -> None:

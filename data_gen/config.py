@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig
 
-from dflash_train.model.dflash import check_sampling
+from dflash_train.model.runtime_checks import check_sampling
 from dflash_train.recipe import HINT, MIN, to_config
 
 SOURCE_KINDS = ("sharegpt", "jsonl", "hf", "magpie")
@@ -149,19 +149,29 @@ class BackendConfig:
     max_retries: int = 3
     backoff_s: float = 1.0
 
-    def validate(self) -> None:
+    def check(self) -> None:
+        """The checks that need no torch; ``resolve`` completes them once kind=auto is resolved."""
         if self.kind not in BACKEND_KINDS:
             raise ValueError(f"backend.kind={self.kind!r}: expected one of {list(BACKEND_KINDS)}")
-        if self.kind == "auto":
-            self.kind = "engine" if self._on_gpu() else "hf"
         if self.attention not in ENGINE_ATTENTIONS:
             raise ValueError(f"backend.attention={self.attention!r}: expected one of {list(ENGINE_ATTENTIONS)}")
-        if self.attention != "sdpa" and self.kind != "engine":
-            raise ValueError(f"backend.attention={self.attention!r} is the engine's; backend.kind is {self.kind!r}")
+        if self.kind != "auto":
+            self._check_attention()
         if self.timeout_s <= 0:
             raise ValueError(f"backend.timeout_s={self.timeout_s} must be > 0")
         if self.kind == "openai" and not self.base_url:
             raise ValueError("backend.base_url is required for backend.kind='openai' (e.g. http://127.0.0.1:8000/v1)")
+
+    def resolve(self) -> None:
+        """kind=auto becomes the generator this machine gets (run records say which); on
+        device=auto this asks torch whether there is a GPU."""
+        if self.kind == "auto":
+            self.kind = "engine" if self._on_gpu() else "hf"
+            self._check_attention()
+
+    def _check_attention(self) -> None:
+        if self.attention != "sdpa" and self.kind != "engine":
+            raise ValueError(f"backend.attention={self.attention!r} is the engine's; backend.kind is {self.kind!r}")
 
     def _on_gpu(self) -> bool:
         """Whether the in-process target runs on a GPU: the `engine` only pays off there (on
@@ -207,7 +217,9 @@ class DatagenConfig:
     # those in flight finish, and the dataset is written from the shards begun.
     budget_min: float | None = None
 
-    def validate(self) -> None:
+    def check(self) -> None:
+        """Every check of the values that needs no torch (dflash-datagen runs these before
+        importing it); ``validate`` adds the backend's resolution."""
         if not self.out_dir:
             raise ValueError("out_dir='': give the folder to write, out_dir=PATH")
         if not self.target.name:
@@ -220,9 +232,14 @@ class DatagenConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"sources: names {names} must be unique (set `name` on repeated kinds)")
         self.sampling.validate()
-        self.backend.validate()
+        self.backend.check()
         if self.budget_min is not None and not 0 < self.budget_min < math.inf:  # NaN fails it too
             raise ValueError(f"budget_min={self.budget_min:g}: must be a positive number of minutes or null")
+
+    def validate(self) -> None:
+        """``check``, then kind=auto resolved (which may import torch)."""
+        self.check()
+        self.backend.resolve()
 
 
 def to_datagen_config(raw: DictConfig | dict) -> DatagenConfig:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from data_gen.config import DatagenConfig, SamplingConfig
 from data_gen.build import build_generator
 from data_gen.generators import past, prompts_per_call, slots
+from data_gen.inputs import check_inputs
 from data_gen.magpie import MagpieWriter
 from data_gen.sampling import SAMPLER
 from data_gen.sources import SkipLog, SourcePrompt, eval_hashes, iter_prompts
@@ -32,7 +33,6 @@ from data_gen.turns import generate_shards
 from dflash_train.data import format as data_format
 from dflash_train.distributed.launch import launch_env
 from dflash_train.atomic import atomic_write_text
-from dflash_train.errors import check_writable_dir
 from dflash_train.model.target import (
     load_tokenizer,
     resolve_target,
@@ -226,9 +226,7 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
     `target` and `tokenizer` reuse an already loaded target (tests, notebooks)."""
     rank, world, local_rank = _dist()
     out = Path(cfg.out_dir)
-    # Before the target loads: a user's folder, or one that cannot be written, fails now.
-    data_format.check_out_dir(out)
-    check_writable_dir(out, "out_dir")
+    check_inputs(cfg)  # before the target loads: a user's folder or a missing file fails now
     tokenizer = tokenizer or load_tokenizer(cfg.target.name, cfg.cache_dir)
     finished = (out / "manifest.json").exists()  # a dataset written: nothing more to generate
     budgeted = cfg.budget_min is not None and not finished

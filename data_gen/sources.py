@@ -78,11 +78,17 @@ def _conversation(turns, where: str) -> tuple[str | None, list[str]]:
     return system, [m["content"] for m in messages if m["role"] == "user"]
 
 
-def _sharegpt(src: SourceConfig, skips: SkipLog, remaining=None) -> Iterator[tuple[str, str, object]]:
-    """(where, "messages", messages) per record of a ShareGPT JSON array, which may be cut mid-record."""
+def source_file(src: SourceConfig) -> Path:
+    """The file a sharegpt or jsonl source reads; ValueError naming it when there is none."""
     path = resolve_path(src.path, f"source {src.path!r}")
     if not path.is_file():
         raise ValueError(f"source {src.name!r}: no such file {str(path)!r}")
+    return path
+
+
+def _sharegpt(src: SourceConfig, skips: SkipLog, remaining=None) -> Iterator[tuple[str, str, object]]:
+    """(where, "messages", messages) per record of a ShareGPT JSON array, which may be cut mid-record."""
+    path = source_file(src)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -106,9 +112,7 @@ def _sharegpt(src: SourceConfig, skips: SkipLog, remaining=None) -> Iterator[tup
 
 
 def _jsonl(src: SourceConfig, skips: SkipLog, remaining=None) -> Iterator[tuple[str, str, object]]:
-    path = resolve_path(src.path, f"source {src.path!r}")
-    if not path.is_file():
-        raise ValueError(f"source {src.name!r}: no such file {str(path)!r}")
+    path = source_file(src)
     for lineno, line in jsonl_lines(path):  # a byte that is not UTF-8 raises, naming file and line
         where = f"{path.name}:{lineno}"
         try:

@@ -24,6 +24,7 @@ from dflash_train.contract_base import (  # noqa: F401  (re-exported: the contra
     check_kind,
     default_gamma,
     derive_seed,
+    drafts_per_block,
 )
 
 

@@ -1,4 +1,5 @@
-"""The torch-free part of the DFlash contract: its constants, drafter kinds and seeds.
+"""The torch-free part of the DFlash contract: its constants, drafter kinds (and the drafts a
+block of each proposes) and seeds.
 
 contract.py re-exports all of it and stays the one place to read the rules; this module
 exists so that a command can validate its settings (config.py) without importing torch.
@@ -32,6 +33,12 @@ def check_kind(kind: str) -> str:
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"drafter.kind={kind!r}: expected one of {list(DRAFTER_KINDS)}")
     return kind
+
+
+def drafts_per_block(kind: str, block_size: int) -> int:
+    """Tokens one forward of a ``kind`` drafter proposes (its models' ``drafts_per_block``):
+    slots 1..B-1, slot 0 holding the anchor; DSpark's every slot is a draft."""
+    return block_size if kind == DSPARK else block_size - 1
 
 
 def default_gamma(block_size: int) -> float:

@@ -50,10 +50,12 @@ from omegaconf import MISSING
 
 from dflash_train.config import TargetConfig, TrainConfig
 from dflash_train.console import command_lines
+from dflash_train.data.format import read_manifest
+from dflash_train.data.prompts import benchmark_source
 from dflash_train.errors import check_own_folder, check_writable_dir, run_command
 from dflash_train.recipe import HINT, compose_recipe, parse_command_line, quote_value, recipe_choices, to_config
 from dflash_train.run_lock import hold_folder, stage_env
-from dflash_train.training.logging import METRICS_FILE
+from dflash_train.training.run_dir import METRICS_FILE
 
 # The budget ends the run, not the epochs: this only has to exceed any budget's steps.
 UNBOUNDED_EPOCHS = 1000
@@ -481,6 +483,16 @@ def settings_changes(before: dict, now: dict) -> list[str]:
             if before.get(k) != now.get(k)]
 
 
+def check_inputs(cfg: QualityConfig) -> None:
+    """The inputs the stages would refuse after minutes, refused now with their messages:
+    a data.path that is not a dflash-datagen output (dflash-train's check), an eval dataset
+    that does not exist (dflash-eval's)."""
+    if cfg.data.path is not None:
+        read_manifest(cfg.data.path)
+    for name in cfg.datasets:
+        benchmark_source(name)
+
+
 def check_run(run: QualityRun, run_dir: Path) -> None:
     """Refuse a run dir holding a run with other settings (or not a run of ours at all);
     record this run's settings in a new one."""
@@ -497,6 +509,7 @@ def check_run(run: QualityRun, run_dir: Path) -> None:
     if changed:
         raise ValueError(f"run_dir {str(run_dir)!r} holds a quality run with other settings ({'; '.join(changed)}): "
                          "rerun with its settings to finish it, or use a new run_dir for a new plan")
+    check_inputs(run.cfg)  # before run.json records them
     check_writable_dir(run_dir, "run_dir")
     if not path.exists():
         run_dir.mkdir(parents=True, exist_ok=True)

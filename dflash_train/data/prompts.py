@@ -229,25 +229,36 @@ def _hf(name: str, column: str = "prompt", subset: str | None = None) -> list[Be
 BUILTIN = {"mtbench": _mtbench, "humaneval": _humaneval}
 
 
-def load_benchmark(name: str, limit: int | None = None, **kw) -> list[BenchmarkPrompt]:
-    """The first ``limit`` prompts (all when None) of a named benchmark, JSONL file or HF dataset."""
-    if limit is not None and limit < 1:
-        raise ValueError(f"dataset {name!r}: limit must be >= 1 or None, got {limit}")
+def benchmark_source(name: str, options: dict | None = None) -> str:
+    """How ``load_benchmark`` reads ``name``: "hf", "builtin" or "file". Reads nothing, so a
+    command refuses an unknown name, a missing file or an option the source does not take
+    before it loads a model."""
+    kw = options or {}
     if name.startswith(HF_SCHEME):
         unknown = set(kw) - {"column", "subset"}
         if unknown:
             raise ValueError(f"dataset {name!r}: unknown options {sorted(unknown)} (known: column, subset)")
-        prompts = _hf(name, **kw)
-    elif name in BUILTIN or Path(name).is_file():
+        return "hf"
+    if name in BUILTIN or Path(name).is_file():
         if kw:
             raise ValueError(f"dataset {name!r} takes no options, got {sorted(kw)}")
-        prompts = BUILTIN[name]() if name in BUILTIN else _jsonl(Path(name))
-    elif name.endswith((".jsonl", ".jsonl.gz")):
+        return "builtin" if name in BUILTIN else "file"
+    if name.endswith((".jsonl", ".jsonl.gz")):
         raise ValueError(f"dataset {name!r}: no such file")
+    raise ValueError(
+        f"unknown dataset {name!r}: use one of {sorted(BUILTIN)}, a .jsonl path, or hf:<name_or_path>[:split]"
+    )
+
+
+def load_benchmark(name: str, limit: int | None = None, **kw) -> list[BenchmarkPrompt]:
+    """The first ``limit`` prompts (all when None) of a named benchmark, JSONL file or HF dataset."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"dataset {name!r}: limit must be >= 1 or None, got {limit}")
+    source = benchmark_source(name, kw)
+    if source == "hf":
+        prompts = _hf(name, **kw)
     else:
-        raise ValueError(
-            f"unknown dataset {name!r}: use one of {sorted(BUILTIN)}, a .jsonl path, or hf:<name_or_path>[:split]"
-        )
+        prompts = BUILTIN[name]() if source == "builtin" else _jsonl(Path(name))
     if not prompts:
         raise ValueError(f"dataset {name!r} has no prompts")
     return prompts[:limit]

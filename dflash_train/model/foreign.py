@@ -24,7 +24,6 @@ serve a drafter that computes something other than what it was trained to comput
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from dflash_train.model import dflash
+from dflash_train.model.files import CONFIG_NAME, read_raw_config, weight_files
 from dflash_train.model.dflash import (
     DEFAULT_BLOCK_SIZE,
     SLIDING_ATTENTION,
@@ -44,10 +44,6 @@ from dflash_train.model.dflash import (
 
 OWN = "dflash-train"
 FORMATS = ("z-lab", "specforge", "modelopt", "speculators")
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-PICKLED_WEIGHTS = ("pytorch_model.bin", "training_state.pt", "model.pt")
 # Our exports carry a verbatim copy of model/dflash.py; its first docstring line names it.
 OWN_CODE_MARKER = '"""' + dflash.__doc__.splitlines()[0]
 
@@ -95,19 +91,6 @@ class MappedDrafter:
     format: str
     config: DFlashConfig
     state: dict[str, torch.Tensor]
-
-
-def read_raw_config(path: Path) -> dict:
-    file = path / CONFIG_NAME
-    if not file.is_file():
-        raise ValueError(f"{path}: no {CONFIG_NAME}; not a DFlash drafter export")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file}: not valid JSON ({err})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{file}: expected a JSON object, found {type(raw).__name__}")
-    return raw
 
 
 def _is_own_export(path: Path) -> bool:
@@ -266,18 +249,7 @@ def _speculators_config(path: Path, raw: dict, num_target_layers: int | None) ->
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """All safetensors weights of a checkpoint folder (one file or an index of shards); pickle
     files are never opened (unpickling runs code)."""
-    index = path / INDEX_NAME
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, AttributeError) as err:
-            raise ValueError(f"{index}: not a safetensors index ({err})") from None
-    elif (path / WEIGHTS_NAME).is_file():
-        files = [WEIGHTS_NAME]
-    else:
-        pickled = [n for n in PICKLED_WEIGHTS if (path / n).exists()]
-        hint = f" (found {pickled[0]}, a pickle, which is never loaded: save the weights as safetensors)" if pickled else ""
-        raise ValueError(f"{path}: no {WEIGHTS_NAME}{hint}")
+    files = weight_files(path)
     state = {}
     for name in files:
         try:

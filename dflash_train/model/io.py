@@ -32,7 +32,8 @@ from dflash_train.model.dflash import (
 )
 from dflash_train.model.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
 from dflash_train.model.dspark import is_dspark, top_level_fields
-from dflash_train.model.foreign import read_foreign, read_raw_config, read_weights
+from dflash_train.model.files import read_raw_config
+from dflash_train.model.foreign import read_foreign, read_weights
 from dflash_train.model.kinds import ARCHITECTURES, config_class, kind_of, new_drafter
 from dflash_train.model.serving import layer_types, serving_conflicts, serving_fields
 

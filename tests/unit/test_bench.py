@@ -9,7 +9,7 @@ from dflash_train.data.dataset import TrainingData
 from dflash_train.data.format import load_generated
 from dflash_train.errors import RunError
 from dflash_train.model.target import load_tokenizer
-from dflash_train.training.trainer import split_validation
+from dflash_train.training.trainer import Trainer, split_validation
 from tests.conftest import SMOLLM2
 from tests.train_data import save_tiny_target, write_datagen_dir
 
@@ -114,7 +114,7 @@ def test_flex_attention_on_the_cpu_is_refused_before_any_step(tiny, monkeypatch)
     # The trainer's own refusal (Trainer.check_can_train), not flex attention's traceback
     # from the first backward.
     target, data = tiny
-    monkeypatch.setattr(bench.Trainer, "train_step", lambda *a: pytest.fail("a step ran"))
+    monkeypatch.setattr(Trainer, "train_step", lambda *a: pytest.fail("a step ran"))
     with pytest.raises(ValueError, match=r"^drafter.attention=flex cannot train on the CPU .*add drafter.attention=dense$"):
         bench.main([f"target.name={target}", f"data.path={data}", "target.num_layers=6", "target.mask_token_id=16",
                     "drafter=cpu_small", "drafter.target_layer_ids=[1,3]", "drafter.attention=flex"])

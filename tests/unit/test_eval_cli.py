@@ -4,15 +4,8 @@ import torch
 from dflash_train.console import NOTE_WIDTH
 from dflash_train.data.prompts import BenchmarkPrompt
 from dflash_train.eval.acceptance import PromptResult, summarize, target_generate
-from dflash_train.eval.cli import (
-    EvalConfig,
-    _check_machine,
-    _dataset_entries,
-    decode_conversations,
-    decode_datasets,
-    encode_messages,
-    validate,
-)
+from dflash_train.eval.job import decode_conversations, decode_datasets, encode_messages
+from dflash_train.eval.settings import EvalConfig, check_inputs, dataset_entries, validate
 from dflash_train.eval.plot import acceptance_figure, model_name, plot_acceptance
 from dflash_train.eval.report import format_table
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
@@ -35,7 +28,7 @@ def test_eval_recipe_composes_with_required_drafter():
     with pytest.raises(ValueError, match="missing value for drafter_path: add drafter_path=<drafter directory> or random to the command"):
         eval_cfg()
     with pytest.raises(ValueError, match="drafter_path '/no/such/dir' is not a directory"):
-        _check_machine(eval_cfg("drafter_path=/no/such/dir"))
+        check_inputs(eval_cfg("drafter_path=/no/such/dir"))
     assert eval_cfg("drafter_path=random").max_turns is None  # MT-Bench's second question is asked
     with pytest.raises(ValueError, match="max_turns must be >= 1 or null .every turn., got 0"):
         eval_cfg("drafter_path=random", "max_turns=0")
@@ -44,15 +37,15 @@ def test_eval_recipe_composes_with_required_drafter():
 def test_dataset_entries_labels_and_limits():
     cfg = eval_cfg("drafter_path=random", "limit=5",
                'datasets=[mtbench,data/gsm8k.jsonl,{name:"hf:openai/gsm8k:test",label:gsm,limit:2,column:question}]')
-    assert _dataset_entries(cfg) == [
+    assert dataset_entries(cfg) == [
         {"name": "mtbench", "label": "mtbench", "limit": 5},
         {"name": "data/gsm8k.jsonl", "label": "gsm8k", "limit": 5},
         {"name": "hf:openai/gsm8k:test", "label": "gsm", "limit": 2, "column": "question"},
     ]
     with pytest.raises(ValueError, match=r"labels must be unique, got \['mtbench', 'mtbench'\]"):
-        _dataset_entries(eval_cfg("drafter_path=random", "datasets=[mtbench,mtbench]"))
+        dataset_entries(eval_cfg("drafter_path=random", "datasets=[mtbench,mtbench]"))
     with pytest.raises(ValueError, match=r"datasets entry \{'name': 'x', 'colum': 'q'\}"):
-        _dataset_entries(eval_cfg("drafter_path=random", "datasets=[{name:x,colum:q}]"))
+        dataset_entries(eval_cfg("drafter_path=random", "datasets=[{name:x,colum:q}]"))
 
 
 class _Tok:
@@ -295,7 +288,8 @@ def test_static_runtime_decodes_conversations_like_the_dynamic_one(chat_models):
 
 @pytest.mark.usefixtures("one_thread")
 def test_speed_table_measures_both_runtimes(chat_models):
-    from dflash_train.eval.speed import format_speed_table, measure
+    from dflash_train.eval.speed import format_speed_table
+    from dflash_train.eval.speed_job import measure
 
     target, drafter = chat_models
     items = chat_items(CharTokenizer())

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel, rope_parameters
-from dflash_train.model.foreign import detect_format, read_foreign, read_raw_config
+from dflash_train.model.files import read_raw_config
+from dflash_train.model.foreign import detect_format, read_foreign
 from dflash_train.model.io import load_drafter, save_drafter
 from dflash_train.model.target import TargetModel
 from dflash_train.training.trainer import Trainer

@@ -12,12 +12,13 @@ import pytest
 from dflash_train.data.format import FORMAT_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
-# Runs MODULE.main(ARGS), then prints the exit code and whether torch and transformers were imported.
+# Runs MODULE as ``python -m MODULE ARGS`` does, then prints the exit code and whether torch
+# and transformers were imported.
 PROBE = """
-import json, sys
-from {module} import main
+import json, runpy, sys
+sys.argv = [{module!r}, *{args!r}]
 try:
-    main({args!r})
+    runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
     code = 0
 except SystemExit as stop:
     code = stop.code
@@ -27,7 +28,7 @@ print(json.dumps({{"code": code, "torch": "torch" in sys.modules,
 
 
 def run_main(module: str, args: list[str], cwd: Path) -> tuple[dict, str]:
-    """(what the probe printed, the command's stderr) of ``module``'s main(args)."""
+    """(what the probe printed, the command's stderr) of ``python -m module args``."""
     done = subprocess.run([sys.executable, "-c", PROBE.format(module=module, args=args)], cwd=cwd,
                           capture_output=True, text=True, timeout=120, env=_env(), check=False)
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
@@ -45,7 +46,10 @@ def _users_folder(tmp_path: Path) -> Path:
 
 
 # (command, its module): the commands whose settings are refused before torch is imported.
-COMMANDS = {"dflash-train": "dflash_train.train", "dflash-export": "dflash_train.export.cli"}
+COMMANDS = {"dflash-train": "dflash_train.train", "dflash-export": "dflash_train.export.cli",
+            "dflash-datagen": "data_gen.cli", "dflash-eval": "dflash_train.eval.cli",
+            "dflash-speed": "dflash_train.eval.speed", "dflash-bench": "dflash_train.bench",
+            "dflash-quality": "dflash_train.quality"}
 TRAIN_REFUSALS = {
     "unknown key": (["optim.lrr=1", "data.path=d", "output_dir=o"], "unknown key optim.lrr (did you mean optim.lr?)"),
     "missing output_dir": (["data.path=d"], "missing value for output_dir: add output_dir=<run folder> to the command"),
@@ -99,3 +103,91 @@ def test_train_imports_torch_once_the_checks_pass(tmp_path):
     seen, err = run_main("dflash_train.train", args, tmp_path)
     assert seen["code"] == 2 and seen["torch"] is True
     assert err.startswith("dflash-train: error: ") and "/nonexistent-target" in err
+
+
+def _dataset(tmp_path: Path) -> Path:
+    """A folder that passes the early checks of a dflash-datagen output (its manifest)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text(json.dumps({"format_version": FORMAT_VERSION}))
+    return data
+
+
+DATAGEN_REFUSALS = {
+    "unknown key": (["out_dir=o", "sampling.top_pp=1"], "unknown key sampling.top_pp (did you mean sampling.top_p?)"),
+    "missing out_dir": ([], "missing value for out_dir: add out_dir=<new or empty folder> to the command"),
+    "bad number": (["out_dir=o", "sampling.top_p=2"], "sampling.top_p=2.0: must be in (0, 1]"),
+    "bad budget": (["out_dir=o", "budget_min=0"], "budget_min=0: must be a positive number of minutes or null"),
+    "user's out_dir": (["out_dir=mine"], "out_dir 'mine' holds files dflash-datagen did not write (notes.txt)"),
+    "missing source file": (["out_dir=o", "sources=[{kind:jsonl,path:/nonexistent.jsonl}]"],
+                            "source 'jsonl': no such file '/nonexistent.jsonl'"),
+}
+EVAL_REFUSALS = {
+    "unknown key": (["drafter_path=random", "limt=3"], "unknown key limt (did you mean limit?)"),
+    "bad number": (["drafter_path=random", "max_new_tokens=0"], "max_new_tokens must be >= 1, got 0"),
+    "bad temperature": (["drafter_path=random", "temperature=-1"], "temperature=-1 must be a finite number >= 0"),
+    "verify_tokens past the block": (["drafter_path=random", "verify_tokens=16"],
+                                     "verify_tokens=16: must be an integer in 1..15 (the drafts of a block of 16)"),
+    "no drafter folder": (["drafter_path=/nonexistent"], "drafter_path '/nonexistent' is not a directory"),
+    "a folder that is no drafter": (["drafter_path=mine"], "mine: no config.json; not a DFlash drafter export"),
+    "user's output_dir": (["drafter_path=random", "output_dir=mine"],
+                          "output_dir 'mine' holds files dflash-eval did not write (notes.txt)"),
+    "unknown dataset": (["drafter_path=random", "datasets=[mtbenchh]"], "unknown dataset 'mtbenchh': use one of"),
+    "missing dataset file": (["drafter_path=random", "datasets=[/nonexistent.jsonl]"],
+                             "dataset '/nonexistent.jsonl': no such file"),
+}
+SPEED_REFUSALS = {
+    "verify_tokens past the block": (["drafter_path=random", "drafter=b8", "verify_tokens=8"],
+                                     "verify_tokens=8: must be an integer in 1..7 (the drafts of a block of 8)"),
+    "step_timing without steps": (["drafter_path=random", "step_timing=true", "max_new_tokens=1"],
+                                  "step_timing=true needs max_new_tokens >= 2, got 1"),
+}
+BENCH = ["--config-name", "train_quickstart"]
+BENCH_REFUSALS = {
+    "unknown key": ([*BENCH, "bench.stepz=3"], "unknown key bench.stepz (did you mean bench.steps?)"),
+    "retired flag": ([*BENCH, "--steps", "3"], "--steps is no longer accepted; use bench.steps=N"),
+    "bad number": ([*BENCH, "bench.steps=0"], "bench.steps=0 must be >= 1 and bench.warmup=2 >= 0"),
+    "layer ids past a random target's": (["bench.random_target=true", "target=qwen3_8b", "bench.target_layers=4",
+                                          "drafter.target_layer_ids=[1,5]"], "but the target has 4 layers"),
+    "layers without a random target": ([*BENCH, "bench.target_layers=2"],
+                                       "bench.target_layers=2 needs bench.random_target=true"),
+    "not a dataset": ([*BENCH, "data.path=/nonexistent"], "'/nonexistent' has no manifest.json: not a dflash-datagen output"),
+    "user's file as bench.json": ([*BENCH, "bench.json=mine/notes.txt"],
+                                  "bench.json=mine/notes.txt exists and is not an earlier dflash-bench json"),
+}
+QUALITY = ["target=smollm2_135m", "budget_min=5", "data.path=data", "run_dir=run"]
+QUALITY_REFUSALS = {
+    "unknown key": ([*QUALITY, "budget=3"], "unknown key budget (did you mean budget_min?)"),
+    "bad number": ([*QUALITY, "limit=0"], "limit=0 must be a positive number"),
+    "user's run_dir": ([*QUALITY, "run_dir=mine"], "run_dir 'mine' holds files dflash-quality did not write (notes.txt)"),
+    "not a dataset": ([*QUALITY, "data.path=/nonexistent"],
+                      "'/nonexistent' has no manifest.json: not a dflash-datagen output"),
+    "unknown dataset": ([*QUALITY, "datasets=[mtbenchh]"], "unknown dataset 'mtbenchh': use one of"),
+}
+REFUSALS = {"dflash-datagen": DATAGEN_REFUSALS, "dflash-eval": EVAL_REFUSALS, "dflash-speed": SPEED_REFUSALS,
+            "dflash-bench": BENCH_REFUSALS, "dflash-quality": QUALITY_REFUSALS}
+
+
+@pytest.mark.parametrize("prog, case", [(prog, case) for prog, cases in REFUSALS.items() for case in sorted(cases)])
+def test_a_command_refuses_bad_input_before_importing_torch(tmp_path, prog, case):
+    _users_folder(tmp_path)
+    _dataset(tmp_path)
+    args, message = REFUSALS[prog][case]
+    assert_refused_without_torch(prog, args, message, tmp_path)
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    assert [p.name for p in (tmp_path / "data").iterdir()] == ["manifest.json"]
+
+
+@pytest.mark.parametrize("prog, args", [
+    ("dflash-datagen", ["out_dir=o", "target.name=/nonexistent-target", "backend.device=cpu"]),
+    ("dflash-eval", ["drafter_path=random", "target.name=/nonexistent-target", "datasets=[mtbench]", "limit=1"]),
+    ("dflash-quality", [*QUALITY, "target.name=/nonexistent-target", "seconds_per_step=1"]),
+])
+def test_inputs_that_pass_the_early_checks_reach_torch(tmp_path, prog, args):
+    """The control: the same commands with inputs their early checks pass import torch (and
+    here refuse the target, which does not exist; dflash-quality asks torch for a GPU, then
+    its train stage refuses it)."""
+    _dataset(tmp_path)
+    seen, err = run_main(COMMANDS[prog], args, tmp_path)
+    assert seen["code"] != 0 and seen["torch"] is True
+    assert "/nonexistent-target" in err

@@ -9,6 +9,7 @@ import torch
 from dflash_train import quality
 from dflash_train.config import OptimConfig
 from dflash_train.console import MAX_LINE
+from dflash_train.data.format import FORMAT_VERSION
 from dflash_train.model.target import load_tokenizer
 from dflash_train.training.optim import scheduler_factory
 from tests.cli_helpers import assert_one_line_error, readable_lines, run_cli, unwrap_commands
@@ -213,8 +214,11 @@ def test_the_target_and_its_keys_go_to_both_stages():
                             "limit=5", "max_new_tokens=256", "device=cpu", "batch_size=5"]
 
 
-def test_a_rerun_with_another_target_key_is_refused_by_name(tmp_path):
+def test_a_rerun_with_another_target_key_is_refused_by_name(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    Path("d").mkdir()  # data.path=d: a dflash-datagen output, as far as its manifest tells
+    Path("d/manifest.json").write_text(json.dumps({"format_version": FORMAT_VERSION}))
     quality.check_run(quality.load([*REQUIRED, "target.name=/models/a"]), run_dir)
     recorded = json.loads((run_dir / "run.json").read_text())["settings"]
     assert (recorded["target"], recorded["target.name"], recorded["data.path"]) == ("smollm2_135m", "/models/a", "d")

@@ -9,7 +9,8 @@ import torch
 
 from dflash_train.eval.acceptance import target_generate
 from dflash_train.eval.static_batched import plain_static_batch, slot_layout, speculate_static_batch
-from dflash_train.eval.speed import batches, format_speed_table, measure
+from dflash_train.eval.speed import format_speed_table
+from dflash_train.eval.speed_job import batches, measure
 from dflash_train.model.dflash import Sampling
 from dflash_train.model.runtime import spec_generate
 from tests.unit.test_eval_cli import CharTokenizer, chat_items, chat_models, eval_cfg  # noqa: F401 (fixture)

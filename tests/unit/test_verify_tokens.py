@@ -14,7 +14,7 @@ import torch
 
 from dflash_train.eval.acceptance import target_generate
 from dflash_train.eval.batched import spec_generate_batch
-from dflash_train.eval.cli import decode_conversations
+from dflash_train.eval.job import decode_conversations
 from dflash_train.eval.static_batched import speculate_static_batch
 from dflash_train.model.dflash import Sampling
 from dflash_train.model.runtime import spec_generate
