@@ -128,12 +128,13 @@ def _soft_ce(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, 
 
 
 @functools.cache
-def compiled_kernel(kernel: Callable) -> Callable:
+def compiled_kernel(kernel: Callable, dynamic: bool | None = False) -> Callable:
     # Built on first use, not at import: importing dynamo costs seconds. Chunks have one fixed
     # shape, so each (chunk, vocab, dtype, with_grad) compiles once; dynamic=False keeps dynamo
-    # from generalising to symbolic shapes after a second shape. The distillation weight and
-    # temperature are Python floats: constants of the graph, fixed for a run.
-    return torch.compile(kernel, dynamic=False, fullgraph=True)
+    # from generalising to symbolic shapes after a second shape (None lets it, for a kernel
+    # with an input whose size varies, such as DSpark's teacher table). The distillation weight
+    # and temperature are Python floats: constants of the graph, fixed for a run.
+    return torch.compile(kernel, dynamic=dynamic, fullgraph=True)
 
 
 @dataclass
