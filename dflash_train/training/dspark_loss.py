@@ -127,7 +127,10 @@ def teacher_logits(final: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     row_lse = compiled_kernel(_row_lse) if compiled else _row_lse
     for start in range(0, s.shape[0], chunk_size):
         sl = slice(start, start + chunk_size)
-        table[sl] = F.linear(s[sl], weight, bias)
+        if bias is None:  # written into the table's rows (contiguous), not copied there
+            torch.mm(s[sl], weight.t(), out=table[sl])
+        else:
+            torch.addmm(bias, s[sl], weight.t(), out=table[sl])
         lse[sl] = row_lse(table[sl])
     return table, lse
 

@@ -66,3 +66,22 @@ def test_dflash_loss_candidates_are_the_heads_top_k_at_a_large_vocabulary(fused)
     want = head(hidden.flatten(0, 1)[index]).topk(16, dim=-1)
     assert torch.equal(out.candidates.tokens, want.indices)
     torch.testing.assert_close(out.candidates.logits, want.values, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_top_k_rows_on_cuda_equals_torch_topk():
+    """At the recipe's vocabulary and a chunk of 1024 rows: the columns of distinct float32 logits,
+    the values of bf16 ones (which tie); and the host never waits for the GPU."""
+    logits = torch.randn(1024, 151936, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    top_k_rows(logits, 16)  # first calls outside the sync check (kernels load)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        values, cols = top_k_rows(logits, 16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = logits.topk(16, dim=-1)
+    assert torch.equal(values, want.values) and torch.equal(cols, want.indices)
+    half = logits.bfloat16()
+    values, cols = top_k_rows(half, 16)
+    assert torch.equal(values, half.topk(16, dim=-1).values) and torch.equal(half.gather(1, cols), values)

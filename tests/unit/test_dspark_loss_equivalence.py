@@ -96,3 +96,34 @@ def test_bf16_head_on_plain_chunks_equals_its_first_formulation():
     for a, b in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert torch.equal(out.correct, ref.correct) and torch.equal(out.accepted, ref.accepted)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_compiled_loss_equals_its_first_formulation_at_two_table_sizes():
+    """The CUDA default (compiled fixed chunks, the teacher's rows read from the table inside the
+    compiled function) against the first formulation compiled, with a float32 head (so both are
+    float32 through and through), at two row lengths: the table's row count changes and the
+    compiled function must serve both."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # float32 matmuls, not TF32: float32 tolerances hold
+    try:
+        _compare_on_cuda()
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _compare_on_cuda():
+    for seq_pad in (0, 9):
+        drafter, head, hidden, labels, block_ids, anchors, final = random_case(3, True)
+        final = torch.cat([final, torch.randn(2, seq_pad, H)], dim=1)
+        drafter, head, labels, block_ids, anchors, final = (x.cuda() for x in
+                                                            (drafter, head, labels, block_ids, anchors, final))
+        hidden = hidden.detach().cuda().requires_grad_()
+        args = (labels, block_ids, anchors, final, head, contract.slot_weights(B, 2.0, "dspark"), 7, ALPHAS)
+        out, grads = _outputs(dspark_loss, drafter, hidden, *args)
+        ref, ref_grads = _outputs(dspark_loss_first, drafter, hidden, *args)
+        torch.testing.assert_close(out.weighted_sum, ref.weighted_sum, rtol=1e-5, atol=1e-4)
+        for a, b in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert torch.equal(out.correct, ref.correct) and torch.equal(out.accepted, ref.accepted)
