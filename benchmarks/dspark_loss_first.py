@@ -13,8 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.contract import IGNORE_INDEX
-from dflash_train.training.dspark_loss import DSparkLossWeights, previous_tokens, teacher_index
-from dflash_train.training.loss import LossOutput, accepted_drafts, compiled_kernel, supervised_blocks
+from dflash_train.training.dspark_loss import (
+    DSparkLossWeights,
+    previous_tokens,
+    teacher_index,
+)
+from dflash_train.training.loss import (
+    LossOutput,
+    accepted_drafts,
+    compiled_kernel,
+    supervised_blocks,
+)
 
 
 def dspark_chunk_terms_first(base: torch.Tensor, markov: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,

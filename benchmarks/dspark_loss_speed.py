@@ -22,10 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.cuda_timing import median_ms
+from benchmarks.dspark_loss_first import dspark_chunk_terms_first, dspark_loss_first
 from dflash_train import contract
 from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel
-from benchmarks.dspark_loss_first import dspark_chunk_terms_first, dspark_loss_first
-from dflash_train.training.dspark_loss import DSparkLossWeights, dspark_chunk_terms, dspark_loss, teacher_logits
+from dflash_train.training.dspark_loss import (
+    DSparkLossWeights,
+    dspark_chunk_terms,
+    dspark_loss,
+    teacher_logits,
+)
 from dflash_train.training.loss import compiled_kernel, dflash_loss
 
 BLOCK = 16

@@ -37,9 +37,19 @@ from dflash_train.contract import IGNORE_INDEX
 from dflash_train.model.dflash2 import DFlash2Config, DFlash2DraftModel
 from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel
 from dflash_train.training import loss as loss_module
-from dflash_train.training.dspark_loss import (DSparkLossWeights, dspark_chunk_terms, dspark_loss, teacher_index,
-                                               teacher_logits)
-from dflash_train.training.loss import compiled_kernel, dflash_loss, selector_term, top_k_rows
+from dflash_train.training.dspark_loss import (
+    DSparkLossWeights,
+    dspark_chunk_terms,
+    dspark_loss,
+    teacher_index,
+    teacher_logits,
+)
+from dflash_train.training.loss import (
+    compiled_kernel,
+    dflash_loss,
+    selector_term,
+    top_k_rows,
+)
 
 BLOCK, RANK, TOP_K = 16, 256, 16
 

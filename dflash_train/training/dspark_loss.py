@@ -25,7 +25,8 @@ compiles once); elsewhere it runs eagerly. ``dspark_chunk_terms`` is the referen
 The BCE term is ordinary autograd: its target is detached, so only the confidence head's
 inputs get its gradient.
 
-Two things keep the vocabulary-wide work near DFlash's:
+Two things keep the vocabulary-wide work down (the same values; the first formulation is kept
+in benchmarks/dspark_loss_first.py):
   * z is one matmul, [h ; W1[prev]] times [U ; W2] (the head and W2 side by side, V x
     (H + r)), and its gradient one matmul back, instead of a head matmul and a Markov matmul
     each way whose (c, V) results are added. The plain walk with a bf16 head (a CPU) keeps
