@@ -3,6 +3,7 @@ the block-local convolutions around a sublayer, and the candidate selector's los
 
     python -m benchmarks.dflash2_parts                # CPU: a small geometry, float32, eager and compiled
     python -m benchmarks.dflash2_parts --qwen3-8b     # a GPU: Qwen3-8B's drafter and head, bf16
+    python -m benchmarks.dflash2_parts --qwen25-05b   # a GPU: the one-H100 recipe's (Qwen2.5-Coder-0.5B), one row
 
 Each row is the forward and backward of one part, median milliseconds:
   * convolution: one residual sublayer of a DFlash2 layer, x + conv(f(conv(norm(x)))), with the
@@ -35,6 +36,8 @@ from dflash_train.training.loss import dflash_loss, selector_term, soft_target_i
 # tokens, 512 blocks of 16 (8,192 slots), Qwen3-8B's head; and a small one for a CPU.
 GEOMETRIES = {
     "qwen3-8b": dict(hidden=4096, intermediate=12288, heads=32, vocab=151936, seq=3072, blocks=512),
+    # one of the two rows of a step of the one-H100 recipe (+experiment=qwen25_coder_05b_1xh100)
+    "qwen25-05b": dict(hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151936, seq=3072, blocks=1920),
     "small": dict(hidden=512, intermediate=1536, heads=8, vocab=32768, seq=1024, blocks=128),
 }
 BLOCK, TAPS, GROUP, RANK, TOP_K, CHUNK = 16, 2, 16, 256, 16, 1024  # the recipes' values (recipes/drafter/b16.yaml)
@@ -118,8 +121,9 @@ def build(g: dict, device: torch.device) -> DFlash2DraftModel:
     """A one-layer DFlash2 drafter of geometry ``g`` (float32 master weights, as training keeps)."""
     from transformers import AutoConfig
 
+    kv_heads = g.get("kv_heads", max(1, g["heads"] // 4))
     target = AutoConfig.for_model("qwen3", hidden_size=g["hidden"], intermediate_size=g["intermediate"],
-                                  num_attention_heads=g["heads"], num_key_value_heads=max(1, g["heads"] // 4),
+                                  num_attention_heads=g["heads"], num_key_value_heads=kv_heads,
                                   head_dim=128 if g["hidden"] >= 4096 else 64, vocab_size=g["vocab"],
                                   num_hidden_layers=4)
     config = DFlash2Config.from_target(target, mask_token_id=g["vocab"] - 1, num_hidden_layers=1, block_size=BLOCK,
@@ -201,11 +205,12 @@ def avoided(g: dict, head_bytes: int) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--qwen3-8b", action="store_true", help="the issue's geometry (a GPU)")
+    p.add_argument("--qwen25-05b", action="store_true", help="the one-H100 recipe's geometry, one row (a GPU)")
     p.add_argument("--runs", type=int, default=None, help="timed calls per row (default: 10 on a GPU, 5 on a CPU)")
     p.add_argument("--eager-only", action="store_true", help="skip the compiled convolution rows")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    g = GEOMETRIES["qwen3-8b" if args.qwen3_8b else "small"]
+    g = GEOMETRIES["qwen3-8b" if args.qwen3_8b else "qwen25-05b" if args.qwen25_05b else "small"]
     runs = args.runs or (10 if device.type == "cuda" else 5)
     model = build(g, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"

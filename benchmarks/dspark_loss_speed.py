@@ -1,5 +1,6 @@
-"""DSpark's loss against DFlash's, forward and backward over one step's supervised slots, and
-on a GPU the parts of one chunk (the head's and the Markov term's matmuls, the chunk function).
+"""DSpark's loss against DFlash's and against its first formulation (benchmarks/dspark_loss_first.py),
+forward and backward over one step's supervised slots, and on a GPU the parts of one chunk (the
+head's and the Markov term's matmuls, the two chunk functions).
 
     python -m benchmarks.dspark_loss_speed [--slots 49152] [--hidden 896] [--vocab 151936] \\
         [--rank 256] [--chunk 1024] [--old PATH] [--device cpu]
@@ -21,9 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.cuda_timing import median_ms
+from benchmarks.dspark_loss_first import dspark_chunk_terms_first, dspark_loss_first
 from dflash_train import contract
 from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel
-from dflash_train.training.dspark_loss import DSparkLossWeights, dspark_chunk_terms, dspark_loss
+from dflash_train.training.dspark_loss import (
+    DSparkLossWeights,
+    dspark_chunk_terms,
+    dspark_loss,
+    teacher_logits,
+)
 from dflash_train.training.loss import compiled_kernel, dflash_loss
 
 BLOCK = 16
@@ -93,6 +100,9 @@ def main() -> None:
     rows["dspark_loss"] = _step(lambda: dspark_loss(
         drafter, hidden, labels, block_ids, anchors, final, head, weights, args.chunk, DSparkLossWeights(), index),
         params)
+    rows["dspark_loss_first (the first formulation)"] = _step(lambda: dspark_loss_first(
+        drafter, hidden, labels, block_ids, anchors, final, head, weights, args.chunk, DSparkLossWeights(), index),
+        params)
     if args.old:
         spec = importlib.util.spec_from_file_location("old_dspark_loss", args.old)
         old = importlib.util.module_from_spec(spec)
@@ -112,23 +122,25 @@ def main() -> None:
 
 
 def _chunk_parts(args, drafter, head, hidden, labels, final):
-    """Each part of one chunk alone on CUDA: the matmuls and the compiled chunk function."""
+    """Each part of one chunk alone on CUDA: the matmuls and the compiled chunk functions (the
+    first formulation's, on base, Markov and teacher logits; today's, on z and the table's rows)."""
     c, dev = args.chunk, hidden.device
     h, s = hidden[0, :c].detach(), final[0, :c]
     e = torch.randn(c, args.rank, device=dev)
     w2 = drafter.markov_head.markov_w2.weight.detach()
+    joint = torch.cat([head.weight, w2.to(head.weight.dtype)], dim=1)
+    x = torch.cat([h, e.to(h.dtype)], dim=1)
     base, teacher = F.linear(h, head.weight), F.linear(s, head.weight)
-    base32 = base.float()
+    table, lse = teacher_logits(final, head.weight, None, c, True, True)
+    rows = torch.arange(c, device=dev)
     y, w = labels[0, :c], torch.rand(c, device=dev)
-    kernel = compiled_kernel(dspark_chunk_terms)
+    first, now = compiled_kernel(dspark_chunk_terms_first), compiled_kernel(dspark_chunk_terms, dynamic=None)
     parts = {
         "head matmul, bf16 (c, H) x (H, V)": lambda: F.linear(h, head.weight),
-        "Markov matmul, float32 (c, r) x (r, V)": lambda: F.linear(e, w2),
-        "Markov matmul, bf16": lambda: F.linear(e.bfloat16(), w2.bfloat16()),
-        "chunk function (compiled), Markov term in bf16": lambda: kernel(
-            base, base, teacher, y, w, 0.1, 0.9, True),
-        "chunk function (compiled), Markov term in float32": lambda: kernel(
-            base, base32, teacher, y, w, 0.1, 0.9, True),
+        "Markov matmul, bf16 (c, r) x (r, V)": lambda: F.linear(e.bfloat16(), w2.bfloat16()),
+        "both at once, bf16 (c, H + r) x (H + r, V)": lambda: F.linear(x, joint),
+        "chunk function, first (compiled)": lambda: first(base, base, teacher, y, w, 0.1, 0.9, True),
+        "chunk function, now (compiled)": lambda: now(base, None, table, rows, lse, y, w, 0.1, 0.9, True),
     }
     print(f"one chunk of {c}:")
     for name, fn in parts.items():

@@ -21,10 +21,21 @@ times the slot's weight. The gradient goes on to h through U and to W1[prev] and
 the Markov term before the chunk's logits are dropped: no autograd graph spans the
 vocabulary, nothing is recomputed in backward, and one chunk of (c, V) tensors exists at a
 time. On CUDA that function is compiled over fixed-size chunks (the last one padded, so it
-compiles once) and reads the logits, the Markov term's included, in the head's dtype;
-elsewhere it runs eagerly on the Markov term in its weights' dtype.
-``dspark_chunk_terms`` is the reference both run. The BCE term is ordinary autograd: its
-target is detached, so only the confidence head's inputs get its gradient.
+compiles once); elsewhere it runs eagerly. ``dspark_chunk_terms`` is the reference both run.
+The BCE term is ordinary autograd: its target is detached, so only the confidence head's
+inputs get its gradient.
+
+Two things keep the vocabulary-wide work down (the same values; the first formulation is kept
+in benchmarks/dspark_loss_first.py):
+  * z is one matmul, [h ; W1[prev]] times [U ; W2] (the head and W2 side by side, V x
+    (H + r)), and its gradient one matmul back, instead of a head matmul and a Markov matmul
+    each way whose (c, V) results are added. The plain walk with a bf16 head (a CPU) keeps
+    them apart: there the Markov term runs in its float32 weights, as bf16 matmuls are the
+    slow ones on CPUs without bf16 units.
+  * The target's softmax is computed once per position, not once per slot: U s for all b * T
+    positions (``teacher_logits``: a (b * T, V) table in the head's dtype and its log-sum-exp),
+    and each slot reads its row of the table. In the one-H100 recipe's packed rows a position
+    teaches about 10 slots (1,920 blocks of 16 over 3,072 positions); the table is 1.9 GB there.
 """
 
 from __future__ import annotations
@@ -62,25 +73,29 @@ def teacher_index(index: torch.Tensor, anchors: torch.Tensor, block_size: int, s
     return row * seq_len + anchors.flatten().index_select(0, block) + index % block_size
 
 
-def dspark_chunk_terms(base: torch.Tensor, markov: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
+def dspark_chunk_terms(logits: torch.Tensor, markov: torch.Tensor | None, teacher: torch.Tensor,
+                       teacher_rows: torch.Tensor, teacher_lse: torch.Tensor, labels: torch.Tensor,
                        slot_w: torch.Tensor, ce_alpha: float, l1_alpha: float, with_grad: bool):
-    """One chunk of the head terms, from the base logits U h (c, V) in the head's dtype, the
-    Markov bias W2 W1[prev] (c, V), the teacher's logits U s (c, V), labels (c,) and slot
-    weights (c,) float32.
+    """One chunk of the head terms.
+
+    ``logits`` (c, V): z itself, or with ``markov`` (c, V) its head part U h, z being their
+    float32 sum; ``teacher`` (P, V): ``teacher_logits``'s table, ``teacher_rows`` (c,) long each
+    row's position in it, ``teacher_lse`` (P,) float32 the table's log-sum-exp; labels (c,),
+    slot weights (c,) float32.
 
     Returns w (a CE + b L1) (c,), L1 (c,), argmax hits (c,) and, with ``with_grad``, the
-    gradient of the first with respect to z in ``base``'s dtype (for the head's matmul) and in
-    ``markov``'s (for the Markov term's), else None twice. Plain torch, so that inductor fuses
-    it: float32 lives in registers and each (c, V) input is read a few times, never written.
+    gradient of the first with respect to z in ``logits``'s dtype (for the matmul back) and,
+    with ``markov``, in its dtype too (the same tensor when the dtypes agree), else None twice.
+    Plain torch, so that inductor fuses it: float32 lives in registers, the teacher's rows
+    are read from the table where they lie, and each (c, V) input is read a few times, never
+    written.
     """
-    z = base.float() + markov.float()  # (c, V) the Markov-corrected logits
+    z = logits.float() if markov is None else logits.float() + markov.float()  # (c, V) the Markov-corrected logits
     top, argmax = z.max(dim=-1)  # (c,)
     lse = top + (z - top[:, None]).exp().sum(dim=-1).log()  # (c,)
     q = (z - lse[:, None]).exp()  # (c, V) the draft distribution
     ce = lse - z.gather(1, labels[:, None]).squeeze(1)  # (c,)
-    t = teacher.float()
-    t_exp = (t - t.amax(dim=-1, keepdim=True)).exp()
-    p = t_exp / t_exp.sum(dim=-1, keepdim=True)  # (c, V) the target's distribution: no gradient
+    p = (teacher[teacher_rows].float() - teacher_lse[teacher_rows][:, None]).exp()  # (c, V) the target's: no gradient
     l1 = (q - p).abs().sum(dim=-1)  # (c,)
     loss = (ce_alpha * ce + l1_alpha * l1) * slot_w
     hit = argmax == labels
@@ -90,7 +105,35 @@ def dspark_chunk_terms(base: torch.Tensor, markov: torch.Tensor, teacher: torch.
     spread = (sign * q).sum(dim=-1, keepdim=True)  # (c, 1)
     onehot = torch.arange(z.shape[1], device=z.device) == labels[:, None]  # (c, V), fuses as a where
     grad = (ce_alpha * torch.where(onehot, q - 1, q) + l1_alpha * q * (sign - spread)) * slot_w[:, None]
-    return loss, l1, hit, grad.to(base.dtype), grad.to(markov.dtype)
+    return loss, l1, hit, grad.to(logits.dtype), None if markov is None else grad.to(markov.dtype)
+
+
+def _row_lse(logits: torch.Tensor) -> torch.Tensor:
+    """(c,) float32 log-sum-exp of logits (c, V), in float32 whatever their dtype."""
+    return torch.logsumexp(logits.float(), dim=-1)
+
+
+@torch.no_grad()
+def teacher_logits(final: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk_size: int,
+                   fixed: bool, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's logits of the target's final hidden states ``final`` (b, T, H) at every
+    position, (P, V) in the head's dtype with P = b * T (rounded up to whole chunks when
+    ``fixed``; those rows are never read), and their log-sum-exp (P,) float32: the teacher's
+    distribution softmax(U s) of every slot, computed once per position."""
+    s = final.flatten(0, 1).to(weight.dtype)  # (b * T, H)
+    if fixed:
+        s = F.pad(s, (0, 0, 0, -s.shape[0] % chunk_size))
+    table = torch.empty(s.shape[0], weight.shape[0], dtype=weight.dtype, device=s.device)  # (P, V)
+    lse = torch.empty(s.shape[0], dtype=torch.float32, device=s.device)  # (P,)
+    row_lse = compiled_kernel(_row_lse) if compiled else _row_lse
+    for start in range(0, s.shape[0], chunk_size):
+        sl = slice(start, start + chunk_size)
+        if bias is None:  # written into the table's rows (contiguous), not copied there
+            torch.mm(s[sl], weight.t(), out=table[sl])
+        else:
+            torch.addmm(bias, s[sl], weight.t(), out=table[sl])
+        lse[sl] = row_lse(table[sl])
+    return table, lse
 
 
 @dataclass
@@ -105,35 +148,44 @@ class _HeadWalk:
     markov_dtype: torch.dtype  # the Markov term's matmuls run in it
 
 
-def _head_walk(h, e, s, w2, weight, bias, labels, slot_w, walk: _HeadWalk, with_grad: bool):
+def _head_walk(h, e, w2, teacher, weight, bias, labels, slot_w, walk: _HeadWalk, with_grad: bool):
     """sum w (a CE + b L1) over the M rows, their L1 (M,) and hits (M,), and with ``with_grad``
-    the gradients of the sum for h (M, H), e (M, r) and W2 (V, r).
+    the gradients of the sum for h (M, H), e (M, r) and W2 (V, r). ``teacher``: the table,
+    each row's position in it (M,) long and the table's log-sum-exp (``teacher_logits``).
 
-    Padding rows are zero inputs with label 0 and weight 0: finite terms times 0, zero gradient
-    rows; their L1, hits and gradient rows are cut off at the end.
+    Padding rows are zero inputs with label 0, teacher row 0 and weight 0: finite terms times
+    0, zero gradient rows; their L1, hits and gradient rows are cut off at the end.
     """
-    m = h.shape[0]
+    table, rows, table_lse = teacher
+    m, width = h.shape
     pad = -m % walk.chunk_size if walk.fixed else 0
     if pad:
-        h, e, s = (F.pad(x, (0, 0, 0, pad)) for x in (h, e, s))
-        labels, slot_w = F.pad(labels, (0, pad)), F.pad(slot_w, (0, pad))
+        h, e = (F.pad(x, (0, 0, 0, pad)) for x in (h, e))
+        labels, slot_w, rows = F.pad(labels, (0, pad)), F.pad(slot_w, (0, pad)), F.pad(rows, (0, pad))
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     l1 = torch.empty(m + pad, dtype=torch.float32, device=h.device)
     hit = torch.empty(m + pad, dtype=torch.bool, device=h.device)
     grads = (torch.empty_like(h), torch.empty_like(e), torch.zeros_like(w2, dtype=torch.float32)) if with_grad else None
     w2_m = w2.to(walk.markov_dtype)  # (V, r)
+    # One matmul for U h + W2 e when both run in one dtype: [U ; W2] side by side, (V, H + r).
+    joint = torch.cat([weight, w2_m], dim=1) if walk.markov_dtype == weight.dtype else None
     for start in range(0, m + pad, walk.chunk_size):
         sl = slice(start, start + walk.chunk_size)
         e_m = e[sl].to(walk.markov_dtype)  # (c, r)
-        base = F.linear(h[sl].to(weight.dtype), weight, bias)  # (c, V) in the head's dtype
-        markov = F.linear(e_m, w2_m)  # (c, V)
-        teacher = F.linear(s[sl], weight, bias)  # (c, V)
-        loss, l1[sl], hit[sl], grad_base, grad_markov = walk.kernel(
-            base, markov, teacher, labels[sl], slot_w[sl], walk.ce_alpha, walk.l1_alpha, with_grad)
+        if joint is not None:
+            logits, markov = F.linear(torch.cat([h[sl].to(weight.dtype), e_m], dim=1), joint, bias), None  # (c, V)
+        else:
+            logits, markov = F.linear(h[sl].to(weight.dtype), weight, bias), F.linear(e_m, w2_m)  # (c, V) twice
+        loss, l1[sl], hit[sl], grad_z, grad_markov = walk.kernel(
+            logits, markov, table, rows[sl], table_lse, labels[sl], slot_w[sl], walk.ce_alpha, walk.l1_alpha,
+            with_grad)
         total += loss.sum()
         if with_grad:
-            grads[0][sl] = grad_base @ weight  # (c, H), into h's dtype
-            grads[1][sl] = grad_markov @ w2_m  # (c, r), into e's dtype
+            if joint is not None:
+                grad_in = grad_z @ joint  # (c, H + r)
+                grads[0][sl], grads[1][sl], grad_markov = grad_in[:, :width], grad_in[:, width:], grad_z
+            else:
+                grads[0][sl], grads[1][sl] = grad_z @ weight, grad_markov @ w2_m  # (c, H), (c, r)
             grads[2].add_(grad_markov.t() @ e_m)  # (V, r), summed in float32
     if grads is not None:
         grads = (grads[0][:m], grads[1][:m], grads[2].to(w2.dtype))
@@ -146,10 +198,10 @@ class _HeadTerms(torch.autograd.Function):
     the argmax hits, both without gradient."""
 
     @staticmethod
-    def forward(ctx, h, e, w2, s, weight, bias, labels, slot_w, walk):
-        # h (M, H) in the drafter's dtype, s (M, H) in the head's, e (M, r), labels (M,), slot_w (M,) float32
+    def forward(ctx, h, e, w2, teacher, weight, bias, labels, slot_w, walk):
+        # h (M, H) in the drafter's dtype, e (M, r), labels (M,), slot_w (M,) float32; teacher as _head_walk's
         with_grad = any(ctx.needs_input_grad[:3])
-        total, l1, hit, grads = _head_walk(h, e, s, w2, weight, bias, labels, slot_w, walk, with_grad)
+        total, l1, hit, grads = _head_walk(h, e, w2, teacher, weight, bias, labels, slot_w, walk, with_grad)
         ctx.save_for_backward(*(grads or ()))
         ctx.mark_non_differentiable(l1, hit)
         return total, l1, hit
@@ -185,12 +237,16 @@ def dspark_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, block_ids: 
     y = labels.flatten().index_select(0, index)  # (M,)
     prev = previous_tokens(labels, block_ids, block_size).flatten().index_select(0, index)  # (M,)
     e = drafter.markov_head.embed(prev)  # (M, r)
-    t_index = teacher_index(index, anchors, block_size, final.shape[1])
-    s = final.flatten(0, 1).index_select(0, t_index).to(dtype)  # (M, H)
     w = weights.to(hidden.device, torch.float32, non_blocking=True).index_select(0, slot)  # (M,)
     if fused is None:
         fused = hidden.is_cuda
-    kernel = compiled_kernel(dspark_chunk_terms) if fused and compiled else dspark_chunk_terms
+    compile_ = fused and compiled
+    head_bias = getattr(lm_head, "bias", None)
+    table, table_lse = teacher_logits(final, lm_head.weight, head_bias, chunk_size, fused, compile_)
+    teacher = (table, teacher_index(index, anchors, block_size, final.shape[1]), table_lse)
+    # The table's row count follows b * T, which natural (unpacked) rows vary: dynamic=None lets
+    # dynamo compile one graph for every count instead of one per count.
+    kernel = compiled_kernel(dspark_chunk_terms, dynamic=None) if compile_ else dspark_chunk_terms
     w2 = drafter.markov_head.markov_w2.weight  # (V, r)
     # The head in its own dtype (the target's). The Markov term: on the fused walk in the head's
     # dtype too, like everything there over the vocabulary. A float32 (c, r) x (r, V) matmul
@@ -200,7 +256,7 @@ def dspark_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, block_ids: 
     # weights' dtype: on CPUs without bf16 units bf16 matmuls are the slower ones. The
     # gradients are kept, and scaled in backward, in the dtypes of h, e and W2.
     walk = _HeadWalk(chunk_size, kernel, fused, alphas.ce, alphas.l1, dtype if fused else w2.dtype)
-    head_sum, l1, hit = _HeadTerms.apply(h, e, w2, s, lm_head.weight, getattr(lm_head, "bias", None), y, w, walk)
+    head_sum, l1, hit = _HeadTerms.apply(h, e, w2, teacher, lm_head.weight, head_bias, y, w, walk)
     accept = (1 - 0.5 * l1).clamp(0, 1)  # the chance the slot is accepted, given its prefix was
     conf = drafter.confidence_head(h, e)  # (M,)
     bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")

@@ -128,12 +128,13 @@ def _soft_ce(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, 
 
 
 @functools.cache
-def compiled_kernel(kernel: Callable) -> Callable:
+def compiled_kernel(kernel: Callable, dynamic: bool | None = False) -> Callable:
     # Built on first use, not at import: importing dynamo costs seconds. Chunks have one fixed
     # shape, so each (chunk, vocab, dtype, with_grad) compiles once; dynamic=False keeps dynamo
-    # from generalising to symbolic shapes after a second shape. The distillation weight and
-    # temperature are Python floats: constants of the graph, fixed for a run.
-    return torch.compile(kernel, dynamic=False, fullgraph=True)
+    # from generalising to symbolic shapes after a second shape (None lets it, for a kernel
+    # with an input whose size varies, such as DSpark's teacher table). The distillation weight
+    # and temperature are Python floats: constants of the graph, fixed for a run.
+    return torch.compile(kernel, dynamic=dynamic, fullgraph=True)
 
 
 @dataclass
@@ -156,12 +157,41 @@ def _candidate_rows(m: int, walk: _Walk, device) -> tuple[torch.Tensor, torch.Te
             torch.empty(m, walk.top_k, dtype=torch.float32, device=device))
 
 
+# Columns per segment of ``top_k_rows``: a row's top k lie in the k segments of highest maximum.
+TOP_K_SEGMENT = 128
+
+
+def top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits.topk(k, dim=-1)`` of logits (n, V): values and columns (n, k), highest first,
+    the same values (ties between equal logits may pick other columns, as topk's own order is
+    unspecified there).
+
+    A full-width top-k reads each row several times (a radix select pass per digit). Here one
+    pass takes each segment's maximum, and the top k are then chosen among k segments of
+    ``TOP_K_SEGMENT`` columns: the k segments of highest maximum hold k distinct values at least
+    as high as any column outside them, so the row's top k values lie in them (and in the
+    columns past the last whole segment, always kept).
+    """
+    n, vocab = logits.shape
+    whole = vocab // TOP_K_SEGMENT
+    if whole <= 2 * k:  # too few segments to gain anything
+        return logits.topk(k, dim=-1)
+    best = logits.unfold(1, TOP_K_SEGMENT, TOP_K_SEGMENT).amax(dim=-1).topk(k, dim=-1).indices  # (n, k) segments
+    offsets = torch.arange(TOP_K_SEGMENT, device=logits.device)
+    cols = (best[:, :, None] * TOP_K_SEGMENT + offsets).flatten(1)  # (n, k * segment)
+    if whole * TOP_K_SEGMENT < vocab:
+        tail = torch.arange(whole * TOP_K_SEGMENT, vocab, device=logits.device)
+        cols = torch.cat([cols, tail.expand(n, -1)], dim=1)
+    values, picked = logits.gather(1, cols).topk(k, dim=-1)  # (n, k)
+    return values, cols.gather(1, picked)
+
+
 def _keep_top(cand, sl: slice, logits: torch.Tensor) -> None:
     """Rows ``sl`` of ``cand``: the top-k of ``logits`` (n, V), read before a kernel or an
     in-place softmax overwrites them. The selector's candidates are these logits' own top-k,
     so nothing runs the head a second time."""
     if cand is not None:
-        values, tokens = logits.topk(cand[0].shape[1], dim=-1)  # (n, k)
+        values, tokens = top_k_rows(logits, cand[0].shape[1])  # (n, k)
         cand[0][sl], cand[1][sl] = tokens, values.float()
 
 

@@ -54,13 +54,18 @@ def loss_case(head_dtype=torch.float32, bias=True, seed=0):
 
 def _reference(drafter, head, hidden, labels, block_ids, final, weights, alphas, markov_dtype=torch.float32):
     """The loss over full (b, Q, V) logits with autograd, the teacher of slot k of each block
-    read at anchor + k by a loop, the Markov term's matmul in ``markov_dtype``."""
+    read at anchor + k by a loop, the Markov term's matmul in ``markov_dtype``: apart from the
+    head's when the dtypes differ, else one matmul with it, [h ; e] [U ; W2]^T, rounded once."""
     dtype = head.weight.dtype
     valid = labels != IGNORE_INDEX
     prev = previous_tokens(labels, block_ids, B).clamp(min=0)  # unsupervised slots: any token, weight 0
     e = drafter.markov_head.embed(prev)  # (b, Q, r)
     w2 = drafter.markov_head.markov_w2.weight
-    z = head(hidden.to(dtype)).float() + F.linear(e.to(markov_dtype), w2.to(markov_dtype)).float()  # (b, Q, V)
+    if markov_dtype == dtype:
+        x = torch.cat([hidden.to(dtype), e.to(dtype)], dim=-1)  # (b, Q, H + r)
+        z = F.linear(x, torch.cat([head.weight, w2.to(dtype)], dim=1), head.bias).float()  # (b, Q, V)
+    else:
+        z = head(hidden.to(dtype)).float() + F.linear(e.to(markov_dtype), w2.to(markov_dtype)).float()
     s = torch.zeros(2, N * B, H, dtype=dtype)
     for r in range(2):
         for n, p in enumerate(ANCHORS[r].tolist()):
@@ -145,8 +150,8 @@ def test_bf16_head_equals_the_autograd_loss_on_plain_chunks():
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=NEEDS_CXX)])
 def test_bf16_head_on_fixed_chunks_equals_the_autograd_loss_with_the_markov_matmul_in_bf16(compiled):
     """The fused walk (the CUDA default) keeps the Markov term in the head's dtype too: its
-    logits are those of W2 and W1[prev] in bf16, and the gradients of W1 and W2 come from the
-    bf16 gradient of the logits, as autocast's matmul would give them."""
+    logits are one bf16 matmul of [h ; W1[prev]] with [U ; W2], and the gradients of W1 and W2
+    come from the bf16 gradient of the logits, as autocast's matmul would give them."""
     drafter, head, hidden, labels, block_ids, final = loss_case(torch.bfloat16)
     weights = contract.slot_weights(B, 2.0, "dspark")
     out = dspark_loss(drafter, hidden, labels, block_ids, ANCHORS, final, head, weights, 5, ALPHAS,
@@ -187,25 +192,31 @@ def test_no_supervised_slot_gives_zero_loss_and_zero_gradients():
 
 def test_chunk_gradient_is_autograds_of_the_chunk_terms():
     """The closed form d(a CE + b L1)/dz of one chunk against autograd on the same logits,
-    with entries where both distributions are exactly 0 (sign 0) and a padding row of weight 0."""
+    with entries where both distributions are exactly 0 (sign 0), a padding row of weight 0,
+    and teacher rows read from a table of 4 positions, two of them shared by two rows each;
+    z given whole, or as the head's and the Markov term's parts."""
     g = torch.Generator().manual_seed(3)
-    base, markov, teacher = (torch.randn(6, V, generator=g) for _ in range(3))
-    base[0, :10], teacher[0, :10] = -1e4, -1e4  # q = p = 0 there
+    base, markov = (torch.randn(6, V, generator=g) for _ in range(2))
+    table = torch.randn(4, V, generator=g)
+    rows = torch.tensor([3, 1, 0, 2, 1, 3])
+    base[0, :10], table[3, :10] = -1e4, -1e4  # q = p = 0 there
     labels, slot_w = torch.randint(0, V, (6,), generator=g), torch.rand(6, generator=g)
     slot_w[-1] = 0.0
-    loss, l1, hit, grad_base, grad_markov = dspark_chunk_terms(base, markov, teacher, labels, slot_w, 0.1, 0.9, True)
+    teacher = (table, rows, torch.logsumexp(table, dim=-1))
     z = (base + markov).requires_grad_()
     log_q = torch.log_softmax(z, -1)
-    ref_l1 = (log_q.exp() - torch.softmax(teacher, -1)).abs().sum(-1)
+    ref_l1 = (log_q.exp() - torch.softmax(table[rows], -1)).abs().sum(-1)
     ref = (0.1 * -log_q.gather(1, labels[:, None]).squeeze(1) + 0.9 * ref_l1) * slot_w
     (ref_grad,) = torch.autograd.grad(ref.sum(), z)
-    torch.testing.assert_close(loss, ref.detach())
-    torch.testing.assert_close(l1, ref_l1.detach())
-    torch.testing.assert_close(grad_base, ref_grad, rtol=1e-5, atol=1e-7)
-    assert grad_markov is grad_base  # one dtype: one tensor
-    assert torch.count_nonzero(grad_base[0, :10]) == 0 and torch.count_nonzero(grad_base[-1]) == 0
-    assert torch.equal(hit, (base + markov).argmax(-1) == labels)
-    assert dspark_chunk_terms(base, markov, teacher, labels, slot_w, 0.1, 0.9, False)[3:] == (None, None)
+    for parts in ((base, markov), (base + markov, None)):
+        loss, l1, hit, grad_z, grad_markov = dspark_chunk_terms(*parts, *teacher, labels, slot_w, 0.1, 0.9, True)
+        torch.testing.assert_close(loss, ref.detach())
+        torch.testing.assert_close(l1, ref_l1.detach())
+        torch.testing.assert_close(grad_z, ref_grad, rtol=1e-5, atol=1e-7)
+        assert grad_markov is (None if parts[1] is None else grad_z)  # one dtype: one tensor
+        assert torch.count_nonzero(grad_z[0, :10]) == 0 and torch.count_nonzero(grad_z[-1]) == 0
+        assert torch.equal(hit, (base + markov).argmax(-1) == labels)
+        assert dspark_chunk_terms(*parts, *teacher, labels, slot_w, 0.1, 0.9, False)[3:] == (None, None)
 
 
 @pytest.mark.gpu
