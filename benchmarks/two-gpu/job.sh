@@ -10,6 +10,10 @@
 # commands run on the tests' tiny random Llama and 32 conversations written for it, as CPU
 # processes on gloo, with the geometry keys shrunk to fit it (benchmarks/two-gpu/README.md).
 set -u
+# the last line says the job ended, however it ended, so that run.sh stops following it; the exit
+# status is 1 when a launch failed (its row of the tables says why)
+trap 'echo "$(date +%T) done (exit $?)"' EXIT
+failed=0
 R=$1; shift
 PY=${PYTHON:-python3}
 BACKENDS=${BACKENDS:-ddp fsdp2 zero2 zero3}
@@ -57,7 +61,7 @@ bench_phase() {  # bench_phase NAME ARGS...: every backend on 1 and 2 GPUs
   local geo=$1 b n; shift
   for b in $BACKENDS; do for n in 1 2; do
     echo "$(date +%T) $geo $b $n GPU(s)"
-    launch $b $n --bench -- backend=$b "$@" bench.json=$R/$geo-$b-$n.json > $R/$geo-$b-$n.log 2>&1
+    launch $b $n --bench -- backend=$b "$@" bench.json=$R/$geo-$b-$n.json > $R/$geo-$b-$n.log 2>&1 || failed=$((failed + 1))
   done; done
 }
 
@@ -91,16 +95,17 @@ resume_phase() {
   local b
   for b in $BACKENDS; do
     echo "$(date +%T) resume $b"
-    launch $b 2 -- backend=$b "${TRAIN[@]}" output_dir=$R/$b-full > $R/$b-full.log 2>&1
+    launch $b 2 -- backend=$b "${TRAIN[@]}" output_dir=$R/$b-full > $R/$b-full.log 2>&1 || failed=$((failed + 1))
     killed_run $b
     # the killed run's folder as it was: resumed on 2 GPUs, and (a copy) on one GPU, which keeps the
     # global batch with 2 micro-batches a step (the rows of a step are the same)
     rm -rf $R/$b-2to1 && cp -r $R/$b-killed $R/$b-2to1
-    launch $b 2 -- backend=$b "${TRAIN[@]}" output_dir=$R/$b-killed >> $R/$b-killed.log 2>&1
-    launch $b 1 -- backend=$b "${TRAIN[@]}" optim.grad_accum_steps=2 output_dir=$R/$b-2to1 > $R/$b-2to1.log 2>&1
-    launch $b 1 -- backend=$b "${TRAIN[@]}" optim.grad_accum_steps=2 max_steps=$HALF output_dir=$R/$b-1to2 \
-      > $R/$b-1to2.log 2>&1 \
-      && launch $b 2 -- backend=$b "${TRAIN[@]}" output_dir=$R/$b-1to2 >> $R/$b-1to2.log 2>&1
+    launch $b 2 -- backend=$b "${TRAIN[@]}" output_dir=$R/$b-killed >> $R/$b-killed.log 2>&1 || failed=$((failed + 1))
+    launch $b 1 -- backend=$b "${TRAIN[@]}" optim.grad_accum_steps=2 output_dir=$R/$b-2to1 > $R/$b-2to1.log 2>&1 \
+      || failed=$((failed + 1))
+    { launch $b 1 -- backend=$b "${TRAIN[@]}" optim.grad_accum_steps=2 max_steps=$HALF output_dir=$R/$b-1to2 \
+        > $R/$b-1to2.log 2>&1 \
+      && launch $b 2 -- backend=$b "${TRAIN[@]}" output_dir=$R/$b-1to2 >> $R/$b-1to2.log 2>&1; } || failed=$((failed + 1))
   done
 }
 
@@ -117,4 +122,4 @@ for phase in "$@"; do
     *) echo "job.sh: unknown phase '$phase' (real, paper or resume)"; exit 2 ;;
   esac
 done
-echo "$(date +%T) done"
+exit $((failed > 0))

@@ -12,6 +12,7 @@
 # CPU_SMOKE=1: the same runs on the tests' tiny target as CPU processes on gloo, in the
 # foreground, into a temporary folder (R=DIR to name it); the tables and the archive as on the GPU.
 set -u
+status=0
 WAIT=${1:?usage: run.sh WAIT_S PHASE...}; shift
 PHASES="$*"
 for phase in $PHASES; do
@@ -21,13 +22,13 @@ done
 HERE=benchmarks/two-gpu
 if [ "${CPU_SMOKE:-0}" = 1 ]; then
   PY=${PYTHON:-python3}
-  R=${R:-$(mktemp -d)} && OUT=${OUT:-$R/out} && mkdir -p "$OUT"
-  PYTHON=$PY bash $HERE/job.sh "$R" $PHASES > "$R/job-smoke.out" 2>&1 || { cat "$R/job-smoke.out"; exit 1; }
+  R=${R:-$(mktemp -d)} && OUT=${OUT:-$R/out} && mkdir -p "$R" "$OUT"
+  PYTHON=$PY bash $HERE/job.sh "$R" $PHASES > "$R/job-smoke.out" 2>&1 || { cat "$R/job-smoke.out"; status=1; }
 else
   source benchmarks/gpu/setup.sh || exit 1
   PY=python3 R=/tmp/two-gpu KEY=$(echo $PHASES | tr ' ' '-')
   mkdir -p $R
-  running() { for f in $R/job-*.out; do [ -f "$f" ] && ! tail -n 1 "$f" | grep -q " done$" && return 0; done; return 1; }
+  running() { for f in $R/job-*.out; do [ -f "$f" ] && ! tail -n 1 "$f" | grep -q " done (exit" && return 0; done; return 1; }
   if [ ! -f $R/job-$KEY.out ]; then
     missing=""
     case " $PHASES " in *" real "*|*" resume "*)
@@ -53,4 +54,4 @@ for f in $R/job-*.out; do [ -f "$f" ] && echo "== $(basename $f .out): $(tail -n
 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$PY" $HERE/table.py $R
 tar -C $R -czf $OUT/two-gpu.tgz --exclude='./tiny' --exclude='*/checkpoints' --exclude='*.lock' . 2>/dev/null
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
-true
+exit $status
