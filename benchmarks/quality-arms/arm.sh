@@ -11,6 +11,8 @@
 # overrides (e.g. guard3@optim.lr=3e-3@optim.decay_ratio=0.4) (3 seeds side by side; judge one against another with
 # quality_guard.py --metrics /tmp/arm-guard3-wsd --baseline /tmp/arm-guard3-cosine). verify-ks-ARM
 # after ARM in its queue: ARM's export decoded at batch 1 with verify_tokens 3, 7 and 15 (eval.speed).
+# kinds-step: each drafter kind's training step against DFlash's (benchmarks/kinds_step.sh, the recipe,
+# random 0.5B target, the shared set); sampler: benchmarks/sampler_speed.py at 512 slots.
 # Run by every call of a lease's chain (benchmarks/gpu/setup.sh carries the GGUF over in parts):
 # the first call with the GGUF whole starts the queues, each in its own session; every call
 # follows them for up to WAIT_S seconds and brings back what they have ($OUT/results.tgz, one
@@ -76,6 +78,10 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
       if [[ $arm = *@* ]]; then g+=(${arm#*@}); g=("${g[@]//@/ }")  # guard3@KEY=VAL[@KEY=VAL]: one lever
       elif [[ $arm = *-* ]]; then g+=($(guard_overrides ${arm#*-})) || exit 2; fi
       echo "date +%s > /tmp/arm-$arm.t0; python3 -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf --data /tmp/data/sharegpt-qwen25-coder-05b --out /tmp/arm-$arm ${g[*]} > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
+    elif [[ $arm = kinds-step || $arm = sampler ]]; then  # issue 38's step per kind, issue 39's sampler (one table each)
+      local c="bash benchmarks/kinds_step.sh /tmp/arm-$arm \"dflash dspark dflash2\" +experiment=qwen25_coder_05b_1xh100 target.name=/tmp/qwen25coder05b.gguf bench.random_target=true data.path=/tmp/data/sharegpt-qwen25-coder-05b"
+      [ $arm = sampler ] && c="python3 -m benchmarks.sampler_speed --device cuda --slots 512"
+      echo "date +%s > /tmp/arm-$arm.t0; mkdir -p /tmp/arm-$arm; { echo \"$c\"; $c; echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
     elif [[ $arm = verify-ks-* ]]; then  # verify-ks-ARM: issue 41's table, ARM's export at batch 1, k = 3, 7, 15
       local src=/tmp/arm-${arm#verify-ks-}/train k  # the quality run exports into its train/ folder
       echo "date +%s > /tmp/arm-$arm.t0; for k in 3 7 15; do echo \"== verify_tokens=\$k\"; python3 -m dflash_train.eval.speed target=qwen25_coder_05b target.name=/tmp/qwen25coder05b.gguf drafter_path=$src/export device=cuda runtime=static batch_size=1 compile_drafter=true verify_tokens=\$k datasets=[mtbench] limit=20 max_new_tokens=256 output_dir=/tmp/arm-$arm/k\$k; done > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
@@ -102,12 +108,13 @@ for a in $ARMS; do
   R=/tmp/arm-$a
   [ -f $R.t0 ] || { echo "== $a: not started"; continue; }
   echo "== $a: $(( $(cat $R.t1 2>/dev/null || date +%s) - $(cat $R.t0) )) s$([ -f $R.t1 ] && echo ', finished')"
-  grep -E "^\[|^static |^== verify|EXIT|quality run|^\||summary|budget|tok/s|rows written|skipped|error|Error|PASS|FAIL|median" $R.log | cut -c1-240 | tail -30
+  grep -E "^\[|^static |^== |EXIT|quality run|^\||summary|budget|tok/s|rows written|skipped|error|Error|PASS|FAIL|median" $R.log | cut -c1-240 | tail -30
   [ -f $R/train/metrics.jsonl ] && tail -1 $R/train/metrics.jsonl | cut -c1-240
   echo "recompilations: $(grep -ciE 'recompil' $R.log)"
   K=/tmp/keep/$a; mkdir -p $K; cp $R.log $K/ 2>/dev/null
   cp $R/quality.json $R/plan.json $R/datagen_seconds.json $R/train_seconds.json $R/data/manifest.json $K/ 2>/dev/null
   cp $R/train/metrics.jsonl $K/train_metrics.jsonl 2>/dev/null; cp $R/eval/results.json $K/eval_results.json 2>/dev/null
+  for m in $R/bench-*.json $R/profile-*.txt; do [ -f $m ] && cp $m $K/; done  # kinds-step's
   for m in $R/seed-*/metrics.jsonl; do [ -f $m ] && cp $m $K/$(basename $(dirname $m))_metrics.jsonl; done
   for l in $R/seed-*.log; do [ -f $l ] && tail -c 20000 $l > $K/$(basename $l); done  # a guard seed's log, its end
   # A generated data set comes back too (gzipped tar in parts of 15 MB), once its arm has finished,
