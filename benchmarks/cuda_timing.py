@@ -1,8 +1,11 @@
-"""GPU timing shared by the benchmark scripts: the median of CUDA-event times. The scripts
+"""Timing shared by the benchmark scripts: the median of CUDA-event times (`median_ms`), and two
+calls timed taking turns on a CPU or a GPU (`timer`: old against new, a busy host slows both). The scripts
 import it as ``benchmarks.cuda_timing``: run them from the repository root with
 ``python -m benchmarks.NAME``."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -20,3 +23,22 @@ def median_ms(fn, runs: int = 10, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[runs // 2]
+
+
+def timer(device: torch.device, runs: int):
+    """(median ms of ``first()``, of ``now()``) over ``runs`` calls each after one untimed call
+    each (compilation); the calls take turns, so a busy host slows both alike."""
+    def call_ms(fn) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return 1e3 * (time.perf_counter() - start)
+
+    def medians(first, now) -> tuple[float, float]:
+        first(), now()
+        times = [(call_ms(first), call_ms(now)) for _ in range(runs)]
+        return tuple(sorted(t)[runs // 2] for t in zip(*times))
+    return medians

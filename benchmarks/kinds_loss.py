@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.cuda_timing import timer
 from benchmarks.dspark_loss_first import dspark_chunk_terms_first, dspark_loss_first
 from dflash_train import contract
 from dflash_train.contract import IGNORE_INDEX
@@ -52,25 +52,6 @@ from dflash_train.training.loss import (
 )
 
 BLOCK, RANK, TOP_K = 16, 256, 16
-
-
-def timer(device: torch.device, runs: int):
-    """(median ms of ``first()``, of ``now()``) over ``runs`` calls each after one untimed call
-    each (compilation); the calls take turns, so a busy host slows both alike."""
-    def call_ms(fn) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return 1e3 * (time.perf_counter() - start)
-
-    def medians(first, now) -> tuple[float, float]:
-        first(), now()
-        times = [(call_ms(first), call_ms(now)) for _ in range(runs)]
-        return tuple(sorted(t)[runs // 2] for t in zip(*times))
-    return medians
 
 
 def step_inputs(args, device, dtype):

@@ -9,25 +9,11 @@ CDF in token order, what temperature alone now runs) against v1's sorted CDF (wh
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from benchmarks.cuda_timing import timer
 from data_gen.sampling import sample_tokens
-
-
-def median_ms(fn, device: torch.device, repeats: int) -> float:
-    fn()  # warm-up: allocations, kernels
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[repeats // 2] * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,8 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(args.slots, args.vocab, generator=gen, device=device, dtype=torch.float32) * 3
     u = torch.rand(args.slots, generator=gen, device=device, dtype=torch.float64)
-    v2 = median_ms(lambda: sample_tokens(logits, u, args.temperature), device, args.repeats)
-    v1 = median_ms(lambda: sample_tokens(logits, u, args.temperature, top_k=args.vocab), device, args.repeats)
+    v1, v2 = timer(device, args.repeats)(lambda: sample_tokens(logits, u, args.temperature, top_k=args.vocab),
+                                         lambda: sample_tokens(logits, u, args.temperature))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"| sampler ({args.slots} slots x {args.vocab} tokens, {where}) | ms a step |")
     print("|---|---|")
