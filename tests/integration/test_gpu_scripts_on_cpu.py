@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-# `make test-scripts`, before a lease: minutes each, outside `make test` (CI's budget)
-pytestmark = pytest.mark.scripts
+# `make test-scripts`, before a lease: the runs take minutes each, outside `make test` (CI's budget);
+# the refusal below is instant and stays in it
+SCRIPTS = pytest.mark.scripts
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -36,6 +37,7 @@ def table_rows(out: str, first: str, keys: int) -> dict[tuple[str, ...], list[st
                                                             for line in lines)}
 
 
+@SCRIPTS
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_gpu_script_benches_kills_and_resumes_on_gloo(tmp_path):
@@ -62,6 +64,7 @@ def test_two_gpu_script_benches_kills_and_resumes_on_gloo(tmp_path):
     assert not [n for n in names if "/checkpoints" in n or n.startswith("./tiny/")]
 
 
+@SCRIPTS
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_gpu_script_runs_deepspeed_through_its_launcher(tmp_path):
@@ -80,6 +83,7 @@ def test_two_gpu_script_refuses_an_unknown_phase(tmp_path):
     assert not list(tmp_path.iterdir()), "nothing ran"
 
 
+@SCRIPTS
 @pytest.mark.slow
 def test_datagen_engine_script_profiles_both_attentions(tmp_path):
     """benchmarks/datagen_engine_gpu.sh: the every-turn job with magpie prompts on SmolLM2, SDPA
@@ -92,6 +96,7 @@ def test_datagen_engine_script_profiles_both_attentions(tmp_path):
     assert (tmp_path / "out" / "datagen-profile.log").read_text().count("profile (") == 2
 
 
+@SCRIPTS
 @pytest.mark.slow
 def test_side_by_side_script_runs_a_quality_run_into_its_table(tmp_path):
     """benchmarks/modelopt-side-by-side/run.sh, dflash-train's side (Model-Optimizer is no
