@@ -187,7 +187,25 @@ def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = No
     for w in writers:
         kept = {p.prompt_id for p in prompts if p.source == w.src.name}
         skips.reports[w.src.name] = w.report(kept, skips.by_source.get(w.src.name, Counter()))
-    return tokenizer, identity, tok_ident, shaper, prompts, skips
+    return tokenizer, identity, tok_ident, shaper, interleave(prompts), skips
+
+
+def interleave(prompts: list[SourcePrompt]) -> list[SourcePrompt]:
+    """The prompts of every source mixed in proportion to their counts, each source's in its
+    order: the next prompt is from the source that has handed out the smallest share of its own
+    (the first source on a tie). Prompts start in this order, so a budget that ends a run cuts
+    every source alike instead of the last ones (5,000 ShareGPT conversations then 5,000 magpie
+    prompts, 6 minutes on one H100 at temperature 0.7: the magpie prompts never started)."""
+    queues: dict[str, list[SourcePrompt]] = {}
+    for p in prompts:
+        queues.setdefault(p.source, []).append(p)
+    taken = dict.fromkeys(queues, 0)
+    out = []
+    for _ in prompts:
+        source = min(queues, key=lambda s: (taken[s] / len(queues[s]), list(queues).index(s)))
+        out.append(queues[source][taken[source]])
+        taken[source] += 1
+    return out
 
 
 def _fingerprint(cfg: DatagenConfig, identity: dict, tok_ident: dict, shaper: ChatShaper, prompts) -> dict:

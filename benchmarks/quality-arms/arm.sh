@@ -47,9 +47,9 @@ arm_args() {  # the dflash-quality arguments of arm $1 (run folder /tmp/arm-$1)
     e-temperature) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sampling.temperature=0.7\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256}]\"]" "train=[$D]") ;;
     # The adopted data recipe with the adopted schedule: quality_generate_code (arm (d)'s data) and the
     # recipe's WSD; (g) the same with 15,000 ShareGPT conversations (the budget decides how many are
-    # answered; the sources are answered in order, so magpie's 5,000 come first here, all answered)
+    # answered; the prompts start mixed in proportion, so the budget cuts both sources alike)
     h-code-wsd) ARGS=("${Q[@]/quality_generate/quality_generate_code}" "train=[$TRAIN]") ;;
-    g-largest) ARGS=("${Q[@]/quality_generate/quality_generate_code}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: magpie, num_prompts: 5000, max_tokens: 256, keep_truncated: true, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}, {kind: sharegpt, num_prompts: 15000}]\"]" "train=[$TRAIN]") ;;
+    g-largest) ARGS=("${Q[@]/quality_generate/quality_generate_code}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 15000}, {kind: magpie, num_prompts: 5000, max_tokens: 256, keep_truncated: true, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}]\"]" "train=[$TRAIN]") ;;
     # (f) on the shared set, against (a): its cache fits the GPU (17.4 GB; (c)'s set would need 54)
     f-cache-wsd) ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$TRAIN,\"data.cache_features=true\",\"optim.schedule=wsd\"]") ;;
     # Issue 38's quality run per kind: the shared set, the recipe (WSD, no feature cache), the same

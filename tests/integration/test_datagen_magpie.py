@@ -146,5 +146,6 @@ def test_the_budget_covers_writing_prompts_and_a_cut_keeps_them_final(tmp_path, 
     more = run(config(120.0), target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
     assert more.complete and more.counts["rows"] == 3 and more.counts["magpie"] == result.counts["magpie"]
     texts = [smollm2_tokenizer.decode(r["input_ids"][: r["prompt_len"]]) for r in load_generated(more.out_dir)]
-    assert f"<|im_start|>user\n{FIRST}<|im_end|>" in texts[2]
+    # the prompts start mixed (pipeline.interleave): the jsonl's two with the magpie one between them
+    assert f"<|im_start|>user\n{FIRST}<|im_end|>" in texts[1]
     assert sorted(p.name for p in folder.iterdir()) == ["candidates-000000000.jsonl", "closed.json", "settings.json"]
