@@ -77,11 +77,10 @@ def slots(cfg: BackendConfig) -> int:
     return cfg.max_concurrency if cfg.kind == "openai" else cfg.batch_size
 
 
-def prompts_per_call(cfg: BackendConfig, varied_lengths: bool = True) -> int:
+def prompts_per_call(cfg: BackendConfig) -> int:
     """How many prompts the pipeline hands one `generate` call: enough to keep the generator
-    busy, few enough that a conversation's next turn waits one call at most.
-    ``varied_lengths=False`` for prompts of one length (magpie's candidates are all the
-    template's header), which the hf generator's length sort cannot pad less."""
+    busy, few enough that a conversation's next turn waits one call at most. (Magpie's chunks
+    of candidates are sized by what they need, at least `slots`.)"""
     if cfg.kind == "engine":
         # The turn scheduler streams the engine (data_gen/turns.py) and calls it only through
         # other schedules (magpie's chunks of candidates). Continuous batching refills a slot
@@ -90,7 +89,7 @@ def prompts_per_call(cfg: BackendConfig, varied_lengths: bool = True) -> int:
         return ENGINE_BATCHES_PER_CALL * cfg.batch_size
     if cfg.kind == "openai":
         return cfg.max_concurrency
-    return (HF_BATCHES_PER_CALL if varied_lengths else 1) * cfg.batch_size
+    return HF_BATCHES_PER_CALL * cfg.batch_size
 
 
 def trim_response(ids: list[int], stop_ids: list[int]) -> Completion:

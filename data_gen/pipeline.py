@@ -199,10 +199,11 @@ def interleave(prompts: list[SourcePrompt]) -> list[SourcePrompt]:
     queues: dict[str, list[SourcePrompt]] = {}
     for p in prompts:
         queues.setdefault(p.source, []).append(p)
+    rank = {source: i for i, source in enumerate(queues)}  # the sources' order: ties go to the first
     taken = dict.fromkeys(queues, 0)
     out = []
     for _ in prompts:
-        source = min(queues, key=lambda s: (taken[s] / len(queues[s]), list(queues).index(s)))
+        source = min(queues, key=lambda s: (taken[s] / len(queues[s]), rank[s]))
         out.append(queues[source][taken[source]])
         taken[source] += 1
     return out
