@@ -12,18 +12,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_train.contract import IGNORE_INDEX
 from dflash_train.training.dspark_loss import (
     DSparkLossWeights,
-    previous_tokens,
+    loss_output,
+    supervised_rows,
     teacher_index,
 )
-from dflash_train.training.loss import (
-    LossOutput,
-    accepted_drafts,
-    compiled_kernel,
-    supervised_blocks,
-)
+from dflash_train.training.loss import LossOutput, compiled_kernel
 
 
 def dspark_chunk_terms_first(base: torch.Tensor, markov: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
@@ -139,40 +134,16 @@ def dspark_loss_first(drafter, hidden: torch.Tensor, labels: torch.Tensor, block
     ``dflash_loss``'s; ``fused`` the fixed-size chunks in the head's dtype (default: on CUDA),
     ``compiled`` False runs their function eagerly (tests, debugging).
     """
-    block_size = weights.numel()
-    if index is None:
-        index = (labels.flatten() != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
-    index = index.to(labels.device, non_blocking=True)
-    slot = index % labels.shape[1] % block_size  # (M,)
-    dtype = lm_head.weight.dtype
-    h = hidden.flatten(0, 1).index_select(0, index)  # (M, H)
-    y = labels.flatten().index_select(0, index)  # (M,)
-    prev = previous_tokens(labels, block_ids, block_size).flatten().index_select(0, index)  # (M,)
-    e = drafter.markov_head.embed(prev)  # (M, r)
-    t_index = teacher_index(index, anchors, block_size, final.shape[1])
+    rows = supervised_rows(drafter, hidden, labels, block_ids, weights, index)
+    block_size, dtype = weights.numel(), lm_head.weight.dtype
+    t_index = teacher_index(rows.index, anchors, block_size, final.shape[1])
     s = final.flatten(0, 1).index_select(0, t_index).to(dtype)  # (M, H)
-    w = weights.to(hidden.device, torch.float32, non_blocking=True).index_select(0, slot)  # (M,)
     if fused is None:
         fused = hidden.is_cuda
     kernel = compiled_kernel(dspark_chunk_terms_first) if fused and compiled else dspark_chunk_terms_first
     w2 = drafter.markov_head.markov_w2.weight  # (V, r)
-    # The head in its own dtype (the target's). The Markov term: on the fused walk in the head's
-    # dtype too, like everything there over the vocabulary. A float32 (c, r) x (r, V) matmul
-    # runs without tensor cores: the Markov term's three per chunk are 11.5 TFLOP a step of the
-    # one-H100 recipe, about 0.2 s at an H100's float32 rate (estimated, not measured), as much
-    # as its whole DFlash step; DeepSpec trains the drafter in bf16. On the plain walk in its
-    # weights' dtype: on CPUs without bf16 units bf16 matmuls are the slower ones. The
-    # gradients are kept, and scaled in backward, in the dtypes of h, e and W2.
+    # The walk's dtypes as dspark_loss's (the head's on the fused walk, W2's on the plain one).
     walk = _HeadWalk(chunk_size, kernel, fused, alphas.ce, alphas.l1, dtype if fused else w2.dtype)
-    head_sum, l1, hit = _HeadTerms.apply(h, e, w2, s, lm_head.weight, getattr(lm_head, "bias", None), y, w, walk)
-    accept = (1 - 0.5 * l1).clamp(0, 1)  # the chance the slot is accepted, given its prefix was
-    conf = drafter.confidence_head(h, e)  # (M,)
-    bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
-    total = head_sum + (w * (alphas.confidence * bce)).sum()
-    zeros = torch.zeros(block_size + 1, dtype=torch.float32, device=hidden.device)
-    count = zeros.scatter_add(0, slot + 1, torch.ones_like(w))
-    correct = zeros.scatter_add(0, slot + 1, hit.float())
-    # Every slot drafts (slot 0 the first token after the anchor), each after its gold predecessor.
-    accepted = accepted_drafts(index, hit, labels.numel(), block_size, first_slot=0)
-    return LossOutput(weighted_sum=total, weight_sum=w.sum(), correct=correct, count=count,
-                      blocks=supervised_blocks(labels, block_size), accepted=accepted)
+    head_sum, l1, hit = _HeadTerms.apply(rows.h, rows.e, w2, s, lm_head.weight, getattr(lm_head, "bias", None),
+                                         rows.y, rows.w, walk)
+    return loss_output(drafter, rows, labels, block_size, alphas, head_sum, l1, hit)

@@ -227,23 +227,14 @@ def dspark_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, block_ids: 
     ``dflash_loss``'s; ``fused`` the fixed-size chunks in the head's dtype (default: on CUDA),
     ``compiled`` False runs their function eagerly (tests, debugging).
     """
-    block_size = weights.numel()
-    if index is None:
-        index = (labels.flatten() != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
-    index = index.to(labels.device, non_blocking=True)
-    slot = index % labels.shape[1] % block_size  # (M,)
-    dtype = lm_head.weight.dtype
-    h = hidden.flatten(0, 1).index_select(0, index)  # (M, H)
-    y = labels.flatten().index_select(0, index)  # (M,)
-    prev = previous_tokens(labels, block_ids, block_size).flatten().index_select(0, index)  # (M,)
-    e = drafter.markov_head.embed(prev)  # (M, r)
-    w = weights.to(hidden.device, torch.float32, non_blocking=True).index_select(0, slot)  # (M,)
+    rows = supervised_rows(drafter, hidden, labels, block_ids, weights, index)
+    block_size, dtype = weights.numel(), lm_head.weight.dtype
     if fused is None:
         fused = hidden.is_cuda
     compile_ = fused and compiled
     head_bias = getattr(lm_head, "bias", None)
     table, table_lse = teacher_logits(final, lm_head.weight, head_bias, chunk_size, fused, compile_)
-    teacher = (table, teacher_index(index, anchors, block_size, final.shape[1]), table_lse)
+    teacher = (table, teacher_index(rows.index, anchors, block_size, final.shape[1]), table_lse)
     # The table's row count follows b * T, which natural (unpacked) rows vary: dynamic=None lets
     # dynamo compile one graph for every count instead of one per count.
     kernel = compiled_kernel(dspark_chunk_terms, dynamic=None) if compile_ else dspark_chunk_terms
@@ -256,15 +247,52 @@ def dspark_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, block_ids: 
     # weights' dtype: on CPUs without bf16 units bf16 matmuls are the slower ones. The
     # gradients are kept, and scaled in backward, in the dtypes of h, e and W2.
     walk = _HeadWalk(chunk_size, kernel, fused, alphas.ce, alphas.l1, dtype if fused else w2.dtype)
-    head_sum, l1, hit = _HeadTerms.apply(h, e, w2, teacher, lm_head.weight, head_bias, y, w, walk)
+    head_sum, l1, hit = _HeadTerms.apply(rows.h, rows.e, w2, teacher, lm_head.weight, head_bias, rows.y, rows.w,
+                                         walk)
+    return loss_output(drafter, rows, labels, block_size, alphas, head_sum, l1, hit)
+
+
+@dataclass
+class SupervisedRows:
+    """The supervised slots of a DSpark step, gathered once: their flat indices ``index`` (M,),
+    slot in the block ``slot``, drafter outputs ``h`` (M, H), labels ``y``, the Markov head's
+    embedding ``e`` (M, r) of each slot's gold predecessor, and slot weights ``w`` float32."""
+
+    index: torch.Tensor
+    slot: torch.Tensor
+    h: torch.Tensor
+    y: torch.Tensor
+    e: torch.Tensor
+    w: torch.Tensor
+
+
+def supervised_rows(drafter, hidden, labels, block_ids, weights, index) -> SupervisedRows:
+    """``dspark_loss``'s arguments of the same names, gathered at the supervised slots."""
+    block_size = weights.numel()
+    if index is None:
+        index = (labels.flatten() != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
+    index = index.to(labels.device, non_blocking=True)
+    slot = index % labels.shape[1] % block_size  # (M,)
+    prev = previous_tokens(labels, block_ids, block_size).flatten().index_select(0, index)  # (M,)
+    return SupervisedRows(
+        index=index, slot=slot, h=hidden.flatten(0, 1).index_select(0, index),  # (M, H)
+        y=labels.flatten().index_select(0, index), e=drafter.markov_head.embed(prev),  # (M,), (M, r)
+        w=weights.to(hidden.device, torch.float32, non_blocking=True).index_select(0, slot))
+
+
+def loss_output(drafter, rows: SupervisedRows, labels, block_size: int, alphas: DSparkLossWeights,
+                head_sum: torch.Tensor, l1: torch.Tensor, hit: torch.Tensor) -> LossOutput:
+    """The step's LossOutput from the head terms' weighted sum, each slot's L1 and argmax hits:
+    the confidence head's BCE added, the per-slot counts and the accepted drafts."""
+    h, e, w, slot = rows.h, rows.e, rows.w, rows.slot
     accept = (1 - 0.5 * l1).clamp(0, 1)  # the chance the slot is accepted, given its prefix was
     conf = drafter.confidence_head(h, e)  # (M,)
     bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
     total = head_sum + (w * (alphas.confidence * bce)).sum()
-    zeros = torch.zeros(block_size + 1, dtype=torch.float32, device=hidden.device)
+    zeros = torch.zeros(block_size + 1, dtype=torch.float32, device=h.device)
     count = zeros.scatter_add(0, slot + 1, torch.ones_like(w))
     correct = zeros.scatter_add(0, slot + 1, hit.float())
     # Every slot drafts (slot 0 the first token after the anchor), each after its gold predecessor.
-    accepted = accepted_drafts(index, hit, labels.numel(), block_size, first_slot=0)
+    accepted = accepted_drafts(rows.index, hit, labels.numel(), block_size, first_slot=0)
     return LossOutput(weighted_sum=total, weight_sum=w.sum(), correct=correct, count=count,
                       blocks=supervised_blocks(labels, block_size), accepted=accepted)
