@@ -119,9 +119,15 @@ for a in $ARMS; do
   for l in $R/seed-*.log; do [ -f $l ] && tail -c 20000 $l > $K/$(basename $l); done  # a guard seed's log, its end
   # A generated data set comes back too (gzipped tar in parts of 15 MB), once its arm has finished,
   # so that later leases can train on it without generating it again (carry it as .gpu/data).
+  # A call brings back at most 8 files: a set that would pass 7 (results.tgz is the 8th) waits for
+  # the next call.
   if [ -f $R.t1 ] && [ -f $R/data/manifest.json ] && [ ! -f $R.data-sent ]; then
-    tar -C $R -czf /tmp/$a-data.tgz data && split -b 15000000 -d -a 1 /tmp/$a-data.tgz $OUT/$a-data.tgz.
-    md5sum /tmp/$a-data.tgz | tee $OUT/$a-data.md5; touch $R.data-sent
+    [ -f /tmp/$a-data.tgz ] || tar -C $R -czf /tmp/$a-data.tgz data
+    parts=$(( ($(stat -c %s /tmp/$a-data.tgz) + 14999999) / 15000000 + 1 ))
+    if [ $(( $(ls $OUT | wc -l) + parts )) -le 7 ]; then
+      split -b 15000000 -d -a 1 /tmp/$a-data.tgz $OUT/$a-data.tgz.
+      md5sum /tmp/$a-data.tgz | tee $OUT/$a-data.md5; touch $R.data-sent
+    else echo "== $a: its data set waits for the next call (8 files a call)"; fi
   fi
 done
 [ -d /tmp/keep ] && tar -C /tmp/keep -czf $OUT/results.tgz .  # one file: a call brings back at most 8
