@@ -21,12 +21,17 @@ source benchmarks/gpu/setup.sh
 WAIT=$1; shift
 TRAIN='"+experiment=qwen25_coder_05b_1xh100","logging.wandb=disabled","logging.progress_bar=false","data.val_every=500"'
 GEN=(); [ -n "$GEN_MIN" ] && GEN=(datagen_budget_min=$GEN_MIN)
+CODE_SOURCES="sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256, keep_truncated: true, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}]"
 arm_args() {  # the dflash-quality arguments of arm $1 (run folder /tmp/arm-$1)
+  # ARM-sN: the arm with seed N for training (seed=N) and generation (sampling.seed=N: the magpie
+  # prompts written and, above temperature 0, the answers); no suffix: seed 0
+  local name=$1 seed=""
+  if [[ $1 =~ ^(.+)-s([0-9]+)$ ]]; then name=${BASH_REMATCH[1]}; seed=${BASH_REMATCH[2]}; fi
   # Step time the plan counts: 0.195 s on one H100 with the target running; with the feature cache,
   # 0.195 s in the first epoch and 0.173 s after it (cache_speed.sh), 0.176 s over (f)'s 8-9 epochs
   # The kinds' arms (k-KIND) leave the plan to dflash-quality's probe: each kind's own step time.
-  local sps=0.195; [ $1 = f-cache-wsd ] && sps=0.176
-  local P=(seconds_per_step=$sps startup_s=70); [[ $1 = k-* ]] && P=()
+  local sps=0.195; [ $name = f-cache-wsd ] && sps=0.176
+  local P=(seconds_per_step=$sps startup_s=70); [[ $name = k-* ]] && P=()
   local C=(target=qwen25_coder_05b target.name=/tmp/qwen25coder05b.gguf run_dir=/tmp/arm-$1
     budget_min=${TRAIN_MIN:-14} "${P[@]}" 'eval=["batch_size=120"]'
     "datasets=[mtbench,humaneval,benchmarks/quality-h100-2026-11-24/sharegpt-heldout.jsonl]")
@@ -35,29 +40,34 @@ arm_args() {  # the dflash-quality arguments of arm $1 (run folder /tmp/arm-$1)
   [ -n "$DATA" ] && Q=("${C[@]}" data.path=$DATA)
   # The data arms (b)-(e) train with the paper's cosine, as (a) and (c) did (3ba54aa, before the
   # recipe's WSD): they differ from (c) in their data alone. (f) is the schedule and cache arm.
-  local D="$TRAIN,\"optim.schedule=cosine\""
-  case $1 in
-    a-shared) ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$TRAIN]") ;;
+  local T=$TRAIN GS=""; [ -n "$seed" ] && { T="$TRAIN,\"seed=$seed\""; GS=",\"sampling.seed=$seed\""; }
+  local D="$T,\"optim.schedule=cosine\""
+  case $name in
+    a-shared) ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$T]") ;;
     b-first-turns) ARGS=("${Q[@]}" datagen_recipe=datagen
-        'datagen=["backend.batch_size=512","sampling.max_new_tokens=512","max_prompt_len=3072"]' "train=[$D]") ;;
+        "datagen=[\"backend.batch_size=512\",\"sampling.max_new_tokens=512\",\"max_prompt_len=3072\"$GS]" "train=[$D]") ;;
     # (c), (e): magpie's candidates cut at 256 tokens dropped, as (c) ran at 3ba54aa (the recipes
     # keep them since b931988's arms)
-    c-all-turns-magpie) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256}]\"]" "train=[$D]") ;;
-    d-magpie-code) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256, keep_truncated: true, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}]\"]" "train=[$D]") ;;
-    e-temperature) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sampling.temperature=0.7\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256}]\"]" "train=[$D]") ;;
+    c-all-turns-magpie) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256}]\"$GS]" "train=[$D]") ;;
+    d-magpie-code) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256, keep_truncated: true, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}]\"$GS]" "train=[$D]") ;;
+    e-temperature) ARGS=("${Q[@]}" "datagen=[\"backend.batch_size=512\",\"sampling.temperature=0.7\",\"sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_prompts: 5000, max_tokens: 256}]\"$GS]" "train=[$D]") ;;
     # The adopted data recipe with the adopted schedule: quality_generate_code (arm (d)'s data) and the
     # recipe's WSD; (g) the same with 15,000 ShareGPT conversations (the budget decides how many are
     # answered; the prompts start mixed in proportion, so the budget cuts both sources alike)
-    h-code-wsd) ARGS=("${Q[@]/quality_generate/quality_generate_code}" "train=[$TRAIN]") ;;
-    g-largest) ARGS=("${Q[@]/quality_generate/quality_generate_code}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 15000}, {kind: magpie, num_prompts: 5000, max_tokens: 256, keep_truncated: true, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}]\"]" "train=[$TRAIN]") ;;
+    h-code-wsd) ARGS=("${Q[@]/quality_generate/quality_generate_code}" "train=[$T]")
+        if [ -n "$seed" ]; then ARGS+=("datagen=[\"backend.batch_size=512\",\"$CODE_SOURCES\"$GS]"); fi ;;
+    # (i) = (h) answered at temperature 0.7, (e)'s lever on the adopted recipe
+    i-code-wsd-t07) ARGS=("${Q[@]/quality_generate/quality_generate_code}" "train=[$T]"
+        "datagen=[\"backend.batch_size=512\",\"sampling.temperature=0.7\",\"$CODE_SOURCES\"$GS]") ;;
+    g-largest) ARGS=("${Q[@]/quality_generate/quality_generate_code}" "datagen=[\"backend.batch_size=512\",\"sources=[{kind: sharegpt, num_prompts: 15000}, {kind: magpie, num_prompts: 5000, max_tokens: 256, keep_truncated: true, system_prompt: 'You are an expert programmer. Users ask you to write, fix and explain code.'}]\"$GS]" "train=[$T]") ;;
     # (f) on the shared set, against (a): its cache fits the GPU (17.4 GB; (c)'s set would need 54)
-    f-cache-wsd) ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$TRAIN,\"data.cache_features=true\",\"optim.schedule=wsd\"]") ;;
+    f-cache-wsd) ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$T,\"data.cache_features=true\",\"optim.schedule=wsd\"]") ;;
     # Issue 38's quality run per kind: the shared set, the recipe (WSD, no feature cache), the same
     # minutes; k-dflash is the DFlash side of the same lease
-    k-dflash|k-dflash2|k-dspark) local kind=${1#k-} extra=""
+    k-dflash|k-dflash2|k-dspark) local kind=${name#k-} extra=""
         [ $kind = dspark ] && extra=',"loss.position_weighting=decay"'
-        ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$TRAIN,\"drafter.kind=$kind\"$extra]") ;;
-    *) echo "arm.sh: unknown arm '$1'"; return 2 ;;
+        ARGS=("${C[@]}" data.path=/tmp/data/sharegpt-qwen25-coder-05b "train=[$T,\"drafter.kind=$kind\"$extra]") ;;
+    *) echo "arm.sh: unknown arm '$name'"; return 2 ;;
   esac
 }
 guard_overrides() {  # the dflash-train overrides of a guard3 variant
