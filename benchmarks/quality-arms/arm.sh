@@ -11,6 +11,10 @@
 # overrides (e.g. guard3@optim.lr=3e-3@optim.decay_ratio=0.4) (3 seeds side by side; judge one against another with
 # quality_guard.py --metrics /tmp/arm-guard3-wsd --baseline /tmp/arm-guard3-cosine). verify-ks-ARM
 # after ARM in its queue: ARM's export decoded at batch 1 with verify_tokens 3, 7 and 15 (eval.speed).
+# after-side-RUN: wait until benchmarks/modelopt-side-by-side/run.sh's run RUN (e.g. dflash-10) has
+# ended, so that a lease shares its GPUs with it: `GPUS="0 1" RESULTS=arms.tgz arm.sh 280
+# after-side-dflash-10,datagen-profile after-side-modelopt-10,kinds-step` beside `BUDGETS="10 15" run.sh`.
+# datagen-profile: issue 39's engine profile (datagen_engine_gpu.sh's job) on the queue's GPU.
 # kinds-step: each drafter kind's training step against DFlash's (benchmarks/kinds_step.sh, the recipe,
 # random 0.5B target, the shared set); sampler: benchmarks/sampler_speed.py at 512 slots.
 # Run by every call of a lease's chain (benchmarks/gpu/setup.sh carries the GGUF over in parts):
@@ -88,6 +92,11 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
       if [[ $arm = *@* ]]; then g+=(${arm#*@}); g=("${g[@]//@/ }")  # guard3@KEY=VAL[@KEY=VAL]: one lever
       elif [[ $arm = *-* ]]; then g+=($(guard_overrides ${arm#*-})) || exit 2; fi
       echo "date +%s > /tmp/arm-$arm.t0; python3 -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf --data /tmp/data/sharegpt-qwen25-coder-05b --out /tmp/arm-$arm ${g[*]} > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
+    elif [[ $arm = after-side-* ]]; then  # after-side-RUN: wait for the side-by-side's run RUN to end
+      echo "date +%s > /tmp/arm-$arm.t0; while [ ! -f /tmp/side/${arm#after-side-}.t1 ]; do sleep 10; done; date +%s > /tmp/arm-$arm.t1"
+    elif [ $arm = datagen-profile ]; then  # issue 39's profile (datagen_engine_gpu.sh's job, its default size)
+      local c="python3 -m benchmarks.datagen_engine --target /tmp/qwen25coder05b.gguf --all-turns --prompts 2000 --magpie 2000 --max-prompt-len 3072 --batch-size 512 --max-new-tokens 512 --kinds engine,engine-flex --profile --idle-prompts 1024"
+      echo "date +%s > /tmp/arm-$arm.t0; { echo \"$c\"; $c; echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
     elif [[ $arm = kinds-step || $arm = sampler ]]; then  # issue 38's step per kind, issue 39's sampler (one table each)
       local c="bash benchmarks/kinds_step.sh /tmp/arm-$arm \"dflash dspark dflash2\" +experiment=qwen25_coder_05b_1xh100 target.name=/tmp/qwen25coder05b.gguf bench.random_target=true data.path=/tmp/data/sharegpt-qwen25-coder-05b"
       [ $arm = sampler ] && c="python3 -m benchmarks.sampler_speed --device cuda --slots 512"
@@ -104,11 +113,12 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
 }
 ARMS=$(echo "$@" | tr ', ' '\n\n')
 if [ -f /tmp/qwen25coder05b.gguf ] && [ ! -f /tmp/arms.started ]; then
-  touch /tmp/arms.started; gpu=0
+  touch /tmp/arms.started; i=0
+  gpus=(${GPUS:-$(seq 0 $(($# - 1)))})  # GPUS="2 3": the queues on those GPUs (another script has the rest)
   for q in "$@"; do
+    gpu=${gpus[$i]}; i=$((i + 1))
     queue_cmd "$q" > /tmp/queue-$gpu.sh || exit 2
     CUDA_VISIBLE_DEVICES=$gpu setsid nohup bash /tmp/queue-$gpu.sh > /tmp/queue-$gpu.out 2>&1 < /dev/null &
-    gpu=$((gpu + 1))
   done
 fi
 done_all() { for a in $ARMS; do [ -f /tmp/arm-$a.t1 ] || return 1; done; }
@@ -140,5 +150,6 @@ for a in $ARMS; do
     else echo "== $a: its data set waits for the next call (8 files a call)"; fi
   fi
 done
-[ -d /tmp/keep ] && tar -C /tmp/keep -czf $OUT/results.tgz .  # one file: a call brings back at most 8
+# one file (RESULTS, default results.tgz: another name beside another script's): a call brings back at most 8
+[ -d /tmp/keep ] && tar -C /tmp/keep -czf $OUT/${RESULTS:-results.tgz} .
 nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
