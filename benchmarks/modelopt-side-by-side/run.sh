@@ -48,7 +48,10 @@ else
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_mo \
       .gpu/whl-mo/*.whl && touch /tmp/site_mo/.done || exit 1
   fi
-  SETTINGS=(target=qwen25_coder_05b target.name=$TARGET data.path=/tmp/data/sharegpt-qwen25-coder-05b
+  # DATA: the set both train on; the shared one by default, or one an arm generated in an earlier
+  # lease (carry .gpu/sets/ARM-data.tgz, unpacked by setup.sh: DATA=/tmp/sets/ARM/data)
+  DATA=${DATA:-/tmp/data/sharegpt-qwen25-coder-05b}
+  SETTINGS=(target=qwen25_coder_05b target.name=$TARGET data.path=$DATA
     'train=["+experiment=qwen25_coder_05b_1xh100","logging.wandb=disabled","logging.progress_bar=false"]'
     'eval=["batch_size=120"]' "datasets=[mtbench,humaneval,$HELDOUT]" limit=40 max_new_tokens=256)
   MO_SETTINGS=()
@@ -72,8 +75,14 @@ start_queues() {  # one queue a GPU, never two runs on one GPU at a time
   "$PY" -c "from dflash_train.model.target import resolve_target; print(resolve_target('$TARGET'))"
   if [ "$QUEUES" -ge "$(echo $RUNS | wc -w)" ]; then  # every run on a GPU of its own, all at once
     for r in $RUNS; do run_line ${r%-*} ${r##*-} > $R/queue-$q.sh; q=$((q + 1)); done
-  elif [ "$QUEUES" -ge 2 ]; then  # each trainer's budgets one after another on a GPU of its own
-    for t in $TRAINERS; do for b in $BUDGETS; do run_line $t $b; done > $R/queue-$q.sh; q=$((q + 1)); done
+  elif [ "$QUEUES" -ge 2 ]; then  # the longest runs first, each to the queue with the fewest minutes
+    local load=() r best i
+    for ((i = 0; i < QUEUES; i++)); do load[$i]=0; : > $R/queue-$i.sh; done
+    for r in $(for r in $RUNS; do echo "${r##*-} $r"; done | sort -s -k1,1nr | cut -d' ' -f2); do
+      best=0; for ((i = 1; i < QUEUES; i++)); do [ ${load[$i]} -lt ${load[$best]} ] && best=$i; done
+      run_line ${r%-*} ${r##*-} >> $R/queue-$best.sh; load[$best]=$(( load[$best] + ${r##*-} ))
+    done
+    q=$QUEUES
   else  # one GPU: the two trainers taking turns at each budget
     for b in $BUDGETS; do for t in $TRAINERS; do run_line $t $b; done; done > $R/queue-0.sh; q=1
   fi
@@ -85,7 +94,7 @@ if [ ! -f $R/started ]; then
   missing=""
   if [ "${CPU_SMOKE:-0}" != 1 ]; then
     [ -f $TARGET ] || missing="$missing the whole GGUF;"
-    [ -d /tmp/data/sharegpt-qwen25-coder-05b ] || missing="$missing .gpu/data;"
+    [ -d $DATA ] || missing="$missing $DATA (.gpu/data, or .gpu/sets/ARM-data.tgz);"
   fi
   if [ -n "$missing" ]; then  # the GGUF parts still arriving, a call at a time
     echo "run.sh: waiting for:$missing"
