@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.warm_python import warm_python
+
 MODULES = {"dflash-train": "dflash_train.train", "dflash-datagen": "data_gen.cli",
            "dflash-export": "dflash_train.export.cli", "dflash-eval": "dflash_train.eval.cli",
            "dflash-quickstart": "dflash_train.quickstart", "dflash-bench": "dflash_train.bench",
@@ -19,8 +21,13 @@ MODULES = {"dflash-train": "dflash_train.train", "dflash-datagen": "data_gen.cli
 
 
 def run_cli(prog: str, *args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
-    """The console script ``prog`` (as its module, with this interpreter) in a subprocess."""
+    """The console script ``prog`` (as its module, with this interpreter) in a subprocess: one
+    forked from a process that imported torch and transformers already (tests/warm_python.py)
+    when it has this environment, else a fresh interpreter."""
     full_env = {**os.environ, "WANDB_MODE": "disabled", **(env or {})}
+    warm = warm_python(full_env)
+    if warm is not None:
+        return warm.run_module(MODULES[prog], [str(a) for a in args], full_env, cwd, timeout)
     return subprocess.run([sys.executable, "-m", MODULES[prog], *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, env=full_env, timeout=timeout)
 

@@ -57,16 +57,24 @@ def test_two_processes_match_one_and_resume_across_world_sizes(backend, referenc
     torch.testing.assert_close(record["weights"], reference["weights"], rtol=1e-4, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def fsdp2_checkpoint(tmp_path_factory):
+    """The sharded checkpoint 2 FSDP2 processes write after the first leg; the resumes below
+    only read it."""
+    root = tmp_path_factory.mktemp("fsdp2_ckpt")
+    launch(2, root / "a.pt", backend_name="fsdp2", accum=ACCUM, steps=STEPS[0], save=root / "ckpt")
+    return root / "ckpt"
+
+
 @pytest.mark.parametrize("resume_on", ["ddp", "zero3"])
-def test_sharded_fsdp2_checkpoint_resumes_under_another_backend(resume_on, reference, tmp_path):
+def test_sharded_fsdp2_checkpoint_resumes_under_another_backend(resume_on, reference, fsdp2_checkpoint, tmp_path):
     """FSDP2 writes DCP shards; DDP reads them back through DCP, DeepSpeed (which takes no
     DTensors) as whole tensors, each on the other world size."""
     _needs(resume_on)
     first, second, _ = STEPS
-    launch(2, tmp_path / "a.pt", backend_name="fsdp2", accum=ACCUM, steps=first, save=tmp_path / "ckpt")
-    assert (tmp_path / "ckpt" / "sharded" / "__1_0.distcp").is_file()
+    assert (fsdp2_checkpoint / "sharded" / "__1_0.distcp").is_file()
     record = launch(1, tmp_path / "b.pt", backend_name=resume_on, accum=2 * ACCUM, first_step=first, steps=second,
-                    load=tmp_path / "ckpt")
+                    load=fsdp2_checkpoint)
     _assert_same_curve(record, reference, first)
 
 

@@ -39,6 +39,20 @@ def tiny(tmp_path_factory):
     return {"target": target, "data": str(data), "reference": reference}
 
 
+@pytest.fixture(scope="module")
+def validation_reference(tiny, tmp_path_factory):
+    """One process, 3 held-out rows: what the sharded backends' validation must reduce to."""
+    return run(tiny["target"], tiny["data"], tmp_path_factory.mktemp("val_one"), "single", micro_batch_size=1,
+               grad_accum_steps=4, max_steps=2, val_rows=3)
+
+
+@pytest.fixture(scope="module")
+def dflash2_reference(tiny, tmp_path_factory):
+    """One process training a DFlash2 drafter: the curve every backend's 2 processes follow."""
+    return run(tiny["target"], tiny["data"], tmp_path_factory.mktemp("dflash2_one"), "single", micro_batch_size=1,
+               grad_accum_steps=4, max_steps=FIRST, kind="dflash2")
+
+
 def _assert_same_steps(got: list[dict], want: list[dict]) -> None:
     assert [m["step"] for m in got] == [m["step"] for m in want]
     for key in COMPARED:
@@ -89,13 +103,12 @@ def test_fsdp2_checkpoint_is_sharded_and_resumes_on_one_fsdp2_process(tiny, tmp_
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "zero3"])
-def test_validation_on_two_sharded_processes_matches_one(backend, tiny, tmp_path):
+def test_validation_on_two_sharded_processes_matches_one(backend, tiny, validation_reference, tmp_path):
     """3 held-out rows over 2 ranks: rank 1 runs a padding forward so the sharded model's
     collectives stay matched, and the reduced numbers equal one process's."""
     if backend.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
-    one = run(tiny["target"], tiny["data"], tmp_path / "one", "single", micro_batch_size=1, grad_accum_steps=4,
-              max_steps=2, val_rows=3)
+    one = validation_reference
     two = launch(2, tmp_path / "two.pt", script=WORKER, target=tiny["target"], data=tiny["data"],
                  output_dir=tmp_path / "run", backend=backend, micro_batch_size=1, grad_accum_steps=2,
                  max_steps=2, val_rows=3)
@@ -106,13 +119,12 @@ def test_validation_on_two_sharded_processes_matches_one(backend, tiny, tmp_path
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2", "zero2", "zero3"])
-def test_dflash2_on_two_processes_matches_one(backend, tiny, tmp_path):
+def test_dflash2_on_two_processes_matches_one(backend, tiny, dflash2_reference, tmp_path):
     # The selector's loss calls the drafter's candidate_selector after the wrapped forward:
     # the sharding backends gather it through its own wrapping (modules_called_outside_forward).
     if backend.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
-    want = run(tiny["target"], tiny["data"], tmp_path / "one", "single", micro_batch_size=1, grad_accum_steps=4,
-               max_steps=FIRST, kind="dflash2")["metrics"]
+    want = dflash2_reference["metrics"]
     two = launch(2, tmp_path / "two.pt", script=WORKER, target=tiny["target"], data=tiny["data"],
                  output_dir=tmp_path / "run", backend=backend, micro_batch_size=1, grad_accum_steps=2,
                  max_steps=FIRST, kind="dflash2")

@@ -5,7 +5,6 @@ prompt exactly once."""
 
 import json
 import re
-import subprocess
 
 import pytest
 
@@ -15,8 +14,9 @@ from data_gen.hf_generator import HFGenerator
 from data_gen.pipeline import run
 from data_gen.template import ChatShaper
 from dflash_train.data.format import load_generated, read_shard_meta
+from tests.cli_helpers import run_cli
 from tests.conftest import SMOLLM2
-from tests.datagen_helpers import (Clock, cli, compose_config, kill_after_first_shard, overrides,
+from tests.datagen_helpers import (Clock, compose_config, kill_after_first_shard, overrides,
                                    write_conversations, write_prompts)
 
 # one thread: tiny matmuls do not split, and on a shared CPU the second thread waits
@@ -124,7 +124,7 @@ def test_kill_9_then_rerun_holds_every_prompt_once(tmp_path, smollm2, smollm2_to
     committed = kill_after_first_shard(args, tmp_path / "killed")
     assert 1 <= len(committed) < num_prompts // 4 and not (tmp_path / "killed" / "manifest.json").exists()
 
-    rerun = subprocess.run(cli(args), capture_output=True, text=True, timeout=300)
+    rerun = run_cli("dflash-datagen", *args)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert re.search(rf"rows written +{num_prompts}\n", rerun.stdout), rerun.stdout
     # The rerun generated only the prompts of the uncommitted shards.

@@ -4,7 +4,6 @@ multi-turn conversations regenerated, each conversation is one row, once."""
 
 import json
 import re
-import subprocess
 
 import pytest
 import torch
@@ -12,8 +11,8 @@ import torch
 from data_gen.generators import HF_BATCHES_PER_CALL
 from data_gen.pipeline import run
 from dflash_train.data.format import load_generated
+from tests.cli_helpers import run_cli
 from tests.datagen_helpers import (
-    cli,
     compose_config,
     kill_after_first_shard,
     overrides,
@@ -43,7 +42,7 @@ def test_kill_9_then_rerun_equals_uninterrupted(tmp_path, smollm2, smollm2_token
     committed = kill_after_first_shard(killed, tmp_path / "killed")
     assert 1 <= len(committed) < num_prompts and not (tmp_path / "killed" / "manifest.json").exists()
 
-    rerun = subprocess.run(cli(killed), capture_output=True, text=True, timeout=300)
+    rerun = run_cli("dflash-datagen", *killed)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert re.search(rf"rows written +{num_prompts}\n", rerun.stdout), rerun.stdout
 

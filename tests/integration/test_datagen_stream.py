@@ -6,7 +6,6 @@ finish the stream as they do the calls."""
 
 import json
 import re
-import subprocess
 import types
 from collections import Counter
 
@@ -19,8 +18,9 @@ from data_gen.config import to_datagen_config
 from data_gen.pipeline import run, setup
 from data_gen.turns import generate_shards
 from dflash_train.data.format import load_generated, read_manifest
+from tests.cli_helpers import run_cli
 from tests.conftest import SMOLLM2
-from tests.datagen_helpers import (Clock, an_hour_after_each_admission, cli, compose_config,
+from tests.datagen_helpers import (Clock, an_hour_after_each_admission, compose_config,
                                    kill_after_first_shard, overrides, write_conversations)
 
 # one thread: tiny matmuls do not split, and on a shared CPU the second thread waits
@@ -250,7 +250,7 @@ def test_kill_9_then_rerun_finishes_every_conversation_once(tmp_path, smollm2, s
     args += ["backend.kind=engine", "template.max_turns=null"]
     committed = kill_after_first_shard(args, tmp_path / "killed")
     assert 1 <= len(committed) < num // 2 and not (tmp_path / "killed" / "manifest.json").exists()
-    rerun = subprocess.run(cli(args), capture_output=True, text=True, timeout=300)
+    rerun = run_cli("dflash-datagen", *args)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert re.search(rf"rows written +{num}\n", rerun.stdout), rerun.stdout
 
