@@ -30,6 +30,8 @@ T = TypeVar("T")
 EXIT_USER_ERROR = 2
 # The names dflash_train.atomic gives a file or folder while it is written or replaced.
 ATOMIC_TEMPS = (".*.tmp-*", ".*.old", ".*.old/*")
+# check_writable_dir's probe file: another rank's, met for the moment it exists, is ours too.
+WRITE_PROBE = ".dflash-write-probe-"
 # The lock file of a folder a command writes (dflash_train.run_lock): present while it runs.
 LOCK_FILE = ".dflash.lock"
 # Foreign files named in a refusal: enough to recognise the folder, and the walk stops there.
@@ -87,7 +89,7 @@ def check_writable_dir(path: str | os.PathLike, what: str, min_free_bytes: int =
     if not existing.is_dir():
         raise ValueError(f"{what} {str(path)!r}: {str(existing)!r} is a file, not a folder")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".dflash-write-probe-", dir=existing)
+        fd, probe = tempfile.mkstemp(prefix=WRITE_PROBE, dir=existing)
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
@@ -129,8 +131,8 @@ def check_own_folder(path: str | os.PathLike, what: str, prog: str, own: Sequenc
     if other is not None and other != prog:
         raise ValueError(f"{what} {str(path)!r} holds a {other} run, not a {prog} one: it is left untouched; "
                          "choose an empty or new folder")
-    foreign = foreign_files(path, (*own, *ATOMIC_TEMPS, LOCK_FILE))
-    entries = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE)
+    foreign = foreign_files(path, (*own, *ATOMIC_TEMPS, LOCK_FILE, WRITE_PROBE + "*"))
+    entries = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE and not p.name.startswith(WRITE_PROBE))
     if proof is not None and entries and not proof(path):
         # Nothing here is ours, whatever the names: the ones named like ours are counted too.
         named = {f.split("/")[0] for f in foreign}

@@ -59,3 +59,17 @@ def test_eval_results_that_are_not_json_are_named_with_their_key(tmp_path):
     with pytest.raises(ValueError, match=r"^hub.eval_results=.* is not a results.json of dflash-eval \(missing "
                                          r"'datasets'\)$"):
         results_table(bad, "hub.eval_results")
+
+
+def test_another_ranks_write_probe_is_ours(tmp_path):
+    """Two ranks of one dflash-datagen check its out_dir at once: rank 0's write probe
+    (errors.check_writable_dir) sat in the folder when rank 1 looked, and rank 1 refused it as
+    a file dflash-datagen did not write (seen in test_datagen_torchrun)."""
+    from dflash_train.errors import WRITE_PROBE
+
+    (tmp_path / f"{WRITE_PROBE}k3j9x1").write_text("")
+    check_out_dir(tmp_path)  # the folder holds nothing else: no run.json, no proof needed
+    check_output_dir(tmp_path)
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(ValueError, match=r"did not write \(notes.txt\)"):
+        check_out_dir(tmp_path)
