@@ -14,7 +14,8 @@
 # after-side-RUN: wait until benchmarks/modelopt-side-by-side/run.sh's run RUN (e.g. dflash-10) has
 # ended, so that a lease shares its GPUs with it: `GPUS="0 1" RESULTS=arms.tgz arm.sh 280
 # after-side-dflash-10,datagen-profile after-side-modelopt-10,kinds-step` beside `BUDGETS="10 15" run.sh`.
-# gpu-tests-kinds: the GPU tests of the kinds' loss kernels (pytest -m gpu), before kinds-step times them.
+# gpu-tests-kinds: the GPU tests of the kinds' loss kernels (pytest -m gpu), before kinds-step times them
+# (tests/unit/test_kinds_step_parts.py comes with branch i38d's kernels: merge it first).
 # datagen-profile: issue 39's engine profile (datagen_engine_gpu.sh's job) on the queue's GPU.
 # kinds-step: each drafter kind's training step against DFlash's (benchmarks/kinds_step.sh, the recipe,
 # random 0.5B target, the shared set); sampler: benchmarks/sampler_speed.py at 512 slots.
@@ -98,9 +99,8 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
     elif [ $arm = gpu-tests-kinds ]; then  # the kinds' Triton kernels against their references, before timing them
       local c="python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_kinds_step_parts.py tests/unit/test_dspark_loss.py tests/unit/test_dspark_loss_equivalence.py tests/unit/test_dflash2_topk.py tests/unit/test_train_loss.py"
       echo "date +%s > /tmp/arm-$arm.t0; { echo \"$c\"; $c; echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
-    elif [ $arm = datagen-profile ]; then  # issue 39's profile (datagen_engine_gpu.sh's job, its default size)
-      local c="python3 -m benchmarks.datagen_engine --target /tmp/qwen25coder05b.gguf --all-turns --prompts 2000 --magpie 2000 --max-prompt-len 3072 --batch-size 512 --max-new-tokens 512 --kinds engine,engine-flex --profile --idle-prompts 1024"
-      echo "date +%s > /tmp/arm-$arm.t0; { echo \"$c\"; $c; echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
+    elif [ $arm = datagen-profile ]; then  # issue 39's profile: datagen_engine_gpu.sh's job, followed to its end
+      echo "date +%s > /tmp/arm-$arm.t0; OUT=/tmp/arm-$arm bash benchmarks/datagen_engine_gpu.sh 3600 > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
     elif [[ $arm = kinds-step || $arm = sampler ]]; then  # issue 38's step per kind, issue 39's sampler (one table each)
       local c="bash benchmarks/kinds_step.sh /tmp/arm-$arm \"dflash dspark dflash2\" +experiment=qwen25_coder_05b_1xh100 target.name=/tmp/qwen25coder05b.gguf bench.random_target=true data.path=/tmp/data/sharegpt-qwen25-coder-05b"
       [ $arm = sampler ] && c="python3 -m benchmarks.sampler_speed --device cuda --slots 512"
