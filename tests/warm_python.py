@@ -78,20 +78,27 @@ class WarmPython:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-_warm: list[WarmPython] = []
+# The warm processes by environment, the latest used last. The environment changes under a
+# worker: importing deepspeed or compiling sets variables in os.environ for good
+# (PYTORCH_NVML_BASED_CUDA_CHECK, TORCHINDUCTOR_CACHE_DIR), and some tests give a command its own.
+_warm: dict[tuple, WarmPython] = {}
+KEEP = 2  # processes kept per test worker (each holds torch and transformers imported)
 
 
 def warm_python(env: dict[str, str]) -> WarmPython | None:
     """The warm process for ``env`` (started on first use), or None where a fresh one is needed."""
-    if not _warm:
-        _warm.append(WarmPython(env))
-        atexit.register(_warm[0].close)
-    warm = _warm[0]
-    return warm if warm.usable and _steady(warm.env) == _steady(env) else None
+    key = tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE))
+    warm = _warm.pop(key, None) or WarmPython(env)
+    _warm[key] = warm
+    while len(_warm) > KEEP:
+        _warm.pop(next(iter(_warm))).close()
+    return warm if warm.usable else None
 
 
-def _steady(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in VOLATILE}
+@atexit.register
+def _close_all() -> None:
+    for warm in _warm.values():
+        warm.close()
 
 
 def _serve() -> None:

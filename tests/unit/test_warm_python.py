@@ -36,3 +36,16 @@ def test_a_forked_command_is_what_a_fresh_interpreter_gives(tmp_path, monkeypatc
         assert fresh.stderr.endswith("ValueError: boom\n") and forked.stderr.endswith("ValueError: boom\n")
     else:
         assert forked.stderr == fresh.stderr
+
+
+def test_a_changed_environment_gets_a_warm_process_of_its_own(monkeypatch):
+    """Importing deepspeed, or compiling, sets variables in the worker's os.environ for good; the
+    commands run after that must still fork from a process of their own environment."""
+    usual = {**os.environ, "WANDB_MODE": "disabled"}
+    first = warm_python(usual)
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    changed = {**os.environ, "WANDB_MODE": "disabled"}
+    second = warm_python(changed)
+    assert first is not None and second is not None and second is not first
+    assert second.env == changed and second.usable
+    assert warm_python(usual) is first  # kept: the two environments take turns without a restart
