@@ -43,7 +43,8 @@ def test_a_changed_environment_gets_a_warm_process_of_its_own(monkeypatch):
     commands run after that must still fork from a process of their own environment."""
     usual = {**os.environ, "WANDB_MODE": "disabled"}
     first = warm_python(usual)
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    # a variable no earlier test of the worker set (PYTORCH_NVML_BASED_CUDA_CHECK may be set already)
+    monkeypatch.setenv("DFLASH_WARM_TEST_VARIABLE", str(os.getpid()))
     changed = {**os.environ, "WANDB_MODE": "disabled"}
     second = warm_python(changed)
     assert first is not None and second is not None and second is not first
