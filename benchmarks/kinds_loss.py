@@ -140,7 +140,7 @@ def dspark_phases(args, inputs, dspark, median) -> dict[str, tuple[float, float]
 def torch_topk_candidates():
     """The first formulation's candidates: ``torch.topk`` over each chunk's whole logits."""
     saved = loss_module.top_k_rows
-    loss_module.top_k_rows = lambda logits, k: logits.topk(k, dim=-1)
+    loss_module.top_k_rows = lambda logits, k, segment_max=None: logits.topk(k, dim=-1)
     try:
         yield
     finally:

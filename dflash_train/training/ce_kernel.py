@@ -7,6 +7,10 @@ stays the reference and the fallback). What inductor makes of it reads each row 
 and a rescaled running sum (online softmax), so a row is read twice and its gradient written
 once: about 2/3 of the memory traffic, which is all this kernel costs (1024 x 152K bf16 logits
 are 311 MB a chunk).
+
+For a DFlash2 drafter the first pass also writes each row's maximum over every whole segment of
+``SEGMENT`` columns (``segment_max``), the first step of ``loss.top_k_rows``: the selector's
+top-K candidates then cost no pass of their own over the logits.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import functools
 import torch
 
 BLOCK = 4096  # vocabulary entries per iteration: 16 per thread at 8 warps
+SEGMENT = 128  # columns per segment maximum (``segment_max``); BLOCK holds a whole number of them
 
 
 @functools.cache
@@ -24,8 +29,8 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def ce_rows(logits, labels, slot_w, grad, out_loss, out_ce, out_hit, vocab, row_stride,
-                WITH_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    def ce_rows(logits, labels, slot_w, grad, out_loss, out_ce, out_hit, seg_max, vocab, row_stride, segments,
+                WITH_GRAD: tl.constexpr, SEG_MAX: tl.constexpr, BLOCK: tl.constexpr, SEGMENT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits + row * row_stride
         label = tl.load(labels + row)
@@ -45,6 +50,10 @@ def _kernel():
             m_new = tl.maximum(m, top)
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
             m = m_new
+            if SEG_MAX:  # the block's segments' maxima; only whole segments are kept
+                seg = start // SEGMENT + tl.arange(0, BLOCK // SEGMENT)
+                seg_top = tl.max(tl.reshape(x, (BLOCK // SEGMENT, SEGMENT)), 1)
+                tl.store(seg_max + row * segments + seg, seg_top.to(seg_max.dtype.element_ty), mask=seg < segments)
         lse = m + tl.log(s)
         ce = lse - tl.load(base + label).to(tl.float32)
         tl.store(out_ce + row, ce)
@@ -75,11 +84,14 @@ def available(device: torch.device) -> bool:
 
 
 def fused_ce(logits: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor, slot_w: torch.Tensor,
-             with_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+             with_grad: bool, segment_max: torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``loss.fused_ce_reference`` for CUDA logits (c, V): (w * CE (c,), CE (c,), hits (c,),
     w * dCE/dlogits or None).
 
-    ``teacher`` is unused (the signature every chunk kernel has).
+    ``teacher`` is unused (the signature every chunk kernel has). ``segment_max`` (c, V // SEGMENT)
+    in the logits' dtype, when given, receives each row's maximum over columns
+    [j * SEGMENT, (j + 1) * SEGMENT): ``logits.unfold(1, SEGMENT, SEGMENT).amax(-1)``.
     """
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -88,6 +100,10 @@ def fused_ce(logits: torch.Tensor, teacher: torch.Tensor | None, labels: torch.T
     ce = torch.empty_like(loss)
     hit = torch.empty(rows, dtype=torch.bool, device=logits.device)
     grad = torch.empty(rows, vocab, dtype=logits.dtype, device=logits.device) if with_grad else None
-    _kernel()[(rows,)](logits, labels, slot_w.float(), grad if with_grad else logits, loss, ce, hit, vocab,
-                       logits.stride(0), WITH_GRAD=with_grad, BLOCK=BLOCK, num_warps=8)
+    assert segment_max is None or (segment_max.shape == (rows, vocab // SEGMENT) and segment_max.is_contiguous()
+                                   and segment_max.dtype == logits.dtype), "segment_max: (c, V // SEGMENT), logits' dtype"
+    _kernel()[(rows,)](logits, labels, slot_w.float(), grad if with_grad else logits, loss, ce, hit,
+                       logits if segment_max is None else segment_max, vocab, logits.stride(0), vocab // SEGMENT,
+                       WITH_GRAD=with_grad, SEG_MAX=segment_max is not None, BLOCK=BLOCK, SEGMENT=SEGMENT,
+                       num_warps=8)
     return loss, ce, hit, grad

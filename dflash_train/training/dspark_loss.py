@@ -20,8 +20,10 @@ and p = softmax(U s) (a constant):
 times the slot's weight. The gradient goes on to h through U and to W1[prev] and W2 through
 the Markov term before the chunk's logits are dropped: no autograd graph spans the
 vocabulary, nothing is recomputed in backward, and one chunk of (c, V) tensors exists at a
-time. On CUDA that function is compiled over fixed-size chunks (the last one padded, so it
-compiles once); elsewhere it runs eagerly. ``dspark_chunk_terms`` is the reference both run.
+time. On CUDA the chunks have one fixed size (the last one padded) and the function is a Triton
+kernel (training/dspark_kernel.py: three passes over each row of z, two over its teacher row),
+or without Triton ``dspark_chunk_terms`` compiled; elsewhere that function runs eagerly. It is
+the reference the kernel is held to.
 The BCE term is ordinary autograd: its target is detached, so only the confidence head's
 inputs get its gradient.
 
@@ -46,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.contract import ANCHOR_SLOT, IGNORE_INDEX
+from dflash_train.training import ce_kernel, dspark_kernel
 from dflash_train.training.loss import LossOutput, accepted_drafts, compiled_kernel, supervised_blocks
 
 
@@ -106,6 +109,18 @@ def dspark_chunk_terms(logits: torch.Tensor, markov: torch.Tensor | None, teache
     onehot = torch.arange(z.shape[1], device=z.device) == labels[:, None]  # (c, V), fuses as a where
     grad = (ce_alpha * torch.where(onehot, q - 1, q) + l1_alpha * q * (sign - spread)) * slot_w[:, None]
     return loss, l1, hit, grad.to(logits.dtype), None if markov is None else grad.to(markov.dtype)
+
+
+def chunk_kernel(device: torch.device, compiled: bool):
+    """The chunk function the walk runs: on CUDA with Triton the three-pass kernel
+    (training/dspark_kernel.py), else ``dspark_chunk_terms`` compiled, or eager when not ``compiled``."""
+    if not compiled:
+        return dspark_chunk_terms
+    if ce_kernel.available(device):
+        return dspark_kernel.dspark_terms
+    # The table's row count follows b * T, which natural (unpacked) rows vary: dynamic=None lets
+    # dynamo compile one graph for every count instead of one per count.
+    return compiled_kernel(dspark_chunk_terms, dynamic=None)
 
 
 def _row_lse(logits: torch.Tensor) -> torch.Tensor:
@@ -235,9 +250,7 @@ def dspark_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, block_ids: 
     head_bias = getattr(lm_head, "bias", None)
     table, table_lse = teacher_logits(final, lm_head.weight, head_bias, chunk_size, fused, compile_)
     teacher = (table, teacher_index(rows.index, anchors, block_size, final.shape[1]), table_lse)
-    # The table's row count follows b * T, which natural (unpacked) rows vary: dynamic=None lets
-    # dynamo compile one graph for every count instead of one per count.
-    kernel = compiled_kernel(dspark_chunk_terms, dynamic=None) if compile_ else dspark_chunk_terms
+    kernel = chunk_kernel(hidden.device, compile_)
     w2 = drafter.markov_head.markov_w2.weight  # (V, r)
     # The head in its own dtype (the target's). The Markov term: on the fused walk in the head's
     # dtype too, like everything there over the vocabulary. A float32 (c, r) x (r, V) matmul

@@ -158,10 +158,17 @@ def _candidate_rows(m: int, walk: _Walk, device) -> tuple[torch.Tensor, torch.Te
 
 
 # Columns per segment of ``top_k_rows``: a row's top k lie in the k segments of highest maximum.
-TOP_K_SEGMENT = 128
+# The CUDA chunk kernel writes these maxima in its first pass (ce_kernel.SEGMENT).
+TOP_K_SEGMENT = ce_kernel.SEGMENT
 
 
-def top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def segmented(vocab: int, k: int) -> bool:
+    """Whether ``top_k_rows`` of rows of ``vocab`` columns goes through segment maxima."""
+    return vocab // TOP_K_SEGMENT > 2 * k  # else too few segments to gain anything
+
+
+def top_k_rows(logits: torch.Tensor, k: int,
+               segment_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits.topk(k, dim=-1)`` of logits (n, V): values and columns (n, k), highest first,
     the same values (ties between equal logits may pick other columns, as topk's own order is
     unspecified there).
@@ -170,13 +177,17 @@ def top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     pass takes each segment's maximum, and the top k are then chosen among k segments of
     ``TOP_K_SEGMENT`` columns: the k segments of highest maximum hold k distinct values at least
     as high as any column outside them, so the row's top k values lie in them (and in the
-    columns past the last whole segment, always kept).
+    columns past the last whole segment, always kept). ``segment_max`` (n, V // TOP_K_SEGMENT),
+    when ``segmented``: those maxima, computed already (the CUDA chunk kernel's), so that pass
+    is skipped.
     """
     n, vocab = logits.shape
     whole = vocab // TOP_K_SEGMENT
-    if whole <= 2 * k:  # too few segments to gain anything
+    if not segmented(vocab, k):
         return logits.topk(k, dim=-1)
-    best = logits.unfold(1, TOP_K_SEGMENT, TOP_K_SEGMENT).amax(dim=-1).topk(k, dim=-1).indices  # (n, k) segments
+    if segment_max is None:
+        segment_max = logits.unfold(1, TOP_K_SEGMENT, TOP_K_SEGMENT).amax(dim=-1)  # (n, whole)
+    best = segment_max.topk(k, dim=-1).indices  # (n, k) segments
     offsets = torch.arange(TOP_K_SEGMENT, device=logits.device)
     cols = (best[:, :, None] * TOP_K_SEGMENT + offsets).flatten(1)  # (n, k * segment)
     if whole * TOP_K_SEGMENT < vocab:
@@ -186,12 +197,12 @@ def top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return values, cols.gather(1, picked)
 
 
-def _keep_top(cand, sl: slice, logits: torch.Tensor) -> None:
-    """Rows ``sl`` of ``cand``: the top-k of ``logits`` (n, V), read before a kernel or an
-    in-place softmax overwrites them. The selector's candidates are these logits' own top-k,
-    so nothing runs the head a second time."""
+def _keep_top(cand, sl: slice, logits: torch.Tensor, segment_max: torch.Tensor | None = None) -> None:
+    """Rows ``sl`` of ``cand``: the top-k of ``logits`` (n, V) (``top_k_rows``, with its segment
+    maxima when computed already). The selector's candidates are these logits' own top-k, so
+    nothing runs the head a second time."""
     if cand is not None:
-        values, tokens = top_k_rows(logits, cand[0].shape[1])  # (n, k)
+        values, tokens = top_k_rows(logits, cand[0].shape[1], segment_max)  # (n, k)
         cand[0][sl], cand[1][sl] = tokens, values.float()
 
 
@@ -266,7 +277,7 @@ def _plain_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
                 rows[0, sl], rows[1, sl] = loss, ce
             continue
         logits = _head_logits(hidden[sl], weight, bias)  # (c, V) float32: the only big tensor
-        _keep_top(cand, sl, logits)
+        _keep_top(cand, sl, logits)  # before the in-place softmax below overwrites the logits
         target = logits.gather(1, labels[sl, None]).squeeze(1)  # (c,)
         # logsumexp by hand: the exponentials are kept for the gradient, and on CPU this is
         # twice as fast as torch.logsumexp followed by a second exp pass.
@@ -303,13 +314,20 @@ def _fused_chunks(hidden, weight, bias, labels, slot_w, walk: _Walk, with_grad):
     def fixed(x, sl, n):  # (n, H) -> (c, H) zero-padded
         return x[sl] if n == c else F.pad(x[sl], (0, 0, 0, c - n))
 
+    # The Triton kernel writes the segment maxima of the candidates' top-k in its first pass;
+    # the other kernels leave them to top_k_rows. No kernel here writes into the logits.
+    vocab = weight.shape[0]
+    seg = None
+    if cand is not None and walk.kernel is ce_kernel.fused_ce and segmented(vocab, walk.top_k):
+        seg = torch.empty(c, vocab // TOP_K_SEGMENT, dtype=weight.dtype, device=hidden.device)  # (c, V / segment)
+    extra = {} if seg is None else {"segment_max": seg}
     for start in range(0, m, c):
         sl = slice(start, start + c)
         n = min(c, m - start)
         logits = F.linear(fixed(hidden, sl, n), weight, bias)  # (c, V) in the head's dtype, never upcast in memory
-        _keep_top(cand, sl, logits[:n])
         teacher = None if walk.teacher is None else F.linear(fixed(walk.teacher, sl, n), weight, bias)  # (c, V)
-        loss, ce, hit, grad_logits = walk.kernel(logits, teacher, labels[sl], slot_w[sl], grad is not None)
+        loss, ce, hit, grad_logits = walk.kernel(logits, teacher, labels[sl], slot_w[sl], grad is not None, **extra)
+        _keep_top(cand, sl, logits[:n], None if seg is None else seg[:n])
         total += loss.sum()
         correct[sl] = hit[:n]
         if rows is not None:
