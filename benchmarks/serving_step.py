@@ -2,6 +2,7 @@
 
     python -m benchmarks.serving_step                               # Qwen3-8B geometry, one GPU
     python -m benchmarks.serving_step --batch 1 8 --verify 3 7 15 --compile-draft --json out.json
+    python -m benchmarks.serving_step --batch 1 8 --verify 15 --gqa repeat packed --profile DIR
     python -m benchmarks.serving_step --tiny --device cpu --replays 2   # the CPU check of the script
 
 The target is ``--geometry`` (default Qwen/Qwen3-8B; the configs dflash-bench builds in) with
@@ -23,20 +24,40 @@ stands in for a trained drafter. ``x at tau T`` is min(T, k+1) / step: the speed
 drafter whose mean acceptance at that k is T (a drafter's tau at k < 15 is below its tau at
 15, so for short verifies it is a bound). On a CPU the graphs are eager calls and the
 figures are compute time; only the GPU's numbers answer the issue.
+
+``--gqa`` picks how the target's attention serves its grouped-query heads (the runtime's
+`GQA_PATHS`; several run one after the other, each row says which). ``--profile DIR`` also
+runs the plain step's and each verify's forward (the functions their graphs hold, called
+eagerly) under torch.profiler and writes DIR/profile-b{B}-{plain|k{K}}.txt (``-packed``
+before ``.txt`` for the packed path): GPU ms a call grouped by what the kernels are for, the
+bytes each group moves and its time at HBM bandwidth, and for a verify its comparison with
+the plain step (benchmarks/step_profile.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
 from benchmarks.runtime_parts import per_call_ms
+from benchmarks.step_profile import (
+    StepProfile,
+    format_comparison,
+    format_profile,
+    profile_call,
+)
 from dflash_train.bench import GEOMETRIES, target_config
-from dflash_train.training.throughput import random_target
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
-from dflash_train.model.runtime import StaticSpeculator, TargetSlots, static_unsupported
+from dflash_train.model.runtime import (
+    GQA_PATHS,
+    StaticSpeculator,
+    TargetSlots,
+    static_unsupported,
+)
+from dflash_train.training.throughput import random_target
 
 DRAFT_LAYERS = 5
 BLOCK = 16
@@ -57,8 +78,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=2048, help="cache slots (every step attends over all of them)")
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--compile-draft", action="store_true", help="the draft step compiled inside its graphs")
+    p.add_argument("--gqa", nargs="+", default=[GQA_PATHS[0]], choices=GQA_PATHS,
+                   help="the target's grouped-query attention path(s): repeat (transformers' sdpa: K/V copied to "
+                        "every query head) and/or packed (a K/V head's query heads stacked, K/V read once)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also profile the plain step's and each verify's forward: DIR/profile-b{B}-{plain|k{K}}.txt")
     args = p.parse_args(argv)
     bad = [k for k in args.verify if not 1 <= k < BLOCK]
     if bad:
@@ -97,17 +123,20 @@ def _prompts(target, rows: int, length: int, device) -> tuple[torch.Tensor, torc
     return ids.to(device), torch.arange(length, device=device).repeat(rows, 1)
 
 
-def plain_ms(target, args, rows: int, device) -> float:
-    plain = TargetSlots(target, args.slots, width=1, rows=rows)
+def plain_ms(target, args, rows: int, gqa: str, device) -> tuple[float, TargetSlots]:
+    """ms a replay of the plain step, and its `TargetSlots` (for the profile)."""
+    plain = TargetSlots(target, args.slots, width=1, rows=rows, gqa=gqa)
     ids, positions = _prompts(target, rows, args.prompt, device)
     plain.forward(ids, positions, logits_to_keep=1)
     plain.positions.fill_(args.prompt)
-    return per_call_ms(plain.step, device, args.replays)
+    return per_call_ms(plain.step, device, args.replays), plain
 
 
-def speculative_ms(drafter, target, args, rows: int, k: int, device) -> dict[str, float]:
-    """ms a replay of the verify, the draft and the whole device-loop step at verify length k."""
-    rt = StaticSpeculator(drafter, target, args.slots, rows=rows, verify_tokens=k)
+def speculative_ms(drafter, target, args, rows: int, k: int, gqa: str,
+                   device) -> tuple[dict[str, float], StaticSpeculator]:
+    """ms a replay of the verify, the draft and the whole device-loop step at verify length k,
+    and the runtime (for the profile)."""
+    rt = StaticSpeculator(drafter, target, args.slots, rows=rows, verify_tokens=k, gqa=gqa)
     ids, positions = _prompts(target, rows, args.prompt, device)
     _, feats = rt.verifier.forward(ids, positions, logits_to_keep=1)
     width, start = rt.verify_width, torch.full((rows, 1), args.prompt, device=device)
@@ -121,7 +150,7 @@ def speculative_ms(drafter, target, args, rows: int, k: int, device) -> dict[str
              "draft": per_call_ms(rt.draft_step, device, args.replays),
              "step": per_call_ms(rt.greedy_step, device, args.replays)}  # advances from `begin`'s state
     times["rest"] = times["step"] - times["draft"] - times["verify"]
-    return times
+    return times, rt
 
 
 def measure(args) -> list[dict]:
@@ -129,16 +158,65 @@ def measure(args) -> list[dict]:
     target, drafter = build(args, device)
     rows = []
     with torch.inference_mode():
-        for batch in args.batch:
-            plain = plain_ms(target, args, batch, device)
-            for k in args.verify:
-                ms = speculative_ms(drafter, target, args, batch, k, device)
-                step = ms["step"] / plain  # the whole step in plain steps
-                rows.append({"batch": batch, "k": k, "plain_ms": plain, **{f"{n}_ms": v for n, v in ms.items()},
-                             "step_plain": step, "speedup_at_tau": min(args.tau, k + 1) / step})
-                print(format_row(rows[-1]), flush=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()  # the runtime's buffers and graphs go with it
+        for gqa in args.gqa:
+            for batch in args.batch:
+                rows += measure_batch(target, drafter, args, batch, gqa, device)
+    return rows
+
+
+def _profile_title(args, batch: int, gqa: str, what: str) -> str:
+    name = "tiny Qwen3" if args.tiny else f"{args.geometry} geometry"
+    return (f"{name}, batch {batch}, {what}, gqa {gqa}; {args.prompt}-token prompts, attention over {args.slots} "
+            "cache slots")
+
+
+def _profile_name(batch: int, part: str, gqa: str) -> str:
+    """profile-b{B}-{part}.txt for the default GQA path, profile-b{B}-{part}-{gqa}.txt for another."""
+    return f"profile-b{batch}-{part}" + ("" if gqa == GQA_PATHS[0] else f"-{gqa}") + ".txt"
+
+
+def profile_plain(target, slots: TargetSlots, args, batch: int, gqa: str, replay_ms: float, device) -> StepProfile:
+    """The plain step's forward (the function its graph holds) profiled, to DIR/profile-b{B}-plain.txt."""
+    title = _profile_title(args, batch, gqa, "plain one-token step")
+    prof = profile_call(slots.step.fn, target, device, title, replay_ms)
+    _write(args.profile, _profile_name(batch, "plain", gqa), format_profile(prof))
+    return prof
+
+
+def profile_verify(target, rt: StaticSpeculator, args, batch: int, k: int, gqa: str, replay_ms: float,
+                   plain: StepProfile, device) -> StepProfile:
+    """The verify's forward profiled, with the comparison to the plain step, to DIR/profile-b{B}-k{K}.txt."""
+    title = _profile_title(args, batch, gqa, f"verify of k={k} drafts ({k + 1} tokens a row)")
+    prof = profile_call(rt.verify_step.fn, target, device, title, replay_ms)
+    text = format_profile(prof) + "\n" + format_comparison(plain, prof, f"verify k={k}")
+    _write(args.profile, _profile_name(batch, f"k{k}", gqa), text)
+    return prof
+
+
+def _write(folder: str, name: str, text: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, name), "w") as f:
+        f.write(text)
+    print(f"wrote {os.path.join(folder, name)}", flush=True)
+
+
+def measure_batch(target, drafter, args, batch: int, gqa: str, device) -> list[dict]:
+    """The rows of one batch size and GQA path: the plain step, then each k (and their profiles)."""
+    rows = []
+    plain, slots = plain_ms(target, args, batch, gqa, device)
+    plain_profile = profile_plain(target, slots, args, batch, gqa, plain, device) if args.profile else None
+    del slots
+    for k in args.verify:
+        ms, rt = speculative_ms(drafter, target, args, batch, k, gqa, device)
+        step = ms["step"] / plain  # the whole step in plain steps
+        rows.append({"gqa": gqa, "batch": batch, "k": k, "plain_ms": plain, **{f"{n}_ms": v for n, v in ms.items()},
+                     "step_plain": step, "speedup_at_tau": min(args.tau, k + 1) / step})
+        print(format_row(rows[-1]), flush=True)
+        if args.profile:
+            profile_verify(target, rt, args, batch, k, gqa, ms["verify"], plain_profile, device)
+        del rt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the runtime's buffers and graphs go with it
     return rows
 
 
@@ -151,14 +229,14 @@ def header(args, device: torch.device) -> str:
              f"{args.prompt}-token prompts, {args.slots} cache slots, {args.replays} replays per graph",
              "random drafter: every shape is fixed, so a step costs the same whatever it accepts (it stands in "
              "for a trained drafter); ms per replay, (in plain steps)",
-             f"{'batch':>5} {'k':>3} {'plain ms':>9} {'verify':>15} {'draft':>15} {'rest':>15} {'step':>15} "
+             f"{'gqa':>6} {'batch':>5} {'k':>3} {'plain ms':>9} {'verify':>15} {'draft':>15} {'rest':>15} {'step':>15} "
              f"{f'x at tau {args.tau:g}':>13}"]
     return "\n".join(lines)
 
 
 def format_row(r: dict) -> str:
     cells = [f"{r[f'{n}_ms']:7.3f} ({r[f'{n}_ms'] / r['plain_ms']:4.2f})" for n in ("verify", "draft", "rest", "step")]
-    head = f"{r['batch']:>5} {r['k']:>3} {r['plain_ms']:>9.3f}"
+    head = f"{r['gqa']:>6} {r['batch']:>5} {r['k']:>3} {r['plain_ms']:>9.3f}"
     return " ".join([head, *(f"{c:>15}" for c in cells), f"{r['speedup_at_tau']:>12.2f}x"])
 
 

@@ -27,8 +27,12 @@ Shapes: b rows, B block size, k verified drafts, S cache slots, V vocabulary.
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from dflash_train.model.dflash import (
@@ -59,6 +63,11 @@ MAX_STOP_IDS = 8  # stop tokens the greedy device loop checks; more take the per
 # a few microseconds, so runs stay short of the end.
 RUN_SHARE = 0.5
 RUN_WITH_STOPS = 4  # with stop tokens, runs of at most this many steps (a read costs ~0.03 ms on an H100)
+# How the target's attention serves grouped-query heads: "repeat" is transformers' sdpa path (with
+# a mask it copies every K/V head to its r query heads, all S slots, every layer and step);
+# "packed" stacks a K/V head's r query heads as rows of one query and reads K/V once.
+GQA_PATHS = ("repeat", "packed")
+PACKED_GQA = "dflash_packed_gqa"  # the packed path's name among transformers' attention functions
 
 
 def _write_slots(buffer: torch.Tensor, write_at: torch.Tensor, states: torch.Tensor) -> None:
@@ -202,6 +211,46 @@ class Replayable:
         return self.out
 
 
+def packed_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """sdpa over grouped-query heads without copying K/V: query (b, h, L, d) as (b, g, r*L, d),
+    the r query heads of each of the g K/V heads stacked (row j*L + i: head j of the group,
+    token i); key/value (b, g, S, d); attention_mask (b, 1, r*L, S), built for the stacked rows.
+    The same scores and softmax rows as repeating K/V r times; returns (b, L, h, d), None."""
+    b, heads, length, _ = query.shape
+    groups = key.shape[1]
+    stacked = query.reshape(b, groups, heads // groups * length, query.shape[-1])
+    out = F.scaled_dot_product_attention(stacked, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling)
+    return out.view(b, heads, length, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED_GQA, packed_gqa_attention)
+
+
+@contextmanager
+def _attention_as(config, implementation: str):
+    """``config`` names ``implementation`` as its attention for the block's forwards (the target's
+    attention modules read it at every call), then its own again."""
+    own = config._attn_implementation
+    config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        config._attn_implementation = own
+
+
+def _query_stack(target, gqa: str) -> int:
+    """Query rows a position takes in the slot mask: r (query heads per K/V head) when packed."""
+    if gqa not in GQA_PATHS:
+        raise ValueError(f"gqa={gqa!r}: must be one of {list(GQA_PATHS)}")
+    config = target.config
+    if gqa == "repeat":
+        return 1
+    if config._attn_implementation != "sdpa":
+        raise ValueError(f"gqa='packed' runs sdpa, but the target's attention is {config._attn_implementation!r}")
+    return config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+
+
 def _causal_slot_mask(positions: torch.Tensor, slots: torch.Tensor, dtype) -> torch.Tensor:
     """(b, 1, L, S) additive: the query at position p sees slots 0..p, the tokens up to itself."""
     visible = slots[None, None, None, :] <= positions[:, None, :, None]
@@ -217,11 +266,13 @@ def _where(module: nn.Module) -> tuple:
 class TargetSlots:
     """The target over a `SlotCache`: a prefill of any length, and a step over `width`
     tokens a row at fixed `ids`/`positions` (rows, width) buffers (replayable). Features:
-    of `layer_ids`."""
+    of `layer_ids`. `gqa`: one of `GQA_PATHS`."""
 
-    def __init__(self, target, size: int, width: int, layer_ids=(), graphs: bool = True, rows: int = 1):
+    def __init__(self, target, size: int, width: int, layer_ids=(), graphs: bool = True, rows: int = 1,
+                 gqa: str = "repeat"):
         device = target.get_input_embeddings().weight.device
         self.target, self.layer_ids, self.graphs, self.weights = target, list(layer_ids), graphs, _where(target)
+        self.gqa, self.stack = gqa, _query_stack(target, gqa)
         self.cache = SlotCache(target.config.num_hidden_layers, size)
         self.slots = torch.arange(size, device=device)
         self.ids = torch.zeros(rows, width, dtype=torch.long, device=device)
@@ -231,20 +282,23 @@ class TargetSlots:
     def forward(self, ids, positions, logits_to_keep: int = 0):
         """Logits (b, L, V) and features (b, L, n*H) or None; writes K/V at `positions` (b, L)."""
         self.cache.write_at = _slot_index(positions)
-        mask = _causal_slot_mask(positions, self.slots, self.target.dtype)
-        out = self.target(ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                          use_cache=True, output_hidden_states=bool(self.layer_ids), logits_to_keep=logits_to_keep)
+        # packed: a row per stacked query, head j's rows after head j-1's (`packed_gqa_attention`)
+        mask = _causal_slot_mask(positions.repeat(1, self.stack), self.slots, self.target.dtype)
+        packed = _attention_as(self.target.config, PACKED_GQA) if self.gqa == "packed" else nullcontext()
+        with packed:
+            out = self.target(ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                              use_cache=True, output_hidden_states=bool(self.layer_ids), logits_to_keep=logits_to_keep)
         return out.logits, target_features(out.hidden_states, self.layer_ids) if self.layer_ids else None
 
     def prefill(self, input_ids, logits_to_keep: int = 0):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         return self.forward(input_ids, positions, logits_to_keep)
 
-    def fits(self, target, size: int, graphs: bool, rows: int = 1) -> bool:
+    def fits(self, target, size: int, graphs: bool, rows: int = 1, gqa: str = "repeat") -> bool:
         """Still valid for `target`: the same module, dtype and device (the graphs read its
-        weights where they were at capture), enough slots, the same capture choice and rows."""
+        weights where they were at capture), enough slots, the same capture choice, rows and gqa."""
         return (target is self.target and self.weights == _where(target) and size <= self.cache.size
-                and graphs == self.graphs and rows == self.ids.shape[0])
+                and graphs == self.graphs and rows == self.ids.shape[0] and gqa == self.gqa)
 
 
 def _compiles_draft(drafter, graphs: bool, device) -> bool:
@@ -296,9 +350,9 @@ class StaticSpeculator:
     """
 
     def __init__(self, drafter, target, size: int, graphs: bool = True, rows: int = 1,
-                 verify_tokens: int | None = None):
+                 verify_tokens: int | None = None, gqa: str = "repeat"):
         widest = drafter.drafts_per_block + 1
-        self.verifier = TargetSlots(target, size, widest, drafter.target_layer_ids, graphs, rows)
+        self.verifier = TargetSlots(target, size, widest, drafter.target_layer_ids, graphs, rows, gqa)
         device, dtype = self.verifier.slots.device, target.dtype
         self.target, self.drafter, self.weights = target, drafter, _where(drafter)
         self.verify_width = width = check_verify_tokens(verify_tokens, widest) + 1
@@ -343,11 +397,12 @@ class StaticSpeculator:
         self.greedy_step = Replayable(lambda: self.advance(lambda: draft(self.ctx_feats, self.ctx_pos)), device,
                                       graphs, state=advanced)
 
-    def fits(self, drafter, target, size: int, graphs: bool, rows: int = 1, verify_tokens: int | None = None) -> bool:
+    def fits(self, drafter, target, size: int, graphs: bool, rows: int = 1, verify_tokens: int | None = None,
+             gqa: str = "repeat") -> bool:
         return (drafter is self.drafter and self.weights == _where(drafter)
                 and _compiles_draft(drafter, graphs, self.target.device) == self.compiled
                 and check_verify_tokens(verify_tokens, drafter.drafts_per_block + 1) + 1 == self.verify_width
-                and self.verifier.fits(target, size, graphs, rows))
+                and self.verifier.fits(target, size, graphs, rows, gqa))
 
     def draft_hidden(self, feats, ctx_pos) -> torch.Tensor:
         """The drafter's outputs for the block: (b, B, H). feats: (b, C, n*H) at ctx_pos (b, C)."""
