@@ -249,10 +249,10 @@ def format_profile(p: StepProfile) -> str:
     if not cuda:
         lines.append("CPU: the times are host compute and mean nothing for a GPU; the structure and the bytes hold")
     gaps = f"; gaps between kernels: {p.replay_ms - p.total_ms:.4f} ms" if cuda else ""
-    lines += [f"{'kernel' if cuda else 'op'} time, all groups: {p.total_ms:.4f} ms; the step timed outside the "
-              f"profiler ({'captured graph replay' if cuda else 'eager call'}): {p.replay_ms:.4f} ms{gaps}", "",
-              f"{'group':<20} {unit:>7} {'ms':>9} {'share':>6} {'MB moved':>10} {'ms at 3.35TB/s':>14} "
-              f"{'x bound':>8}  {'us/' + unit[:-1]:>9}  detail"]
+    lines += [(f"{'kernel' if cuda else 'op'} time, all groups: {p.total_ms:.4f} ms; the step timed outside the "
+              f"profiler ({'captured graph replay' if cuda else 'eager call'}): {p.replay_ms:.4f} ms{gaps}"), "",
+              (f"{'group':<20} {unit:>7} {'ms':>9} {'share':>6} {'MB moved':>10} {'ms at 3.35TB/s':>14} "
+              f"{'x bound':>8}  {'us/' + unit[:-1]:>9}  detail")]
     for name in GROUPS:
         if name not in p.groups:
             continue
