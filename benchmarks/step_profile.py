@@ -34,6 +34,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 PART = "part:"  # the prefix of our ranges in the profile
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # kineto's device activities that are work (not ranges)
 CALLS = 3  # profiled calls of a step, after one untimed call; figures are per call
 BANDWIDTH = 3.35e12  # bytes/s: one H100 SXM's HBM3
 GEMM_ROLES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate/up",
@@ -196,15 +197,19 @@ def _collect(events, cuda: bool, itemsize: int) -> tuple[dict[str, Group], float
     return groups, cpu_total
 
 
+def _device_work(prof) -> list:
+    """The profile's kernels, copies and memsets (a range's span on the GPU timeline is not work)."""
+    return [k for k in prof.profiler.kineto_results.events()
+            if k.device_type() == torch.autograd.DeviceType.CUDA and k.activity_type() in DEVICE_WORK]
+
+
 def _top(prof, cuda: bool, n: int = 12) -> list[tuple[str, int, float]]:
     if cuda:
-        kernels = Counter(), Counter()
-        for k in prof.profiler.kineto_results.events():
-            if k.device_type() == torch.autograd.DeviceType.CUDA:
-                kernels[0][k.name()[:90]] += k.duration_ns() / 1e3
-                kernels[1][k.name()[:90]] += 1
-        busiest = kernels[0].most_common(n)
-        return [(name, kernels[1][name] // CALLS, us / CALLS / 1e3) for name, us in busiest]
+        us, count = Counter(), Counter()
+        for k in _device_work(prof):
+            us[k.name()[:90]] += k.duration_ns() / 1e3
+            count[k.name()[:90]] += 1
+        return [(name, count[name] // CALLS, t / CALLS / 1e3) for name, t in us.most_common(n)]
     ops = sorted((a for a in prof.key_averages() if not a.key.startswith(PART)), key=lambda a: -a.self_cpu_time_total)
     return [(a.key, a.count // CALLS, a.self_cpu_time_total / CALLS / 1e3) for a in ops[:n]]
 
@@ -223,8 +228,7 @@ def profile_call(fn, model: nn.Module, device: torch.device, title: str, replay_
     itemsize = next(model.parameters()).element_size()
     groups, cpu_total = _collect(prof.events(), cuda, itemsize)
     if cuda:
-        kernels = sum(k.duration_ns() / 1e3 for k in prof.profiler.kineto_results.events()
-                      if k.device_type() == torch.autograd.DeviceType.CUDA)
+        kernels = sum(k.duration_ns() / 1e3 for k in _device_work(prof))
         missing = kernels - sum(g.us for g in groups.values())
         if abs(missing) > 1e-3 * kernels:  # kernels no op of ours launched (none expected): shown, not hidden
             groups["other"] = groups.get("other", Group())
