@@ -15,6 +15,11 @@ step overwrites them. Every step input is a fixed tensor filled in place. The bu
 `rows` requests side by side, each at its own positions: one row is `speculate_static`;
 several are the evaluation's batched loop (eval/static_batched.py).
 
+The target attends over all S slots under that mask. transformers' sdpa cannot take a mask and
+grouped-query heads at once, so it copies each K/V head to its query heads first (`repeat_kv`,
+every slot, every layer and step); `gqa="packed"` (`packed_gqa_attention`) stacks a K/V head's
+query heads as rows of one query instead, the same arithmetic without the copies.
+
 The drafter drafts the whole block of B slots; the target verifies its first
 `verify_tokens` drafts (k, default all of a block's: B-1 for DFlash and DFlash2, B for
 DSpark, whose slot 0 drafts too) with the anchor: a (rows, k+1) verify, fixed per runtime
