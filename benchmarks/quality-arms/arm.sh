@@ -17,6 +17,8 @@
 # gpu-tests-kinds: the GPU tests of the kinds' loss kernels (pytest -m gpu), before kinds-step times them
 # (tests/unit/test_kinds_step_parts.py comes with branch i38d's kernels: merge it first).
 # datagen-profile: issue 39's engine profile (datagen_engine_gpu.sh's job) on the queue's GPU.
+# serving-profile: issue 41's profile of the Qwen3-8B geometry's plain step and verify (benchmarks/serving_step.py
+# --profile, batch 1 and 8, k = 15, both GQA paths; benchmarks/serving-step-h100-2026-11-27/README.md).
 # kinds-step: each drafter kind's training step against DFlash's (benchmarks/kinds_step.sh, the recipe,
 # random 0.5B target, the shared set); sampler: benchmarks/sampler_speed.py at 512 slots.
 # Run by every call of a lease's chain (benchmarks/gpu/setup.sh carries the GGUF over in parts):
@@ -105,6 +107,12 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
       local c="bash benchmarks/kinds_step.sh /tmp/arm-$arm \"dflash dspark dflash2\" +experiment=qwen25_coder_05b_1xh100 target.name=/tmp/qwen25coder05b.gguf bench.random_target=true data.path=/tmp/data/sharegpt-qwen25-coder-05b"
       [ $arm = sampler ] && c="python3 -m benchmarks.sampler_speed --device cuda --slots 512"
       echo "date +%s > /tmp/arm-$arm.t0; mkdir -p /tmp/arm-$arm; { echo \"$c\"; $c; echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
+    elif [ $arm = serving-profile ]; then  # issue 41: the 8B geometry's plain step and verify by kernel group, repeat and packed GQA
+      local b c=""
+      for b in 1 8; do  # one process a batch size (batch 8 after batch 1 in one process failed to capture once)
+        c+="timeout 290 python3 -m benchmarks.serving_step --batch $b --verify 15 --gqa repeat packed --replays 20 --profile /tmp/arm-$arm --json /tmp/arm-$arm/bench-serving-b$b.json; "
+      done
+      echo "date +%s > /tmp/arm-$arm.t0; mkdir -p /tmp/arm-$arm; { $c echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
     elif [[ $arm = verify-ks-* ]]; then  # verify-ks-ARM: issue 41's table, ARM's export at batch 1, k = 3, 7, 15
       local src=/tmp/arm-${arm#verify-ks-}/train k  # the quality run exports into its train/ folder
       echo "date +%s > /tmp/arm-$arm.t0; for k in 3 7 15; do echo \"== verify_tokens=\$k\"; python3 -m dflash_train.eval.speed target=qwen25_coder_05b target.name=/tmp/qwen25coder05b.gguf drafter_path=$src/export device=cuda runtime=static batch_size=1 compile_drafter=true verify_tokens=\$k datasets=[mtbench] limit=20 max_new_tokens=256 output_dir=/tmp/arm-$arm/k\$k; done > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
