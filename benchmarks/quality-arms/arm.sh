@@ -93,6 +93,9 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
     if [[ $arm = guard* ]]; then
       # guard0: the guard's seed 0; guard3[-VARIANT]: seeds 0-2 side by side, VARIANT one of guard_overrides'
       local g=(--seeds 0); [[ $arm = guard3* ]] && g=(--seeds 0 1 2 --parallel 3)
+      # DFlash2 peaks at 23.8 GiB a run (kinds-step, 20a6b5c): three beside each other would not leave
+      # an 80 GB H100 room for their allocators and contexts (seeds 1 and 2 exited at b7ca878's lease)
+      [[ $arm = guard3-dflash2* ]] && g=(--seeds 0 1 2 --parallel 2)
       if [[ $arm = *@* ]]; then g+=(${arm#*@}); g=("${g[@]//@/ }")  # guard3@KEY=VAL[@KEY=VAL]: one lever
       elif [[ $arm = *-* ]]; then g+=($(guard_overrides ${arm#*-})) || exit 2; fi
       echo "date +%s > /tmp/arm-$arm.t0; python3 -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf --data /tmp/data/sharegpt-qwen25-coder-05b --out /tmp/arm-$arm ${g[*]} > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
