@@ -16,6 +16,11 @@ Rows, each over the step's supervised rows:
     from the CE kernel's first pass: that row is the CE kernel without and with writing them,
     plus ``top_k_rows``; on a CPU there is no such kernel (the plain walk) and the row shows
     what the amax pass costs there.
+  * dflash2 top-16 from the segment maxima (a GPU only): ``top_k_by_segments`` (a topk of the
+    maxima, a gather of the 16 best segments' columns, a second topk) and the copies into the
+    candidates' table, as ``_keep_top`` ran them, against the Triton kernel (training/topk_kernel.py)
+    writing into the table. The maxima are given (the CE kernel writes them); the CE kernel
+    itself is not in this row.
   * dspark chunk function, with its gradient: ``dspark_chunk_terms`` compiled (73.7 ms of the H100
     step) against the Triton kernel (training/dspark_kernel.py). A GPU only: on a CPU both walks
     run the same eager function.
@@ -29,9 +34,9 @@ import torch
 
 from benchmarks.cuda_timing import timer
 from dflash_train.model.dflash2 import CandidateSelector
-from dflash_train.training import ce_kernel, dspark_kernel
+from dflash_train.training import ce_kernel, dspark_kernel, topk_kernel
 from dflash_train.training.dspark_loss import dspark_chunk_terms
-from dflash_train.training.loss import TOP_K_SEGMENT, compiled_kernel, top_k_rows
+from dflash_train.training.loss import TOP_K_SEGMENT, compiled_kernel, top_k_by_segments, top_k_rows
 
 HIDDEN, VOCAB, RANK, TOP_K = 896, 151936, 256, 16
 
@@ -100,6 +105,28 @@ def candidates_row(args, device, median) -> tuple[float, float]:
     return median(old, new)
 
 
+def topk_row(args, device, median) -> tuple[float, float]:
+    g = torch.Generator(device).manual_seed(4)
+    logits = torch.randn(args.chunk, VOCAB, generator=g, device=device).bfloat16()  # one chunk, every chunk
+    seg = logits.unfold(1, TOP_K_SEGMENT, TOP_K_SEGMENT).amax(dim=-1)
+    chunks = -(-args.rows // args.chunk)
+    tokens = torch.empty(chunks * args.chunk, TOP_K, dtype=torch.long, device=device)
+    values = torch.empty(chunks * args.chunk, TOP_K, device=device)
+
+    def old():
+        for i in range(chunks):
+            sl = slice(i * args.chunk, (i + 1) * args.chunk)
+            top, cols = top_k_by_segments(logits, TOP_K, seg)
+            tokens[sl], values[sl] = cols, top.float()
+
+    def new():
+        for i in range(chunks):
+            sl = slice(i * args.chunk, (i + 1) * args.chunk)
+            topk_kernel.top_k(logits, TOP_K, seg, values=values[sl], columns=tokens[sl])
+
+    return median(old, new)
+
+
 def dspark_row(args, device, median) -> tuple[float, float]:
     dtype = torch.bfloat16
     g = torch.Generator(device).manual_seed(3)
@@ -136,6 +163,7 @@ def main() -> None:
             ("dflash2", "top-16 candidates" + (" with the CE kernel" if device.type == "cuda" else ""),
              candidates_row)]
     if device.type == "cuda":
+        rows.append(("dflash2", "top-16 from given segment maxima, torch against Triton", topk_row))
         rows.append(("dspark", "chunk function with its gradient", dspark_row))
     for kind, name, fn in rows:
         old, new = fn(args, device, median)

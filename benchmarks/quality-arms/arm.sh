@@ -102,7 +102,7 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
     elif [[ $arm = after-side-* ]]; then  # after-side-RUN: wait for the side-by-side's run RUN to end
       echo "date +%s > /tmp/arm-$arm.t0; while [ ! -f /tmp/side/${arm#after-side-}.t1 ]; do sleep 10; done; date +%s > /tmp/arm-$arm.t1"
     elif [ $arm = gpu-tests-kinds ]; then  # the kinds' Triton kernels against their references, before timing them
-      local c="python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_kinds_step_parts.py tests/unit/test_dspark_loss.py tests/unit/test_dspark_loss_equivalence.py tests/unit/test_dflash2_topk.py tests/unit/test_train_loss.py"
+      local c="python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_kinds_step_parts.py tests/unit/test_dspark_loss.py tests/unit/test_dspark_loss_equivalence.py tests/unit/test_dflash2_topk.py tests/unit/test_topk_kernel.py tests/unit/test_train_loss.py"
       echo "date +%s > /tmp/arm-$arm.t0; { echo \"$c\"; $c; echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
     elif [ $arm = datagen-profile ]; then  # issue 39's profile: datagen_engine_gpu.sh's job, followed to its end
       echo "date +%s > /tmp/arm-$arm.t0; OUT=/tmp/arm-$arm bash benchmarks/datagen_engine_gpu.sh 3600 > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"

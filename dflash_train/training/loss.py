@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.contract import ANCHOR_SLOT, IGNORE_INDEX, accepted_prefix
-from dflash_train.training import ce_kernel
+from dflash_train.training import ce_kernel, topk_kernel
 
 # One chunk: (logits (c, V), teacher logits (c, V) or None, labels (c,), slot_w (c,) float32, with_grad)
 # -> (w * loss per row (c,), hard CE per row (c,), argmax hits (c,), w * dloss/dlogits or None)
@@ -179,12 +179,22 @@ def top_k_rows(logits: torch.Tensor, k: int,
     as high as any column outside them, so the row's top k values lie in them (and in the
     columns past the last whole segment, always kept). ``segment_max`` (n, V // TOP_K_SEGMENT),
     when ``segmented``: those maxima, computed already (the CUDA chunk kernel's), so that pass
-    is skipped.
+    is skipped. On CUDA with Triton the rest is one kernel (``topk_kernel``); the torch code
+    below is its reference and the fallback.
     """
+    if not segmented(logits.shape[1], k):
+        return logits.topk(k, dim=-1)
+    if topk_kernel.available(logits.device):
+        return topk_kernel.top_k(logits, k, segment_max)
+    return top_k_by_segments(logits, k, segment_max)
+
+
+def top_k_by_segments(logits: torch.Tensor, k: int,
+                      segment_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``top_k_rows`` in torch, for ``segmented`` rows: a topk of the segment maxima, a gather of
+    the k best segments' columns and a topk of those. ``topk_kernel`` is held to it and to topk."""
     n, vocab = logits.shape
     whole = vocab // TOP_K_SEGMENT
-    if not segmented(vocab, k):
-        return logits.topk(k, dim=-1)
     if segment_max is None:
         segment_max = logits.unfold(1, TOP_K_SEGMENT, TOP_K_SEGMENT).amax(dim=-1)  # (n, whole)
     best = segment_max.topk(k, dim=-1).indices  # (n, k) segments
@@ -201,9 +211,14 @@ def _keep_top(cand, sl: slice, logits: torch.Tensor, segment_max: torch.Tensor |
     """Rows ``sl`` of ``cand``: the top-k of ``logits`` (n, V) (``top_k_rows``, with its segment
     maxima when computed already). The selector's candidates are these logits' own top-k, so
     nothing runs the head a second time."""
-    if cand is not None:
-        values, tokens = top_k_rows(logits, cand[0].shape[1], segment_max)  # (n, k)
-        cand[0][sl], cand[1][sl] = tokens, values.float()
+    if cand is None:
+        return
+    k = cand[0].shape[1]
+    if segmented(logits.shape[1], k) and topk_kernel.available(logits.device):  # written in place, float32
+        topk_kernel.top_k(logits, k, segment_max, values=cand[1][sl], columns=cand[0][sl])
+        return
+    values, tokens = top_k_rows(logits, k, segment_max)  # (n, k)
+    cand[0][sl], cand[1][sl] = tokens, values.float()
 
 
 class _Scratch:
