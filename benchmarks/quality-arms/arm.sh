@@ -8,6 +8,7 @@
 # 2-GPU machine `arm.sh 540 a-shared,guard0 c-all-turns-magpie` runs arms a and c side by side
 # on one host, then the quality guard's seed 0 alone on the first GPU). Guard items: guard0, and
 # guard3-cosine / -wsd / -dflash2 / -dspark, or guard3@KEY=VAL[@KEY=VAL...] for any dflash-train
+# overrides (guard2 the same with seeds 0 and 1: a DFlash2 lever's A/B, two runs of 24 GiB a GPU)
 # overrides (e.g. guard3@optim.lr=3e-3@optim.decay_ratio=0.4) (3 seeds side by side; judge one against another with
 # quality_guard.py --metrics /tmp/arm-guard3-wsd --baseline /tmp/arm-guard3-cosine). verify-ks-ARM
 # after ARM in its queue: ARM's export decoded at batch 1 with verify_tokens 3, 7 and 15 (eval.speed).
@@ -95,7 +96,8 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
       local g=(--seeds 0); [[ $arm = guard3* ]] && g=(--seeds 0 1 2 --parallel 3)
       # DFlash2 peaks at 23.8 GiB a run (kinds-step, 20a6b5c): three beside each other would not leave
       # an 80 GB H100 room for their allocators and contexts (seeds 1 and 2 exited at b7ca878's lease)
-      [[ $arm = guard3-dflash2* ]] && g=(--seeds 0 1 2 --parallel 2)
+      [[ $arm = guard3* && $arm = *dflash2* ]] && g=(--seeds 0 1 2 --parallel 2)
+      [[ $arm = guard2* ]] && g=(--seeds 0 1 --parallel 2)  # guard2[-VARIANT|@...]: seeds 0 and 1 side by side
       if [[ $arm = *@* ]]; then g+=(${arm#*@}); g=("${g[@]//@/ }")  # guard3@KEY=VAL[@KEY=VAL]: one lever
       elif [[ $arm = *-* ]]; then g+=($(guard_overrides ${arm#*-})) || exit 2; fi
       echo "date +%s > /tmp/arm-$arm.t0; python3 -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf --data /tmp/data/sharegpt-qwen25-coder-05b --out /tmp/arm-$arm ${g[*]} > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
