@@ -40,6 +40,7 @@ import importlib.util
 import json
 import math
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -296,8 +297,11 @@ def table(s: dict) -> str:
 def _run_stage(name: str, command: list[str]) -> float:
     print(command_lines(f"[{name}]", command[2:]), flush=True)
     start = time.perf_counter()
-    if subprocess.run(command, env=stage_env()).returncode != 0:
-        raise SystemExit(f"dflash-quality: stage {name} failed; fix the error above and run again "
+    code = subprocess.run(command, env=stage_env()).returncode
+    if code != 0:
+        # a stage killed by a signal prints nothing of its own: say which signal
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit {code}"
+        raise SystemExit(f"dflash-quality: stage {name} failed ({how}); fix the error above and run again "
                          "(finished stages are reused)")
     return time.perf_counter() - start
 

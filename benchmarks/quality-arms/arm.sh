@@ -100,7 +100,8 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
       [[ $arm = guard2* ]] && g=(--seeds 0 1 --parallel 2)  # guard2[-VARIANT|@...]: seeds 0 and 1 side by side
       if [[ $arm = *@* ]]; then g+=(${arm#*@}); g=("${g[@]//@/ }")  # guard3@KEY=VAL[@KEY=VAL]: one lever
       elif [[ $arm = *-* ]]; then g+=($(guard_overrides ${arm#*-})) || exit 2; fi
-      echo "date +%s > /tmp/arm-$arm.t0; python3 -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf --data /tmp/data/sharegpt-qwen25-coder-05b --out /tmp/arm-$arm ${g[*]} > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
+      local d=/tmp/arm-${arm//[@=]/_}  # a folder name Hydra parses in output_dir= (no '=')
+      echo "date +%s > $d.t0; python3 -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf --data /tmp/data/sharegpt-qwen25-coder-05b --out $d ${g[*]} > $d.log 2>&1; echo EXIT \$? >> $d.log; date +%s > $d.t1"
     elif [[ $arm = after-side-* ]]; then  # after-side-RUN: wait for the side-by-side's run RUN to end
       echo "date +%s > /tmp/arm-$arm.t0; while [ ! -f /tmp/side/${arm#after-side-}.t1 ]; do sleep 10; done; date +%s > /tmp/arm-$arm.t1"
     elif [ $arm = gpu-tests-kinds ]; then  # the kinds' Triton kernels against their references, before timing them
@@ -138,17 +139,17 @@ if [ -f /tmp/qwen25coder05b.gguf ] && [ ! -f /tmp/arms.started ]; then
     CUDA_VISIBLE_DEVICES=$gpu setsid nohup bash /tmp/queue-$gpu.sh > /tmp/queue-$gpu.out 2>&1 < /dev/null &
   done
 fi
-done_all() { for a in $ARMS; do [ -f /tmp/arm-$a.t1 ] || return 1; done; }
+done_all() { for a in $ARMS; do [ -f /tmp/arm-${a//[@=]/_}.t1 ] || return 1; done; }
 end=$(( $(date +%s) + WAIT ))
 while [ $(date +%s) -lt $end ] && ! done_all; do sleep 10; done
 for a in $ARMS; do
-  R=/tmp/arm-$a
+  R=/tmp/arm-${a//[@=]/_}
   [ -f $R.t0 ] || { echo "== $a: not started"; continue; }
   echo "== $a: $(( $(cat $R.t1 2>/dev/null || date +%s) - $(cat $R.t0) )) s$([ -f $R.t1 ] && echo ', finished')"
   grep -E "^\[|^static |^== |EXIT|quality run|^\||summary|budget|tok/s|rows written|skipped|error|Error|PASS|FAIL|median" $R.log | cut -c1-240 | tail -30
   [ -f $R/train/metrics.jsonl ] && tail -1 $R/train/metrics.jsonl | cut -c1-240
   echo "recompilations: $(grep -ciE 'recompil' $R.log)"
-  K=/tmp/keep/$a; mkdir -p $K; cp $R.log $K/ 2>/dev/null
+  K=/tmp/keep/${a//[@=]/_}; mkdir -p $K; cp $R.log $K/ 2>/dev/null
   cp $R/quality.json $R/plan.json $R/datagen_seconds.json $R/train_seconds.json $R/data/manifest.json $K/ 2>/dev/null
   cp $R/train/metrics.jsonl $K/train_metrics.jsonl 2>/dev/null; cp $R/eval/results.json $K/eval_results.json 2>/dev/null
   for m in $R/bench-*.json $R/profile-*.txt; do [ -f $m ] && cp $m $K/; done  # kinds-step's
