@@ -244,7 +244,8 @@ def launch(nproc: int, out: Path, script: Path = WORKER, cuda: bool = False, **k
                str(script), *args]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(proc.args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        how = " (its ranks forked from the warm Python)" if warm is not None else ""
+        raise AssertionError(f"{' '.join(proc.args)}{how} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return torch.load(out, weights_only=False)
 
 
