@@ -90,7 +90,8 @@ class WarmPython:
         ((_, code),) = self._request(request, cmd, timeout)
         return subprocess.CompletedProcess(cmd, code, *self._outputs(1))
 
-    def run_ranks(self, nproc: int, script: str, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    def run_ranks(self, nproc: int, script: str, args: list[str], env: dict[str, str],
+                  timeout: float) -> subprocess.CompletedProcess:
         """`torchrun --standalone --nproc-per-node NPROC SCRIPT *args` on this host: ``nproc``
         forked ranks; the output is every rank's, rank 0's first. As torchrun's, the exit status
         is 1 when a rank failed, and stderr ends with the first failure observed."""

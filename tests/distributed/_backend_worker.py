@@ -218,7 +218,9 @@ def exit_now() -> None:
 # torchrun's own start, on each of about 30 launches.
 RANK_PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "omegaconf", "pyarrow", "deepspeed",
                 "deepspeed.comm.torch", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-                "deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer", "dflash_train.distributed.build", "dflash_train.distributed.torch_native",
+                # deepspeed.initialize imports it, and its torch.compile decorator imports inductor
+                "deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer",
+                "dflash_train.distributed.build", "dflash_train.distributed.torch_native",
                 "dflash_train.distributed.deepspeed", "dflash_train.training.trainer", "tests.train_data")
 
 
