@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tests.warm_python import warm_python
+
 WORKER = Path(__file__).resolve()
 REPO_ROOT = WORKER.parents[2]
 DIM, OUT, ROWS = 8, 4, 3
@@ -210,22 +212,42 @@ def exit_now() -> None:
     os._exit(0)
 
 
+# What every rank imports before its first line of work: the workers' own modules (each
+# imports deepspeed, skip_deepspeed_shm_op) and the backends'. A CPU launch forks its ranks from a
+# process that imported them once (tests/warm_python.py): 5-7 s of imports a rank, plus
+# torchrun's own start, on each of about 30 launches.
+RANK_PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "omegaconf", "pyarrow", "deepspeed",
+                "deepspeed.comm.torch", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+                # deepspeed.initialize imports it, and its torch.compile decorator imports inductor
+                "deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer",
+                "dflash_train.distributed.build", "dflash_train.distributed.torch_native",
+                "dflash_train.distributed.deepspeed", "dflash_train.training.trainer", "tests.train_data")
+
+
 def launch(nproc: int, out: Path, script: Path = WORKER, cuda: bool = False, **kwargs) -> dict:
-    """Runs `script --out OUT --KEY VALUE ...` under torchrun (free port via --standalone);
-    returns what rank 0 saved to OUT. Without `cuda` the processes see no GPU."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), "--out", str(out)]
+    """Runs `script --out OUT --KEY VALUE ...` on ``nproc`` ranks; returns what rank 0 saved to
+    OUT. On CPU the ranks are forked from a warm Python with torchrun's variables (falling back
+    to torchrun itself where that process is not usable); with `cuda`, torchrun (free port via
+    --standalone), and without it the processes see no GPU."""
+    args = ["--out", str(out)]
     for key, value in kwargs.items():
-        cmd += [f"--{key}", str(value)]
+        args += [f"--{key}", str(value)]
     # the repo root on the path for the `tests` package; CPU and gloo even on a GPU box
     # unless `cuda` (DS_ACCELERATOR is DeepSpeed's own switch)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     if not cuda:
         env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    warm = None if cuda else warm_python(env, RANK_PRELOAD)
+    if warm is not None:
+        proc = warm.run_ranks(nproc, str(script), args, env, timeout=180)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(script), *args]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        how = " (its ranks forked from the warm Python)" if warm is not None else ""
+        raise AssertionError(f"{' '.join(proc.args)}{how} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return torch.load(out, weights_only=False)
 
 

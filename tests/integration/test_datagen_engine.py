@@ -167,8 +167,13 @@ def test_profile_of_an_every_turn_job_with_magpie_on_cpu(tmp_path, capsys):
     the target writes), both decode attentions: every turn asked is answered, every prompt is
     a row, the same rows with either attention, each table's parts are measured (none negative,
     decode and prefill under way) and sum to the wall the host measured, the turn scheduler's
-    time inside the streamed drain is reported (on CPU within the drain's gaps), and the
-    attention replay reports its bandwidth."""
+    time inside the streamed drain is reported for every answer, and the attention replay
+    reports its bandwidth.
+
+    The scheduler's time is host time between two spans, so on CPU it lies within the device's
+    idle time (host scheduling plus the gaps between drains): the answers of a drain's last
+    round are handled after its last span, in the gap the table counts between drains, so it
+    need not fit in the in-drain part alone (a loaded host measured 0.018 s against 0.012)."""
     src = tmp_path / "conversations.jsonl"
     write_conversations(src, 4)  # 1, 2, 3 and 1 user turns
     _benchmark()["main"](["--target", SMOLLM2, "--jsonl", str(src), "--prompts", "4", "--all-turns", "--magpie", "2",
@@ -202,7 +207,8 @@ def test_profile_of_an_every_turn_job_with_magpie_on_cpu(tmp_path, capsys):
         # Streamed: the turn scheduler holds each answer inside the one drain, between its spans.
         caller = re.search(r"the caller's turns inside the drain \(host clock.*\): (\d+\.\d+) s for (\d+) answers",
                            profile)
-        assert int(caller.group(2)) == answered and float(caller.group(1)) <= in_drain
+        # Nested intervals of one clock, each value rounded to a millisecond in the table.
+        assert int(caller.group(2)) == answered and 0 <= float(caller.group(1)) <= idle + 0.002
         read, rate = re.search(r"KV read (\d+\.\d) MB a step: (\d+\.\d) GB/s", profile).groups()
         assert float(read) > 0 and float(rate) > 0
 

@@ -14,7 +14,7 @@ from dflash_train.model.target import TargetModel
 from tests.conftest import make_tiny_target
 
 REPO = Path(__file__).resolve().parents[2]
-TF457_PYTHON = REPO / ".venv-tf457" / "bin" / "python"  # made by `make setup`
+TF457_PYTHON = REPO / ".venv-tf457" / "bin" / "python"  # made by `make setup-test`
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ print("static", bool(torch.equal(static, plain)))
 
 
 def test_export_loads_under_transformers_457(export, target, tmp_path):
-    assert TF457_PYTHON.exists(), f"{TF457_PYTHON} missing: run `make setup` (it builds the transformers 4.57 venv)"
+    assert TF457_PYTHON.exists(), f"{TF457_PYTHON} missing: run `make setup-test` (it builds the transformers 4.57 venv)"
     drafter, out = export
     target.save_pretrained(tmp_path / "target")
     noise, ctx, positions = _inputs()

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
 
 from dflash_train.console import MAX_LINE, NOTE_WIDTH, command_lines, note_lines
 from dflash_train.training.run_dir import INIT_MAP_FILE
-from tests.cli_helpers import readable_lines
+from tests.cli_helpers import readable_lines, run_cli
 from tests.train_data import tiny_inputs, tiny_train_args
 
 @pytest.fixture(scope="module")
@@ -25,8 +23,7 @@ def _train(tiny, out, *overrides):
     args = tiny_train_args(tiny["target"], tiny["data"], out, "logging.progress_bar=true",
                            "drafter.init_from_target=true", "data.val_rows=2", "data.val_every=1", "epochs=4",
                            *overrides)
-    done = subprocess.run([sys.executable, "-m", "dflash_train.train", *args], capture_output=True, text=True,
-                          timeout=600)
+    done = run_cli("dflash-train", *args, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout + done.stderr
 

@@ -1,6 +1,9 @@
 """The tests' warm Python (tests/warm_python.py) runs a command as a fresh `python -m` does:
-the same stdout, stderr and exit status, in the caller's working directory and environment."""
+the same stdout, stderr and exit status, in the caller's working directory and environment;
+and starts a distributed script's ranks as torchrun does: the same variables, a working
+process group, a failed rank ending the launch."""
 
+import json
 import os
 import subprocess
 import sys
@@ -50,3 +53,78 @@ def test_a_changed_environment_gets_a_warm_process_of_its_own(monkeypatch):
     assert first is not None and second is not None and second is not first
     assert second.env == changed and second.usable
     assert warm_python(usual) is first  # kept: the two environments take turns without a restart
+
+
+# Each rank records what torchrun's workers see: the variables the launch added to its
+# environment, its script's place on sys.path, its arguments; then the ranks meet in a gloo
+# process group (on the MASTER_ADDR/MASTER_PORT they were given) and sum their ranks + 1.
+RANK_PROBE = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+base = json.loads(open(sys.argv[1]).read())
+added = {k: v for k, v in os.environ.items() if base.get(k) != v}
+dist.init_process_group("gloo")
+total = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(total)
+record = {"added": added, "path0": sys.path[0], "argv": sys.argv, "cwd": os.getcwd(), "sum": total.item(),
+          "rank": dist.get_rank(), "world": dist.get_world_size()}
+open(f"rank{os.environ['RANK']}.json", "w").write(json.dumps(record))
+dist.destroy_process_group()
+print("rank", os.environ["RANK"], "done")
+"""
+# torchrun's own: a new port and run id each launch; its agent's error file and store, where
+# the forked ranks have none (rank 0 hosts the store)
+LAUNCH_OWN = ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
+
+
+def _ranks(folder) -> list[dict]:
+    records = [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for record in records:
+        record["added"] = {k: v for k, v in record["added"].items() if k not in LAUNCH_OWN}
+    return records
+
+
+def test_forked_ranks_get_what_torchrun_gives_its_workers(tmp_path, monkeypatch):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("torchrun", "warm"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "probe.py").write_text(RANK_PROBE)
+        (tmp_path / name / "base.json").write_text(json.dumps(env))
+    monkeypatch.chdir(tmp_path / "torchrun")
+    fresh = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            "probe.py", "base.json"], capture_output=True, text=True, env=env, timeout=180)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    monkeypatch.chdir(tmp_path / "warm")
+    warm = warm_python(env, ("torch",))
+    forked = warm.run_ranks(2, "probe.py", ["base.json"], env, 60)
+    assert forked.returncode == 0, forked.stderr[-3000:]
+    assert forked.stdout == "rank 0 done\nrank 1 done\n"
+    want, got = _ranks(tmp_path / "torchrun"), _ranks(tmp_path / "warm")
+    for record in want + got:
+        record["path0"], record["cwd"] = (os.path.relpath(record[k], tmp_path) for k in ("path0", "cwd"))
+    assert got[1]["added"]["RANK"] == "1" and got[1]["added"]["WORLD_SIZE"] == "2" and got[1]["sum"] == 3.0
+    assert [{**r, "path0": r["path0"].replace("warm", "torchrun"), "cwd": r["cwd"].replace("warm", "torchrun")}
+            for r in got] == want
+
+
+FAILING_RANK = """
+import os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    print("rank 1 gives up", file=sys.stderr, flush=True)
+    os._exit(3)
+dist.barrier()  # never passed: rank 1 is gone, and gloo would wait for its timeout
+"""
+
+
+def test_a_failed_rank_ends_the_launch(tmp_path, monkeypatch):
+    """As torchrun: the other ranks are stopped rather than left waiting in a collective, the
+    exit status is 1, and stderr names the first failure."""
+    (tmp_path / "fail.py").write_text(FAILING_RANK)
+    monkeypatch.chdir(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = warm_python(env, ("torch",)).run_ranks(2, "fail.py", [], env, 120)  # TimeoutExpired if rank 0 hung
+    assert done.returncode == 1
+    assert done.stderr.endswith("rank 1 gives up\nfirst observed failure: rank 1 (exit status 3)\n")
