@@ -9,6 +9,7 @@ it), and runs ``validate``, all before anything heavy is loaded.
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,14 @@ class DFlash2Settings:
     selector_rank: int = 256  # r of the candidate selector's codebooks
     selector_top_k: int = 16  # unary candidates the selector rescores per slot
     selector_loss_weight: float = 1.0  # alpha of the selector's K-way CE beside the unary CE
+    # Training-only A/B options (off by default; the export is the same layout either way):
+    # true: the selector term trains only the selector (A, B, P), none of its loss reaches the
+    # backbone (SpecForge's option of the same name)
+    selector_stop_gradient: bool = False
+    # >= 0: multiplies every kernel projection's weight in the forward (delta = s W h), scaling
+    # the dynamic kernels' Adam step by s (0.1 damps, 0 freezes them at zero); folded into the
+    # exported weights, so the drafter serves as trained
+    conv_delta_scale: float = 1.0
 
 
 @dataclass
@@ -261,6 +270,9 @@ def _check_dflash2(d: DrafterConfig) -> None:
                          f"{d.block_size}: a tap would always read before the block")
     if s.selector_loss_weight < 0:
         raise ValueError(f"drafter.dflash2.selector_loss_weight={s.selector_loss_weight} must be >= 0")
+    if not 0 <= s.conv_delta_scale < math.inf:  # NaN fails too
+        raise ValueError(f"drafter.dflash2.conv_delta_scale={s.conv_delta_scale} must be a finite number >= 0 "
+                         "(1: the dynamic kernels as published, 0.1: damped, 0: frozen at zero)")
 
 
 def _check_dspark(cfg: TrainConfig) -> None:

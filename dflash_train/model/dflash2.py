@@ -101,6 +101,11 @@ INPUT_SIDE, OUTPUT_SIDE = 0, 1
 # Keys other DFlash2 checkpoints use that this drafter does not implement: {key: neutral values}.
 NEUTRAL = {"output_multiplier": (None, 1, 1.0), "final_logit_softcapping": (None, 0, 0.0),
            "input_embedding_scale": (None, 1, 1.0)}
+# A training run's config attribute (drafter.dflash2.conv_delta_scale), set only when not 1:
+# the export folds it into the kernel projections' weights (`fold_conv_delta_scale`) and
+# never writes it, since SGLang and vLLM read no such key.
+CONV_DELTA_SCALE = "conv_delta_scale"
+TRAINING_ONLY = (CONV_DELTA_SCALE,)
 
 
 def check_dflash2(config) -> None:
@@ -138,22 +143,53 @@ class DFlash2Config(DFlashConfig):
     @classmethod
     def from_target(cls, target_config, *, conv_kernel_size: int = DEFAULTS["conv_kernel_size"],
                     conv_group_size: int = DEFAULTS["conv_group_size"], selector_rank: int = DEFAULTS["selector_rank"],
-                    selector_top_k: int = DEFAULTS["selector_top_k"], **kwargs) -> "DFlash2Config":
+                    selector_top_k: int = DEFAULTS["selector_top_k"], conv_delta_scale: float = 1.0,
+                    **kwargs) -> "DFlash2Config":
+        """``conv_delta_scale``: a training run's (module docstring); 1 leaves the config as it was."""
         config = super().from_target(target_config, **kwargs)
         config.dflash_config.update(conv_kernel_size=int(conv_kernel_size), conv_group_size=int(conv_group_size),
                                     selector_rank=int(selector_rank), selector_top_k=int(selector_top_k))
+        if conv_delta_scale != 1:
+            setattr(config, CONV_DELTA_SCALE, float(conv_delta_scale))
         check_dflash2(config)
         return config
+
+
+def conv_delta_scale(config) -> float:
+    """The factor a drafter of ``config`` multiplies its kernel projections' weights by: a
+    training run's drafter.dflash2.conv_delta_scale, 1 for every exported or loaded drafter."""
+    return float(getattr(config, CONV_DELTA_SCALE, 1.0))
+
+
+def fold_conv_delta_scale(state: dict, scale: float) -> dict:
+    """``state`` with each kernel projection's weight (and bias, if any) multiplied by ``scale``,
+    the tensor the training forward used (``KernelProjection.forward``: the same product in
+    the same dtype, so the folded drafter computes bit for bit what the trained one did)."""
+    if scale == 1:
+        return state
+    return {k: v * scale if k.endswith(("kernel_projection.weight", "kernel_projection.bias")) else v
+            for k, v in state.items()}
 
 
 class KernelProjection(nn.Linear):
     """The convolution's kernel predictor: a Linear that starts (and resets) at zero without
     drawing random numbers, so a DFlash2 drafter's backbone draws exactly what a DFlash
-    drafter's does from the same seed (``DFlash2DraftModel._init_weights``)."""
+    drafter's does from the same seed (``DFlash2DraftModel._init_weights``).
+
+    ``scale`` (a training run's conv_delta_scale, 1 otherwise) multiplies the weight (and
+    bias) inside this module's own forward, where a sharding backend has gathered them:
+    the gradient reaching the weight is scaled by it, and at 0 it is zero."""
+
+    scale: float = 1.0
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
             self.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale == 1:
+            return super().forward(x)
+        return F.linear(x, self.weight * self.scale, None if self.bias is None else self.bias * self.scale)
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -176,8 +212,8 @@ class GroupedDynamicCausalConv(nn.Module):
 
     def deltas(self, h: torch.Tensor) -> torch.Tensor:
         """(b, Q, 2, Kc, groups): the predicted part of both sides' kernels, one value per group
-        of G channels, from the sublayer input h (b, Q, H). Never widened to H channels: the
-        convolution broadcasts it over each group's channels."""
+        of G channels, from the sublayer input h (b, Q, H) (times the projection's ``scale``).
+        Never widened to H channels: the convolution broadcasts it over each group's channels."""
         return self.kernel_projection(h).view(*h.shape[:2], SIDES, self.kernel_size, self.groups)
 
     def convolve(self, x: torch.Tensor, deltas: torch.Tensor, side: int) -> torch.Tensor:
@@ -268,6 +304,11 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.selector_top_k = nested["selector_top_k"]
         self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, nested["selector_rank"])
         self.reset_dflash2_parameters()
+        scale = conv_delta_scale(config)
+        if scale != 1:
+            for module in self.modules():
+                if isinstance(module, KernelProjection):
+                    module.scale = scale
 
     def reset_dflash2_parameters(self) -> None:
         """The DFlash2 modules' starting values (the module docstring's initialisation)."""

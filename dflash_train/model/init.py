@@ -25,6 +25,7 @@ from torch import nn
 
 from dflash_train.model.dflash import DFlashConfig
 from dflash_train.contract import check_kind
+from dflash_train.model.dflash2 import conv_delta_scale
 from dflash_train.model.kinds import KINDS, kind_of
 from dflash_train.model.target import decoder_layers
 
@@ -34,12 +35,15 @@ if TYPE_CHECKING:
 
 def drafter_config(cfg: TrainConfig, target_hf_config) -> DFlashConfig:
     """The drafter's config for a recipe: attention geometry and RoPE follow the target;
-    ``drafter.kind`` picks the config class, and its own settings come from drafter.<kind>."""
+    ``drafter.kind`` picks the config class, and its own settings come from drafter.<kind>.
+    A DFlash2 run's conv_delta_scale rides along as a training-only attribute: the drafter
+    trained (and the one a checkpoint is exported from) applies it, the export folds it."""
     d = cfg.drafter
+    training = {"conv_delta_scale": d.dflash2.conv_delta_scale} if d.kind == "dflash2" else {}
     return KINDS[check_kind(d.kind)][0].from_target(
         target_hf_config, mask_token_id=cfg.target.mask_token_id, num_hidden_layers=d.num_hidden_layers,
         block_size=d.block_size, target_layer_ids=d.target_layer_ids, num_features=d.num_features,
-        **kind_settings(d, cfg.data.num_anchors),
+        **kind_settings(d, cfg.data.num_anchors), **training,
     )
 
 
@@ -154,4 +158,23 @@ def init_from_checkpoint(drafter: nn.Module, path: str, target, target_weights: 
         name = diff[0]
         raise ValueError(f"drafter.init_from={path}: the checkpoint has {name}={theirs[name]} but this run builds "
                          f"{mine[name]} ({SAME_AS_RECIPE[name]}); set the run to match the checkpoint")
-    drafter.load_state_dict(loaded.state_dict())  # copied into the drafter's own dtype
+    state = loaded.state_dict()
+    if kind_of(drafter.config) == "dflash2":
+        state = _unfold_conv_delta_scale(state, conv_delta_scale(drafter.config), path)
+    drafter.load_state_dict(state)  # copied into the drafter's own dtype
+
+
+def _unfold_conv_delta_scale(state: dict, scale: float, path: str) -> dict:
+    """A saved DFlash2 drafter's weights for a run whose kernel projections are multiplied by
+    ``scale`` (drafter.dflash2.conv_delta_scale): each divided by it, so the run starts from
+    the drafter that was saved. At 0 only zero projections (a fresh or frozen drafter's) can be."""
+    if scale == 1:
+        return state
+    names = [k for k in state if k.endswith(("kernel_projection.weight", "kernel_projection.bias"))]
+    if scale == 0:
+        moved = [k for k in names if bool(state[k].any())]
+        if moved:
+            raise ValueError(f"drafter.init_from={path}: its dynamic convolution kernels are not zero ({moved[0]}), "
+                             "and drafter.dflash2.conv_delta_scale=0 would drop them; use a scale > 0")
+        return state
+    return {k: v / scale if k in names else v for k, v in state.items()}

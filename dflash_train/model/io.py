@@ -5,7 +5,8 @@ embedding, no LM head) and `dflash.py` (a verbatim copy of `dflash_train/model/d
 so `AutoModel.from_pretrained(dir, trust_remote_code=True)` runs our own code). A DFlash2
 drafter (`drafter.kind=dflash2`) also carries `dflash2.py`, which imports `dflash.py`
 beside it; its config.json names `DFlash2DraftModel` and holds the four DFlash2 keys in
-`dflash_config`, the layout SGLang and vLLM read (model/dflash2.py).
+`dflash_config`, the layout SGLang and vLLM read (model/dflash2.py). A training run's
+`conv_delta_scale` is folded into the kernel projections' weights and not written.
 
 A DSpark drafter (model/dspark.py) is written in DeepSpec's layout, the one SGLang and vLLM
 read: `architectures: ["Qwen3DSparkModel"]`, its fields at the top level of config.json,
@@ -69,7 +70,7 @@ def export_config(config) -> dict:
     """The config.json dict: 4.x (`rope_theta`) and 5.x (`rope_parameters`) readers both work."""
     out = config.to_dict()
     rope = rope_parameters(config)
-    for key in FORBIDDEN_KEYS:
+    for key in FORBIDDEN_KEYS + dflash2.TRAINING_ONLY:  # the latter folded into the weights (save_drafter)
         out.pop(key, None)
     serving_top, serving_nested = serving_fields(config)  # what vLLM and SGLang read (model/serving.py)
     kind = kind_of(config)
@@ -161,6 +162,8 @@ def save_drafter(model: DFlashDraftModel, out_dir, extra_files: dict | None = No
     """
     state = state_dict if state_dict is not None else model.state_dict()
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    if kind_of(model.config) == "dflash2":  # what the training forward multiplied by, in the weights
+        state = dflash2.fold_conv_delta_scale(state, dflash2.conv_delta_scale(model.config))
     dspark = is_dspark(model.config)
     config_dict = dspark_export_config(model.config) if dspark else export_config(model.config)
     if target_weights:
@@ -226,6 +229,10 @@ def validate_config(config) -> None:
         raise ValueError(f"block_size={dflash_field(config, 'block_size')} must be at least 2")
     if kind_of(config) == "dflash2":
         dflash2.check_dflash2(config)
+        stray = [k for k in dflash2.TRAINING_ONLY if hasattr(config, k)]
+        if stray:  # our runtime would apply it, SGLang and vLLM would not
+            raise ValueError(f"{stray[0]}={getattr(config, stray[0])!r} is a training setting, folded into the "
+                             "weights at export; a drafter's config.json does not carry it")
     conflicts = serving_conflicts(config)
     if conflicts:
         raise ValueError("; ".join(conflicts))

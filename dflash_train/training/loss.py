@@ -481,7 +481,8 @@ class _CandidateLogits(torch.autograd.Function):
 
 def selector_term(drafter: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, input_ids: torch.Tensor,
                   anchors: torch.Tensor, lm_head: nn.Module, candidates: Candidates,
-                  index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  index: torch.Tensor | None = None,
+                  stop_gradient: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A DFlash2 drafter's selector loss over the supervised slots: (() float32, summed like
     ``dflash_loss``'s numerator; (B,) float32, the selector's hits per slot; () float32, the
     drafts its walk gets accepted, ``accepted_drafts`` of those hits: what a DFlash2 drafter
@@ -495,6 +496,10 @@ def selector_term(drafter: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
     model/dflash2.py). The rest is ``DFlash2DraftModel.selector_loss``. A hit is a slot whose
     selector pick, after its gold predecessor, is the gold token: what the drafting walk
     proposes there whenever the slots before it were accepted.
+
+    ``stop_gradient`` (drafter.dflash2.selector_stop_gradient, SpecForge's option): the same
+    value, but its gradient reaches only the selector's own parameters: h is detached and the
+    unary logits are the loss's detached ones, so nothing flows into the backbone.
     """
     block_size = drafter.block_size
     if index is None:
@@ -503,8 +508,11 @@ def selector_term(drafter: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
     pred = input_ids.flatten().index_select(0, soft_target_index(index, anchors, block_size, input_ids.shape[1]))
     h = hidden.flatten(0, 1).index_select(0, index)  # (M, H)
     gold = labels.flatten().index_select(0, index)  # (M,)
-    unary = _CandidateLogits.apply(h.to(lm_head.weight.dtype), lm_head.weight, candidates.tokens,
-                                   candidates.logits)  # (M, k)
+    if stop_gradient:
+        h, unary = h.detach(), candidates.logits  # (M, H), (M, k) float32, both without a graph
+    else:
+        unary = _CandidateLogits.apply(h.to(lm_head.weight.dtype), lm_head.weight, candidates.tokens,
+                                       candidates.logits)  # (M, k)
     total, hits = drafter.selector_loss(h, pred, gold, candidates.tokens, unary, candidates.weights)
     slot = index % labels.shape[1] % block_size  # (M,)
     correct = torch.zeros(block_size, dtype=torch.float32, device=hidden.device).scatter_add(0, slot, hits.float())

@@ -334,10 +334,11 @@ class Trainer:
         out = dflash_loss(hidden, batch.labels, self.target.lm_head, self.slot_weights, lc.chunk_size,
                           index=batch.supervised_index, distill=distill, dpace_alpha=self.dpace_alpha, top_k=top_k)
         if dflash2:  # its candidate selector's K-way CE (model/dflash2.py); its walk's accepted drafts
+            settings = self.cfg.drafter.dflash2
             selector, walk_correct, out.accepted = selector_term(
                 self.drafter, hidden, batch.labels, batch.input_ids, batch.anchors, self.target.lm_head,
-                out.candidates, batch.supervised_index)
-            out.weighted_sum = out.weighted_sum + self.cfg.drafter.dflash2.selector_loss_weight * selector
+                out.candidates, batch.supervised_index, stop_gradient=settings.selector_stop_gradient)
+            out.weighted_sum = out.weighted_sum + settings.selector_loss_weight * selector
             # Its drafts are the walk's picks, not the unary argmax: accuracies and tau count those.
             out.unary_correct, out.correct = out.correct, walk_correct
         return out

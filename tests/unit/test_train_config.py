@@ -52,6 +52,12 @@ def test_a_placeholder_left_in_a_field_with_a_default_is_refused(patch, key):
         ({"logging": {"wandb": "maybe"}}, "logging.wandb='maybe'"),
         ({"target": {"mask_token_id": -1}}, "mask_token_id=-1"),
         ({"drafter": {"target_layer_ids": [1, 2], "num_features": 3}}, "num_features=3"),
+        ({"drafter": {"kind": "dflash2", "dflash2": {"conv_delta_scale": -1}}},
+         r"^drafter.dflash2.conv_delta_scale=-1 must be a finite number >= 0"),
+        ({"drafter": {"kind": "dflash2", "dflash2": {"conv_delta_scale": "nan"}}},
+         r"^drafter.dflash2.conv_delta_scale=nan must be a finite number >= 0"),
+        ({"drafter": {"kind": "dflash2", "dflash2": {"selector_stop_gradient": "maybe"}}},
+         r"^wrong type for drafter.dflash2.selector_stop_gradient='maybe'"),
     ],
 )
 def test_bad_values_are_reported_with_the_values(patch, message):
@@ -99,3 +105,15 @@ def test_the_flash_backend_with_flash_attention_installed_is_accepted(monkeypatc
     cfg = to_train_config(_cfg(drafter={"flex_backend": "flash", "attention": "flex", "compile": True}))
     assert cfg.drafter.flex_backend == "flash"
     assert to_train_config(_cfg()).drafter.flex_backend == "triton"  # the default needs nothing extra
+
+
+def test_the_dflash2_levers_validate_directly():
+    # validate itself names the value (the recipe path's generic number check says it first)
+    from dflash_train.config import validate
+
+    cfg = to_train_config(_cfg(drafter={"kind": "dflash2"}))
+    assert (cfg.drafter.dflash2.selector_stop_gradient, cfg.drafter.dflash2.conv_delta_scale) == (False, 1.0)
+    cfg.drafter.dflash2.conv_delta_scale = -1.0
+    with pytest.raises(ValueError, match=r"^drafter.dflash2.conv_delta_scale=-1.0 must be a finite number >= 0 "
+                                         r"\(1: the dynamic kernels as published, 0.1: damped, 0: frozen at zero\)$"):
+        validate(cfg)
