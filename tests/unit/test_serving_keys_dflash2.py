@@ -179,7 +179,12 @@ def test_round_trip_drafts_equal(export, target):
                                torch.Generator().manual_seed(5)) for m in (drafter, loaded, remote)]
         for drafts, probs in proposals[1:]:
             assert torch.equal(drafts, proposals[0][0])
-            assert (probs is None) == sampling.greedy and (probs is None or torch.equal(probs, proposals[0][1]))
+            assert (probs is None) == sampling.greedy
+            if probs is not None:
+                # the same weights and source; under transformers 5.24 the folder loaded with
+                # trust_remote_code rounds 8 of the sampled probabilities one float32 step (6e-8) apart
+                torch.testing.assert_close(probs, proposals[0][1], rtol=0, atol=2e-7)
+                assert torch.equal(probs > 0, proposals[0][1] > 0)  # the same candidates carry mass
 
 
 TF457_SCRIPT = """
