@@ -106,7 +106,10 @@ def _check(head_dtype, chunk, fused, compiled, bias=True, **tol):
     got, want = _grads(out.weighted_sum, drafter, hidden), _grads(ref, drafter, hidden)
     for name in got:
         assert got[name].dtype == want[name].dtype, name
-        torch.testing.assert_close(got[name], want[name], msg=name, **tol)
+        # float32 sums in another order (the compiled chunks) err relative to the gradient's largest
+        # entries, not to each entry: atol scales with the tensor (1.9e-6 on entries up to 3.8)
+        scale = max(1.0, float(want[name].abs().max()))
+        torch.testing.assert_close(got[name], want[name], msg=name, rtol=tol["rtol"], atol=tol["atol"] * scale)
     assert torch.equal(out.correct, ref_correct)
     assert out.count.tolist() == [0.0, 5.0, 4.0, 3.0, 2.0]  # entry k + 1: slot k, counted from KEPT
     torch.testing.assert_close(out.weight_sum, (weights.repeat(N)[None] * (labels != IGNORE_INDEX)).sum())
