@@ -1,0 +1,43 @@
+"""benchmarks/quality-arms/arm.sh's queue lines, built on CPU before a lease spends minutes on them:
+a guard item's folder must be one Hydra parses in output_dir= (the 2026-11-27 lease lost two A/B
+arms to output_dir=/tmp/arm-guard2@KEY=VAL), and DFlash2's guard runs two seeds at a time."""
+
+import re
+import subprocess
+from pathlib import Path
+
+ARM = Path(__file__).resolve().parents[2] / "benchmarks" / "quality-arms" / "arm.sh"
+
+
+def queue_lines(queue: str) -> list[str]:
+    """The shell lines arm.sh writes for one queue (its functions, without sourcing the GPU setup)."""
+    text = ARM.read_text()
+    functions = text[text.index("WAIT=$1"):text.index("ARMS=$(")]
+    done = subprocess.run(["bash", "-c", f"set -- 0\n{functions}\nqueue_cmd {queue!r}"], capture_output=True,
+                          text=True, timeout=60, cwd=ARM.parents[2])
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_a_guard_item_with_overrides_writes_into_a_folder_hydra_parses():
+    (line,) = queue_lines("guard2@drafter.kind=dflash2@drafter.dflash2.selector_loss_weight=0.1")
+    out = re.search(r"--out (\S+)", line).group(1)
+    assert out == "/tmp/arm-guard2_drafter.kind_dflash2_drafter.dflash2.selector_loss_weight_0.1"
+    assert "=" not in out and "@" not in out
+    assert line.endswith(f"date +%s > {out}.t1")
+    assert "--seeds 0 1 --parallel 2 drafter.kind=dflash2 drafter.dflash2.selector_loss_weight=0.1 >" in line
+
+
+def test_dflash2_guards_run_two_at_a_time_and_the_others_three():
+    lines = queue_lines("guard3-dflash2,guard3-dspark,guard0")
+    assert "--out /tmp/arm-guard3-dflash2 --seeds 0 1 2 --parallel 2 drafter.kind=dflash2 >" in lines[0]
+    assert "--seeds 0 1 2 --parallel 3 drafter.kind=dspark loss.position_weighting=decay >" in lines[1]
+    assert "--out /tmp/arm-guard0 --seeds 0 >" in lines[2]
+
+
+def test_an_unknown_arm_is_refused():
+    text = ARM.read_text()
+    functions = text[text.index("WAIT=$1"):text.index("ARMS=$(")]
+    done = subprocess.run(["bash", "-c", f"set -- 0\n{functions}\nqueue_cmd no-such-arm"], capture_output=True,
+                          text=True, timeout=60, cwd=ARM.parents[2])
+    assert done.returncode != 0 and "unknown arm 'no-such-arm'" in done.stdout
