@@ -85,7 +85,7 @@ def candidates_row(args, device, median) -> tuple[float, float]:
     logits = torch.randn(args.chunk, VOCAB, generator=g, device=device).to(dtype)  # one chunk, every chunk
     chunks = -(-args.rows // args.chunk)
     if device.type != "cuda":
-        seg = logits.unfold(1, TOP_K_SEGMENT, TOP_K_SEGMENT).amax(dim=-1)
+        seg = topk_kernel.segment_maxima(logits)
         return median(lambda: [top_k_rows(logits, TOP_K) for _ in range(chunks)],
                       lambda: [top_k_rows(logits, TOP_K, seg) for _ in range(chunks)])
     labels = torch.randint(0, VOCAB, (args.chunk,), generator=g, device=device)
@@ -108,7 +108,7 @@ def candidates_row(args, device, median) -> tuple[float, float]:
 def topk_row(args, device, median) -> tuple[float, float]:
     g = torch.Generator(device).manual_seed(4)
     logits = torch.randn(args.chunk, VOCAB, generator=g, device=device).bfloat16()  # one chunk, every chunk
-    seg = logits.unfold(1, TOP_K_SEGMENT, TOP_K_SEGMENT).amax(dim=-1)
+    seg = topk_kernel.segment_maxima(logits)
     chunks = -(-args.rows // args.chunk)
     tokens = torch.empty(chunks * args.chunk, TOP_K, dtype=torch.long, device=device)
     values = torch.empty(chunks * args.chunk, TOP_K, device=device)

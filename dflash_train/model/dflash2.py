@@ -106,6 +106,8 @@ NEUTRAL = {"output_multiplier": (None, 1, 1.0), "final_logit_softcapping": (None
 # never writes it, since SGLang and vLLM read no such key.
 CONV_DELTA_SCALE = "conv_delta_scale"
 TRAINING_ONLY = (CONV_DELTA_SCALE,)
+# The state-dict names (their endings) of the tensors that scale multiplies.
+KERNEL_PROJECTION_PARAMS = ("kernel_projection.weight", "kernel_projection.bias")
 
 
 def check_dflash2(config) -> None:
@@ -167,8 +169,7 @@ def fold_conv_delta_scale(state: dict, scale: float) -> dict:
     the same dtype, so the folded drafter computes bit for bit what the trained one did)."""
     if scale == 1:
         return state
-    return {k: v * scale if k.endswith(("kernel_projection.weight", "kernel_projection.bias")) else v
-            for k, v in state.items()}
+    return {k: v * scale if k.endswith(KERNEL_PROJECTION_PARAMS) else v for k, v in state.items()}
 
 
 class KernelProjection(nn.Linear):

@@ -25,7 +25,7 @@ from torch import nn
 
 from dflash_train.model.dflash import DFlashConfig
 from dflash_train.contract import check_kind
-from dflash_train.model.dflash2 import conv_delta_scale
+from dflash_train.model.dflash2 import KERNEL_PROJECTION_PARAMS, conv_delta_scale
 from dflash_train.model.kinds import KINDS, kind_of
 from dflash_train.model.target import decoder_layers
 
@@ -170,7 +170,7 @@ def _unfold_conv_delta_scale(state: dict, scale: float, path: str) -> dict:
     the drafter that was saved. At 0 only zero projections (a fresh or frozen drafter's) can be."""
     if scale == 1:
         return state
-    names = [k for k in state if k.endswith(("kernel_projection.weight", "kernel_projection.bias"))]
+    names = [k for k in state if k.endswith(KERNEL_PROJECTION_PARAMS)]
     if scale == 0:
         moved = [k for k in names if bool(state[k].any())]
         if moved:

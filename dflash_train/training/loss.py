@@ -167,8 +167,9 @@ def segmented(vocab: int, k: int) -> bool:
     return vocab // TOP_K_SEGMENT > 2 * k  # else too few segments to gain anything
 
 
-def top_k_rows(logits: torch.Tensor, k: int,
-               segment_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_rows(logits: torch.Tensor, k: int, segment_max: torch.Tensor | None = None,
+               values: torch.Tensor | None = None, columns: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits.topk(k, dim=-1)`` of logits (n, V): values and columns (n, k), highest first,
     the same values (ties between equal logits may pick other columns, as topk's own order is
     unspecified there).
@@ -180,13 +181,18 @@ def top_k_rows(logits: torch.Tensor, k: int,
     columns past the last whole segment, always kept). ``segment_max`` (n, V // TOP_K_SEGMENT),
     when ``segmented``: those maxima, computed already (the CUDA chunk kernel's), so that pass
     is skipped. On CUDA with Triton the rest is one kernel (``topk_kernel``); the torch code
-    below is its reference and the fallback.
+    below is its reference and the fallback. ``values`` (n, k) (the logits' dtype or float32)
+    and ``columns`` (n, k) long, when given, receive the result (the kernel writes them in place)
+    and are returned.
     """
-    if not segmented(logits.shape[1], k):
-        return logits.topk(k, dim=-1)
-    if topk_kernel.available(logits.device):
-        return topk_kernel.top_k(logits, k, segment_max)
-    return top_k_by_segments(logits, k, segment_max)
+    if segmented(logits.shape[1], k) and topk_kernel.available(logits.device):
+        return topk_kernel.top_k(logits, k, segment_max, values=values, columns=columns)
+    top, cols = top_k_by_segments(logits, k, segment_max) if segmented(logits.shape[1], k) else logits.topk(k, dim=-1)
+    if values is None:
+        return top, cols
+    values.copy_(top)
+    columns.copy_(cols)
+    return values, columns
 
 
 def top_k_by_segments(logits: torch.Tensor, k: int,
@@ -196,7 +202,7 @@ def top_k_by_segments(logits: torch.Tensor, k: int,
     n, vocab = logits.shape
     whole = vocab // TOP_K_SEGMENT
     if segment_max is None:
-        segment_max = logits.unfold(1, TOP_K_SEGMENT, TOP_K_SEGMENT).amax(dim=-1)  # (n, whole)
+        segment_max = topk_kernel.segment_maxima(logits)  # (n, whole)
     best = segment_max.topk(k, dim=-1).indices  # (n, k) segments
     offsets = torch.arange(TOP_K_SEGMENT, device=logits.device)
     cols = (best[:, :, None] * TOP_K_SEGMENT + offsets).flatten(1)  # (n, k * segment)
@@ -211,14 +217,8 @@ def _keep_top(cand, sl: slice, logits: torch.Tensor, segment_max: torch.Tensor |
     """Rows ``sl`` of ``cand``: the top-k of ``logits`` (n, V) (``top_k_rows``, with its segment
     maxima when computed already). The selector's candidates are these logits' own top-k, so
     nothing runs the head a second time."""
-    if cand is None:
-        return
-    k = cand[0].shape[1]
-    if segmented(logits.shape[1], k) and topk_kernel.available(logits.device):  # written in place, float32
-        topk_kernel.top_k(logits, k, segment_max, values=cand[1][sl], columns=cand[0][sl])
-        return
-    values, tokens = top_k_rows(logits, k, segment_max)  # (n, k)
-    cand[0][sl], cand[1][sl] = tokens, values.float()
+    if cand is not None:  # written into the table's rows (float32 values)
+        top_k_rows(logits, cand[0].shape[1], segment_max, values=cand[1][sl], columns=cand[0][sl])
 
 
 class _Scratch:
