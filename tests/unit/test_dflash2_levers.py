@@ -1,7 +1,8 @@
 """DFlash2's two training-only A/B options (issue 38, levers 1b and 2 of the DFlash2 audit):
 drafter.dflash2.selector_stop_gradient and drafter.dflash2.conv_delta_scale.
 
-Off (false, 1.0) nothing changes; the stop-gradient keeps the selector term's loss out of
+At (false, 1.0) the drafter and its step are those of before the options (the default
+scale is 0.1 since 2026-11-28's lease; a recipe spells 1.0 for the authors'); the stop-gradient keeps the selector term's loss out of
 the backbone; the scale multiplies the kernel projections in the forward and is folded into
 the exported weights, so the export (our loader, the dflash2.py beside it) computes what the
 trained drafter did, bit for bit, with no new config key.
@@ -34,9 +35,12 @@ def tiny(tmp_path_factory):
     return tiny_inputs(tmp_path_factory.mktemp("levers"))
 
 
-def _cfg(tiny, out, dflash2=None, init_from=None, **kw):
+def _cfg(tiny, out, dflash2=None, init_from=None, recipe_scale=False, **kw):
+    """The tests' DFlash2 recipe, at the authors' scale 1 unless ``dflash2`` names one (or
+    ``recipe_scale``: the recipe's default)."""
     # A wide top-K lets some slots of a random drafter cover their gold token (test_dflash2.py).
-    settings = {"selector_rank": 8, "selector_top_k": 2048, **(dflash2 or {})}
+    settings = {"selector_rank": 8, "selector_top_k": 2048, **({} if recipe_scale else {"conv_delta_scale": 1.0}),
+                **(dflash2 or {})}
     drafter = {"kind": "dflash2", "dflash2": settings, **({"init_from": init_from} if init_from else {})}
     return tiny_train_config(tiny["target"], tiny["data"], out, drafter=drafter, **kw)
 
@@ -63,25 +67,32 @@ def _is_selector(name):
 
 
 # ---------------------------------------------------------------------------------- defaults
-def test_the_defaults_build_the_drafter_and_step_of_before(tiny, tmp_path):
+def test_the_options_off_build_the_drafter_and_step_of_before(tiny, tmp_path):
     """false and 1.0: no attribute in the drafter config (its dict is the one built without
-    the options), every kernel projection is a plain Linear, and a step's loss and gradients
-    equal those of a recipe that spells the defaults out."""
-    default = Trainer(_cfg(tiny, tmp_path / "d", max_steps=1))
-    explicit = Trainer(_cfg(tiny, tmp_path / "e", {"selector_stop_gradient": False, "conv_delta_scale": 1.0},
-                            max_steps=1))
-    before = DFlash2Config.from_target(default.target.config, mask_token_id=16, num_hidden_layers=1, block_size=8,
+    the options), every kernel projection is a plain Linear; a step moves every part."""
+    off = Trainer(_cfg(tiny, tmp_path / "d", {"selector_stop_gradient": False, "conv_delta_scale": 1.0}, max_steps=1))
+    before = DFlash2Config.from_target(off.target.config, mask_token_id=16, num_hidden_layers=1, block_size=8,
                                        selector_rank=8, selector_top_k=2048,
-                                       target_layer_ids=default.drafter_config.dflash_config["target_layer_ids"])
-    assert default.drafter_config.to_dict() == before.to_dict()
-    assert not hasattr(default.drafter_config, "conv_delta_scale")
-    assert all(m.scale == 1 for m in default.drafter.modules() if isinstance(m, KernelProjection))
+                                       target_layer_ids=off.drafter_config.dflash_config["target_layer_ids"])
+    assert off.drafter_config.to_dict() == before.to_dict()
+    assert not hasattr(off.drafter_config, "conv_delta_scale")
+    assert all(m.scale == 1 for m in off.drafter.modules() if isinstance(m, KernelProjection))
+    _, grads = _step(off)
+    assert all(bool(g.any()) for g in grads.values())  # every part, convolutions and selector included, moved
+
+
+def test_a_recipe_that_names_no_scale_trains_at_a_tenth(tiny, tmp_path):
+    """The default scale is 0.1: every kernel projection multiplies by it, and a step's loss
+    and gradients are those of a recipe that spells 0.1 out."""
+    default = Trainer(_cfg(tiny, tmp_path / "d", recipe_scale=True, max_steps=1))
+    explicit = Trainer(_cfg(tiny, tmp_path / "e", {"conv_delta_scale": SCALE}, max_steps=1))
+    assert default.drafter_config.conv_delta_scale == SCALE
+    assert all(m.scale == SCALE for m in default.drafter.modules() if isinstance(m, KernelProjection))
     loss, grads = _step(default)
     loss2, grads2 = _step(explicit)
     assert torch.equal(loss, loss2)
     for k, g in grads.items():
         assert torch.equal(grads2[k], g), k
-    assert all(bool(g.any()) for g in grads.values())  # every part, convolutions and selector included, moved
 
 
 def test_at_scale_one_a_kernel_projection_is_its_linear():

@@ -112,7 +112,7 @@ def test_the_dflash2_levers_validate_directly():
     from dflash_train.config import validate
 
     cfg = to_train_config(_cfg(drafter={"kind": "dflash2"}))
-    assert (cfg.drafter.dflash2.selector_stop_gradient, cfg.drafter.dflash2.conv_delta_scale) == (False, 1.0)
+    assert (cfg.drafter.dflash2.selector_stop_gradient, cfg.drafter.dflash2.conv_delta_scale) == (False, 0.1)
     cfg.drafter.dflash2.conv_delta_scale = -1.0
     with pytest.raises(ValueError, match=r"^drafter.dflash2.conv_delta_scale=-1.0 must be a finite number >= 0 "
                                          r"\(1: the dynamic kernels as published, 0.1: damped, 0: frozen at zero\)$"):
