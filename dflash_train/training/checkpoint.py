@@ -345,13 +345,13 @@ def save_checkpoint(backend, output_dir: str | Path, state: TrainerState, config
     returns once the state is copied to host memory and every process's own files are
     written; the directory appears when the writer's thread has written the rest
     (``writer.wait``). Otherwise the directory is complete when it returns."""
-    started = time.perf_counter()
     root = checkpoint_root(output_dir)
     final = root / step_dir_name(state.step)
     tmp = root / (TMP_PREFIX + final.name)
     background = writer is not None and backend.snapshots
     if background:
         writer.wait()  # one write in flight at most (only the main process ever has one)
+    started = time.perf_counter()
     if backend.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a run killed while saving
         tmp.mkdir(parents=True)
