@@ -191,7 +191,10 @@ def probe_costs(lines: list[dict], warmup: int, launched: float, finished: float
     """The train stage's costs from the probe's metric lines (one a step, the time each was
     written) and the probe's launch and finish. The probe of P steps is timed in steps 1..P-2
     (the first ``warmup`` of them start-up), writes a checkpoint after step P-2's line (so it
-    is in step P-1's time), validates at step P before its line, then saves and exports."""
+    is in step P-1's time), validates at step P before its line, then saves and exports.
+    With checkpoint.async_write a checkpoint costs the time training stopped for it: its
+    write overlaps the next steps (in their times), and the final save's write is waited for
+    before the export (in the export's time)."""
     times = {m["step"]: m["time"] for m in lines}
     last = max(times, default=0)
     if last < warmup + 1 + PROBE_EXTRA_STEPS:

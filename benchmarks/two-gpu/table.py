@@ -94,9 +94,12 @@ def resume_rows(root: Path) -> list[str]:
 def save_lines(root: Path) -> list[str]:
     out = []
     for log in sorted(root.glob("*.log")):
-        saves = re.findall(r"checkpoint (step_\d+) written in ([\d.]+) s", log.read_text(errors="replace"))
+        # "written in 3.2 s", or with checkpoint.async_write "snapshot 0.4 s, written in the background in 3.1 s"
+        saves = re.findall(r"checkpoint (step_\d+) (snapshot [\d.]+ s, )?written in (the background in )?([\d.]+) s",
+                           log.read_text(errors="replace"))
         if saves:
-            out.append(f"{log.name}: " + "; ".join(f"{step} {sec} s" for step, sec in saves))
+            out.append(f"{log.name}: " + "; ".join(f"{step} {snapshot}{'background ' if bg else ''}{sec} s"
+                                                   for step, snapshot, bg, sec in saves))
     return out
 
 

@@ -29,11 +29,15 @@ Semantics shared by every backend:
     CPU): full, unsharded fp32 tensors written by rank 0 (`STATE_FILES`; single, DDP,
     ZeRO), or FSDP2's sharded one (`SHARDED_DIR`, a torch.distributed.checkpoint folder
     each rank writes its own shards into, resharded on load); both are defined with their
-    readers in training/state_files.py.
+    readers in training/state_files.py. The full format is taken in two halves:
+    `snapshot_state()` (collective, quick) copies the state into the main process's host
+    memory, and `write_state(dir, snapshot)` (training/state_files.py) writes it, on another
+    thread if the caller likes: training may go on meanwhile (checkpoint.async_write).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -46,7 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from dflash_train.config import DistributedConfig
-from dflash_train.training.state_files import SHARDED_DIR, STATE_FILES
+from dflash_train.training.state_files import SHARDED_DIR, STATE_FILES, write_state
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -62,8 +66,38 @@ def shardable_blocks(module: nn.Module) -> list[nn.Module]:
     return blocks + list(getattr(module, "modules_called_outside_forward", ()))
 
 
+def host_copy(tree: Any) -> Any:
+    """``tree`` (dicts, lists and tuples of tensors and plain values) with every tensor copied
+    into new host memory, which later in-place updates of the originals (the next optimizer
+    step) cannot reach. Device tensors are copied into pinned memory without waiting, then
+    each device is synchronized once: the copies queue back to back instead of one by one."""
+    devices: set[torch.device] = set()
+
+    def copy_of(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: copy_of(v) for key, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(copy_of(v) for v in value)
+        if not torch.is_tensor(value):
+            return copy.deepcopy(value)
+        if value.device.type == "cpu":
+            return value.detach().clone()
+        devices.add(value.device)
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        return host.copy_(value.detach(), non_blocking=True)
+
+    copied = copy_of(tree)
+    for device in devices:
+        torch.cuda.synchronize(device)
+    return copied
+
+
 class Backend(ABC):
     """One training strategy. Construct with `build_backend`; call `setup` once."""
+
+    # Whether `save_state` is `snapshot_state` then the main process's `write_state`, which
+    # may then run on another thread; False where every rank writes its own files (FSDP2).
+    snapshots = True
 
     def __init__(self, cfg: DistributedConfig, rank: int, world_size: int, local_rank: int,
                  device: torch.device, mixed_dtype: torch.dtype | None, owns_group: bool):
@@ -125,9 +159,28 @@ class Backend(ABC):
         if self.world_size > 1:
             dist.barrier()
 
-    @abstractmethod
     def save_state(self, directory: str | os.PathLike) -> None:
         """Collective: writes model, optimizer and scheduler state (STATE_FILES or SHARDED_DIR)."""
+        snapshot = self.snapshot_state()
+        if self.is_main:
+            write_state(directory, snapshot)
+        self.barrier()
+
+    def snapshot_state(self) -> dict[str, Any] | None:
+        """Collective: the full model, optimizer and scheduler state dicts (STATE_FILES' keys)
+        as host copies on the main process, None on the others; `write_state` writes them.
+        They hold the state of this moment, whatever the next steps change."""
+        model_sd, optim_sd = self._full_state()
+        if not self.is_main:
+            return None
+        scheduler_sd = self.scheduler.state_dict() if self.scheduler is not None else None
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": copy.deepcopy(scheduler_sd)}
+
+    @abstractmethod
+    def _full_state(self) -> tuple[dict, dict]:
+        """Collective: the full model and optimizer state dicts as new host copies on the
+        main process (no tensor shared with the live state); other ranks return what they
+        hold, which is dropped."""
 
     @abstractmethod
     def load_state(self, directory: str | os.PathLike) -> None:
@@ -196,17 +249,7 @@ class Backend(ABC):
             dist.destroy_process_group()
             self._owns_group = False
 
-    # Checkpoint files, shared by every backend.
-    def _write_state(self, directory: str | os.PathLike, model_sd: dict, optim_sd: dict) -> None:
-        """Rank 0 writes the full state dicts (the caller gathered them; other ranks pass
-        whatever they hold, which is not written)."""
-        if self.is_main:
-            path = Path(directory)
-            path.mkdir(parents=True, exist_ok=True)
-            torch.save(model_sd, path / STATE_FILES["model"])
-            torch.save(optim_sd, path / STATE_FILES["optimizer"])
-        self._write_scheduler(directory)
-
+    # The sharded format's files (FSDP2).
     def _write_sharded_state(self, directory: str | os.PathLike, model_sd: dict, optim_sd: dict) -> None:
         """Every rank writes the shards it holds, in parallel; nothing is gathered."""
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=Path(directory) / SHARDED_DIR)

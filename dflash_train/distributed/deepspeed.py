@@ -163,7 +163,9 @@ class DeepSpeedBackend(Backend):
         Every rank joins each per-tensor gather (DeepSpeed's `safe_get_full_*` all-reduce
         under ZeRO-2, all-gather under ZeRO-3), so each holds one tensor's full value on its
         device at a time; only rank 0 copies it to the host and keeps it. Keeping all of
-        them everywhere would cost every process of a node a full CPU copy of the state."""
+        them everywhere would cost every process of a node a full CPU copy of the state.
+        What rank 0 keeps shares no memory with the live state (a checkpoint written later,
+        on a thread, holds this step's values): the gathers fill new buffers, the rest is cloned."""
         self._link_optimizer_state()
         flat = self._flat_partitions()[0]
         flat_state = self.optimizer.state.get(flat, {})
@@ -191,8 +193,8 @@ class DeepSpeedBackend(Backend):
                   for group, names in zip(self.optimizer.param_groups, self._names_by_group)]
         return model_sd, {"state": optim_state, "param_groups": groups}
 
-    def save_state(self, directory: str | os.PathLike) -> None:
-        self._write_state(directory, *self._gather_full(with_optimizer=True))
+    def _full_state(self) -> tuple[dict, dict]:
+        return self._gather_full(with_optimizer=True)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         model_sd, _ = self._gather_full(with_optimizer=False)

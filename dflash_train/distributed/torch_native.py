@@ -26,13 +26,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from dflash_train.distributed.backend import Backend, OptimizerFactory, SchedulerFactory, shardable_blocks
+from dflash_train.distributed.backend import Backend, OptimizerFactory, SchedulerFactory, host_copy, shardable_blocks
 from dflash_train.training.state_files import is_sharded, load_sharded, read_scheduler, read_state
 
 # Gathers full tensors to rank 0 on CPU: the GPU never holds the whole unsharded state.
 _FULL_TO_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
-# Every rank passes the full state dict it read (memory-mapped); each keeps its own shard.
-_LOAD_FULL = StateDictOptions(full_state_dict=True)
+# Full state dicts on their device: a replicated model's are its live tensors (`host_copy`
+# copies them for a checkpoint); on load, every rank passes the full state dict it read
+# (memory-mapped) and each keeps its own shard.
+_FULL = StateDictOptions(full_state_dict=True)
 
 
 class _TorchBackend(Backend):
@@ -112,9 +114,11 @@ class _TorchBackend(Backend):
     def skip_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def save_state(self, directory: str | os.PathLike) -> None:
-        model_sd, optim_sd = get_state_dict(self._model, self.optimizer, options=_FULL_TO_CPU)
-        self._write_state(directory, model_sd, optim_sd)
+    def _full_state(self) -> tuple[dict, dict]:
+        # cpu_offload would return the live tensors themselves on the CPU (and pageable,
+        # blocking copies on a GPU): host_copy makes the one copy, pinned on a GPU.
+        model_sd, optim_sd = get_state_dict(self._model, self.optimizer, options=_FULL)
+        return (host_copy(model_sd), host_copy(optim_sd)) if self.is_main else ({}, {})
 
     def load_state(self, directory: str | os.PathLike) -> None:
         if is_sharded(directory):
@@ -122,7 +126,7 @@ class _TorchBackend(Backend):
             return
         model_sd, optim_sd, scheduler_sd = read_state(directory)
         set_state_dict(self._model, self.optimizer, model_state_dict=model_sd,
-                       optim_state_dict=optim_sd, options=_LOAD_FULL)
+                       optim_state_dict=optim_sd, options=_FULL)
         self._load_scheduler(scheduler_sd)
 
     def _load_sharded(self, directory: str | os.PathLike) -> None:
@@ -188,7 +192,13 @@ class DDPBackend(_TorchBackend):
 
 
 class FSDP2Backend(_TorchBackend):
-    """Parameters, gradients and optimizer state sharded per block (`fully_shard`)."""
+    """Parameters, gradients and optimizer state sharded per block (`fully_shard`).
+
+    Its checkpoints are written synchronously, every rank its shards: a background write
+    would need to learn that all ranks finished before the main process renames the folder,
+    a collective from the writer thread beside the training's on the same process group."""
+
+    snapshots = False
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard

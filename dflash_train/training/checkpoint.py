@@ -15,7 +15,12 @@ Layout under ``<output_dir>/checkpoints/``::
 
 Every process writes into ``.tmp-step_...`` and the main process renames it only after all
 of them are done, so a directory named ``step_*`` is always complete: a run killed while
-saving resumes from the previous one. A checkpoint damaged later (a bad disk, a truncated
+saving resumes from the previous one. With ``checkpoint.async_write`` (single, DDP, ZeRO)
+training stops only while the state is copied into the main process's host memory and each
+process writes its RNG file; the main process's files, their checksums, the rename and the
+pruning then run on one background thread (``CheckpointWriter``), at most one checkpoint at
+a time. Its errors are raised in the training process at the next save or at the end of
+training, as a synchronous save raises them. A checkpoint damaged later (a bad disk, a truncated
 copy) fails its checksums: it is reported and the previous good one is used. A checksums
 file missing where the run writes one (a checkpoint of format 2, or one whose siblings have
 theirs) is damage too: nothing could tell its files are the ones written. Checkpoints of
@@ -33,7 +38,12 @@ import json
 import logging
 import pickle
 import shutil
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,6 +52,7 @@ from omegaconf import OmegaConf
 from dflash_train.atomic import disk_full, disk_full_error, file_sha256, publish
 from dflash_train.config import TrainConfig, as_dict
 from dflash_train.training.run_dir import STEP_DIR, checkpoint_root, list_checkpoints
+from dflash_train.training.state_files import write_state
 
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
@@ -248,37 +259,121 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(backend, output_dir: str | Path, state: TrainerState, config: TrainConfig, keep_last: int) -> Path:
-    """Collective: every process calls it. Returns the final directory."""
-    root = checkpoint_root(output_dir)
-    final = root / step_dir_name(state.step)
-    tmp = root / (TMP_PREFIX + final.name)
-    if backend.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from a run killed while saving
-        tmp.mkdir(parents=True)
-    backend.barrier()
+class CheckpointWriter:
+    """The main process's checkpoint writer: one background thread, one write in flight.
+
+    ``save_checkpoint`` hands it the files of a checkpoint whose state is already copied;
+    ``wait`` returns once they are published, and raises here, in the training process, the
+    error the write met (a full disk: the same one line as a synchronous save)."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-checkpoint")
+        self._pending: tuple[str, Future] | None = None
+
+    def submit(self, name: str, write: Callable[[], None], stopped_s: float) -> None:
+        """Writes checkpoint ``name`` with ``write`` on the thread; training was stopped
+        ``stopped_s`` seconds for it (logged with the write's time). Call ``wait`` first."""
+        assert self._pending is None, "a checkpoint write is still in flight"
+        self._pending = name, self._pool.submit(self._write, name, write, stopped_s)
+
+    @staticmethod
+    def _write(name: str, write: Callable[[], None], stopped_s: float) -> None:
+        started = time.perf_counter()
+        write()
+        log.info("checkpoint %s snapshot %.1f s, written in the background in %.1f s",
+                 name, stopped_s, time.perf_counter() - started)
+
+    def wait(self) -> float:
+        """Blocks until the write in flight, if any, is published (raising its error);
+        returns the seconds it blocked."""
+        if self._pending is None:
+            return 0.0
+        started = time.perf_counter()
+        (_, pending), self._pending = self._pending, None
+        pending.result()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        """``wait`` for a process that is already stopping on another error: the write in
+        flight completes (a checkpoint to resume from), its own error is logged, not raised
+        over the first."""
+        name = self._pending[0] if self._pending is not None else None
+        try:
+            self.wait()
+        except Exception as err:  # logged: the error already propagating is the one raised
+            log.error("checkpoint %s was not written: %s", name, err)
+
+
+@contextmanager
+def _removed_on_failure(tmp: Path, final: Path, output_dir: str | Path) -> Iterator[None]:
+    """Removes the partial folder ``tmp`` of checkpoint ``final`` if the body fails (left, it
+    would keep the disk full until the next run) and tells a full disk in one line."""
     try:
-        backend.save_state(tmp)
-        torch.save(_rng_state(), tmp / f"rng_rank{backend.rank}.pt")
-        if backend.is_main:
-            (tmp / STATE_FILE).write_text(json.dumps({**asdict(state), "format": STATE_FORMAT}, indent=2) + "\n")
-            (tmp / CONFIG_FILE).write_text(OmegaConf.to_yaml(as_dict(config)))
-        backend.barrier()
-        if backend.is_main:
-            write_checksums(tmp)  # last: a checkpoint whose files match it is complete and intact
-            publish(tmp, final)  # fsynced, then renamed into place
+        yield
     except (OSError, RuntimeError) as err:
-        # The partial folder goes at once: left, it would keep the disk full until the next run.
         shutil.rmtree(tmp, ignore_errors=True)
+        root = tmp.parent
         if disk_full(err, root):
             previous = list_checkpoints(output_dir)
             kept = f"the last checkpoint, {previous[-1].name}, is kept" if previous else "there is no earlier checkpoint"
             raise disk_full_error(root, f"checkpoint {final.name}", f"its partial folder was removed and {kept}") \
                 from err
         raise
+
+
+def _write_main_files(snapshot: dict | None, texts: dict[str, str], tmp: Path, final: Path,
+                      output_dir: str | Path, keep_last: int) -> None:
+    """The main process's part of a checkpoint, once every process's files are in ``tmp``:
+    the state ``snapshot`` (None: ``save_state`` wrote it), the trainer state and recipe
+    ``texts``, the checksums, the rename into place and the pruning to ``keep_last``."""
+    with _removed_on_failure(tmp, final, output_dir):
+        if snapshot is not None:
+            write_state(tmp, snapshot)
+        for name, text in texts.items():
+            (tmp / name).write_text(text)
+        write_checksums(tmp)  # last: a checkpoint whose files match it is complete and intact
+        publish(tmp, final)  # fsynced, then renamed into place
+    for old in list_checkpoints(output_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(backend, output_dir: str | Path, state: TrainerState, config: TrainConfig, keep_last: int,
+                    writer: CheckpointWriter | None = None) -> Path:
+    """Collective: every process calls it. Returns the final directory.
+
+    Given a ``writer`` and a backend that snapshots its state (``Backend.snapshots``), it
+    returns once the state is copied to host memory and every process's own files are
+    written; the directory appears when the writer's thread has written the rest
+    (``writer.wait``). Otherwise the directory is complete when it returns."""
+    root = checkpoint_root(output_dir)
+    final = root / step_dir_name(state.step)
+    tmp = root / (TMP_PREFIX + final.name)
+    background = writer is not None and backend.snapshots
+    if background:
+        writer.wait()  # one write in flight at most (only the main process ever has one)
+    started = time.perf_counter()
     if backend.is_main:
-        for old in list_checkpoints(output_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a run killed while saving
+        tmp.mkdir(parents=True)
+    backend.barrier()
+    snapshot = None
+    with _removed_on_failure(tmp, final, output_dir):
+        if background:
+            snapshot = backend.snapshot_state()
+        else:
+            backend.save_state(tmp)
+        torch.save(_rng_state(), tmp / f"rng_rank{backend.rank}.pt")
+        backend.barrier()  # every process's files are in tmp
+    if backend.is_main:
+        # Taken now: the trainer's state moves on while the thread writes.
+        texts = {STATE_FILE: json.dumps({**asdict(state), "format": STATE_FORMAT}, indent=2) + "\n",
+                 CONFIG_FILE: OmegaConf.to_yaml(as_dict(config))}
+        write = partial(_write_main_files, snapshot, texts, tmp, final, output_dir, keep_last)
+        if background:
+            writer.submit(final.name, write, time.perf_counter() - started)
+        else:
+            write()
+            log.info("checkpoint %s written in %.1f s", final.name, time.perf_counter() - started)
     backend.barrier()
     return final
 

@@ -30,6 +30,15 @@ STATE_FILES = {"model": "model.pt", "optimizer": "optimizer.pt", "scheduler": "s
 SHARDED_DIR = "sharded"
 
 
+def write_state(directory: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Writes the full format: ``state`` holds the model, optimizer and scheduler state dicts
+    under STATE_FILES' keys (a backend's ``snapshot_state``)."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    for key, name in STATE_FILES.items():
+        torch.save(state[key], path / name)
+
+
 def check_files(path: Path, names: Iterable[str]) -> None:
     missing = [name for name in names if not (path / name).exists()]
     if missing:

@@ -50,6 +50,7 @@ from dflash_train.model.target import (
 )
 from dflash_train.training import flops
 from dflash_train.training.checkpoint import (
+    CheckpointWriter,
     TrainerState,
     checkpoint_config,
     checkpoint_problem,
@@ -76,6 +77,8 @@ from dflash_train.training.run_dir import (
 )
 
 log = logging.getLogger(__name__)
+# A save that waits longer than this for the previous checkpoint's write says so.
+SLOW_WRITE_S = 1.0
 
 
 def split_validation(num_rows: int, val_rows: int, seed: int) -> tuple[list[int], list[int]]:
@@ -130,6 +133,7 @@ class Trainer:
         self._orders: dict[int, torch.Tensor] = {}  # epoch -> row order
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-batches")
         self._prefetched: dict[int, Future] = {}
+        self.checkpoints = CheckpointWriter() if cfg.checkpoint.async_write else None
 
     # ----------------------------------------------------------------------------- setup
     def _setup_data(self, data: TrainingData | None) -> None:
@@ -537,8 +541,11 @@ class Trainer:
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < self.last_step:
                     self.save()
             self.save()
+            self.finish_checkpoint()  # before the export: the last write's error ends the run here
         finally:
             logger.close()
+            if self.checkpoints is not None:
+                self.checkpoints.close()  # after an error above: the write in flight still completes
         return self.export(self.output_dir / EXPORT_DIR) if cfg.export else None
 
     def _count_nonfinite(self, finite: bool) -> None:
@@ -554,14 +561,22 @@ class Trainer:
             )
 
     def save(self) -> Path:
+        """Collective: checkpoints the current step (in the background with checkpoint.async_write)."""
+        waited = self.finish_checkpoint()  # the previous one is in place before the folder is read
+        if waited > SLOW_WRITE_S and self.backend.is_main:
+            log.info("waited %.1f s for the previous checkpoint's background write to finish", waited)
         latest = latest_checkpoint(self.output_dir)
         if latest is not None and latest.name == step_dir_name(self.state.step) and checkpoint_problem(latest) is None:
             return latest  # resumed at the very end: nothing new to write
-        started = time.perf_counter()
-        path = save_checkpoint(self.backend, self.output_dir, self.state, self.cfg, self.cfg.checkpoint.keep_last)
-        if self.backend.is_main:
-            log.info("checkpoint %s written in %.1f s", path.name, time.perf_counter() - started)
-        return path
+        return save_checkpoint(self.backend, self.output_dir, self.state, self.cfg, self.cfg.checkpoint.keep_last,
+                               self.checkpoints)
+
+    def finish_checkpoint(self) -> float:
+        """Collective: the checkpoint written in the background is published, or its error
+        raised here; returns the seconds the main process waited for it."""
+        waited = self.checkpoints.wait() if self.checkpoints is not None else 0.0
+        self.backend.barrier()
+        return waited
 
     def export(self, out_dir: Path) -> Path | None:
         """Collective: the drafter in the contract format, with recipe and data manifest beside."""

@@ -116,7 +116,7 @@ def _count_tensors(tree) -> int:
 
 def held_per_rank(held_by: str, save: str) -> dict | None:
     """What each rank holds of the full state while backend `held_by` checkpoints after one
-    update: the tensors in the state dicts its `save_state` hands to the file writer, and
+    update: the tensors in the snapshot its `save_state` hands to the file writer, and
     those `full_state_dict` returns. Rank 0 returns every rank's counts."""
     import torch.distributed as dist
 
@@ -128,13 +128,14 @@ def held_per_rank(held_by: str, save: str) -> dict | None:
     x, y = micro_batch(0, backend.rank)
     backend.backward(nn.functional.mse_loss(backend.model(x), y), sync=True)
     backend.step()
-    held, write = {}, backend._write_state
+    held, snapshot = {}, backend.snapshot_state
 
-    def counting_write(directory, model_sd, optim_sd):
-        held["save"] = _count_tensors(model_sd) + _count_tensors(optim_sd)
-        write(directory, model_sd, optim_sd)
+    def counting_snapshot():
+        state = snapshot()
+        held["save"] = _count_tensors(state)
+        return state
 
-    backend._write_state = counting_write
+    backend.snapshot_state = counting_snapshot
     backend.save_state(save)
     held["export"] = _count_tensors(backend.full_state_dict())
     every = [None] * backend.world_size

@@ -241,9 +241,12 @@ def test_metrics_hold_one_run_only(tiny, tmp_path):
     assert [m["step"] for m in lines] == [1, 2, 3] and lines[-1]["loss"] != -1.0
 
 
-def test_each_checkpoint_write_is_logged_with_its_seconds(tiny, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="dflash_train.training.trainer"):
-        names = [p.name for p in _two_checkpoints(tiny, tmp_path / "run")]
+@pytest.mark.parametrize("async_write", [False, True])
+def test_each_checkpoint_write_is_logged_with_its_seconds(tiny, tmp_path, caplog, async_write):
+    with caplog.at_level(logging.INFO, logger="dflash_train.training.checkpoint"):
+        Trainer(_cfg(tiny, tmp_path, max_steps=2, checkpoint={"every": 1, "async_write": async_write})).fit()
     written = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint ")]
-    assert [w.split()[1] for w in written] == names
+    assert [w.split()[1] for w in written] == [p.name for p in list_checkpoints(tmp_path)]
     assert all(w.split(" written in ")[1].endswith(" s") and float(w.split()[-2]) >= 0 for w in written)
+    # the background write also says how long training was stopped for its snapshot
+    assert all((" snapshot " in w) == async_write for w in written)
