@@ -9,9 +9,10 @@ Four stages, each the project's own command, after an optional fifth that makes 
              data.path is not given: the target writes its own training set; the eval datasets
              are excluded from its prompts
   1. probe   dflash-train for a few steps (a metric line per step) on the train stage's
-             shapes: seconds per step after the warm-up steps (compilation), the start-up
-             time before them, and what one checkpoint, one validation of the held-out rows
-             and the final save and export take
+             shapes: seconds per step after the warm-up steps (compilation), what one
+             checkpoint, one validation of the held-out rows and the final save and export
+             take; then a second short launch for the start-up the train stage will see
+             (the first paid a GGUF's conversion and the compilers' cold runs once)
   2. plan    max_steps = the most steps whose stage fits the budget with its start-up,
              validations, checkpoints and export counted (plan.json lists each part); the
              recipe's warmup + decay schedule spans exactly those steps (optim.schedule_steps)
@@ -161,16 +162,18 @@ def _metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def step_timing(lines: list[dict], warmup: int, launched: float) -> tuple[float, float]:
+def step_timing(lines: list[dict], warmup: int, launched: float, per_step: float | None = None) -> tuple[float, float]:
     """(seconds per step after ``warmup`` steps, start-up seconds) from one-line-per-step metrics.
 
     Start-up is what the first ``warmup`` steps took beyond steady steps: loading, compiling.
+    ``per_step`` given (another launch's): only the start-up is measured here.
     """
     times = {m["step"]: m["time"] for m in lines}
     last = max(times, default=0)
     if warmup < 1 or last <= warmup:
         raise ValueError(f"the probe logged {last} steps; it needs more than warmup_steps={warmup}")
-    per_step = (times[last] - times[warmup]) / (last - warmup)
+    if per_step is None:
+        per_step = (times[last] - times[warmup]) / (last - warmup)
     startup = max(0.0, times[warmup] - launched - warmup * per_step)
     return per_step, startup
 
@@ -389,20 +392,37 @@ def stage_schedule(run: QualityRun) -> Schedule:
     return Schedule(raw.data.val_every, run.cfg.data.val_rows > 0, None if every == UNSET else every)
 
 
-def _probe(run: QualityRun, run_dir: Path) -> StageCosts:
+def _probe(run: QualityRun, run_dir: Path) -> tuple[StageCosts, float]:
     """The probe stage: the train stage's settings for a few steps, one checkpoint, one
-    validation of the held-out rows and the export, each timed (`probe_costs`)."""
-    cfg, probe = run.cfg, run_dir / "probe"
+    validation of the held-out rows and the export, each timed (`probe_costs`); then the
+    start-up again, in a second short launch. Returns the costs, whose start-up is the
+    second launch's, and the first launch's start-up.
+
+    The first launch pays what a process pays once on a machine: a GGUF target's conversion
+    (cached beside it), the compilers' first runs (their caches). The train stage starts
+    after it and pays neither: on one H100 the first launch's start-up was 131 s and the
+    train stage's about 30 (2026-11-28), so a plan that counted 131 left a quarter of a
+    7-minute budget unused."""
+    cfg = run.cfg
+    common = ("logging.every=1", "logging.progress_bar=false", "logging.wandb=disabled", "checkpoint.resume=false",
+              f"data.val_rows={cfg.data.val_rows}", "data.val_every=0")
+    probe, steps = run_dir / "probe", cfg.probe_steps
     shutil.rmtree(probe, ignore_errors=True)
-    steps = cfg.probe_steps
     launched = time.time()
-    _run_stage("probe", _train_command(
-        run, probe, f"max_steps={steps}", "logging.every=1", "logging.progress_bar=false", "logging.wandb=disabled",
-        f"checkpoint.every={steps - PROBE_EXTRA_STEPS}", "checkpoint.resume=false",
-        f"data.val_rows={cfg.data.val_rows}", "data.val_every=0", "export=true"))
+    _run_stage("probe", _train_command(run, probe, f"max_steps={steps}", *common,
+                                       f"checkpoint.every={steps - PROBE_EXTRA_STEPS}", "export=true"))
     costs = probe_costs(_metrics(probe), cfg.warmup_steps, launched, time.time())
     shutil.rmtree(probe)
-    return costs
+    # The warm start: the warm-up steps and one more, whose line is written before the final
+    # validation and save (nothing after it is timed).
+    warm = run_dir / "probe-warm"
+    shutil.rmtree(warm, ignore_errors=True)
+    launched = time.time()
+    _run_stage("probe", _train_command(run, warm, f"max_steps={cfg.warmup_steps + 1}", *common,
+                                       "checkpoint.every=0", "export=false"))
+    _, warm_startup = step_timing(_metrics(warm), cfg.warmup_steps, launched, per_step=costs.per_step)
+    shutil.rmtree(warm)
+    return dataclasses.replace(costs, startup=warm_startup), costs.startup
 
 
 def _plan(run: QualityRun, run_dir: Path) -> dict:
@@ -412,16 +432,18 @@ def _plan(run: QualityRun, run_dir: Path) -> dict:
     if path.exists():
         return json.loads(path.read_text())
     schedule = stage_schedule(run)
+    cold_startup = None
     if cfg.seconds_per_step:
         costs = StageCosts(cfg.seconds_per_step, cfg.startup_s, cfg.validation_s, cfg.checkpoint_s, cfg.export_s)
     else:
-        costs = _probe(run, run_dir)
+        costs, cold_startup = _probe(run, run_dir)
     steps = plan_steps(cfg.budget_min * 60, costs, schedule)
     parts = stage_parts(steps, costs, schedule, schedule.checkpoints(steps))
     plan = {"budget_min": cfg.budget_min, "seconds_per_step": costs.per_step, "startup_s": costs.startup,
             "validation_s": costs.validation, "checkpoint_s": costs.checkpoint, "export_s": costs.export,
             "steps": steps, "validations": schedule.validations(steps), "checkpoints": schedule.checkpoints(steps),
-            "parts_s": parts, "total_s": sum(parts.values())}
+            "parts_s": parts, "total_s": sum(parts.values()),
+            **({} if cold_startup is None else {"probe_startup_s": cold_startup})}
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=2))
     return plan
