@@ -403,26 +403,30 @@ def _probe(run: QualityRun, run_dir: Path) -> tuple[StageCosts, float]:
     after it and pays neither: on one H100 the first launch's start-up was 131 s and the
     train stage's about 30 (2026-11-28), so a plan that counted 131 left a quarter of a
     7-minute budget unused."""
-    cfg = run.cfg
-    common = ("logging.every=1", "logging.progress_bar=false", "logging.wandb=disabled", "checkpoint.resume=false",
-              f"data.val_rows={cfg.data.val_rows}", "data.val_every=0")
-    probe, steps = run_dir / "probe", cfg.probe_steps
-    shutil.rmtree(probe, ignore_errors=True)
-    launched = time.time()
-    _run_stage("probe", _train_command(run, probe, f"max_steps={steps}", *common,
-                                       f"checkpoint.every={steps - PROBE_EXTRA_STEPS}", "export=true"))
-    costs = probe_costs(_metrics(probe), cfg.warmup_steps, launched, time.time())
-    shutil.rmtree(probe)
+    cfg, steps = run.cfg, run.cfg.probe_steps
+    lines, launched, finished = _probe_launch(run, run_dir / "probe", f"max_steps={steps}",
+                                              f"checkpoint.every={steps - PROBE_EXTRA_STEPS}", "export=true")
+    costs = probe_costs(lines, cfg.warmup_steps, launched, finished)
     # The warm start: the warm-up steps and one more, whose line is written before the final
     # validation and save (nothing after it is timed).
-    warm = run_dir / "probe-warm"
-    shutil.rmtree(warm, ignore_errors=True)
-    launched = time.time()
-    _run_stage("probe", _train_command(run, warm, f"max_steps={cfg.warmup_steps + 1}", *common,
-                                       "checkpoint.every=0", "export=false"))
-    _, warm_startup = step_timing(_metrics(warm), cfg.warmup_steps, launched, per_step=costs.per_step)
-    shutil.rmtree(warm)
+    lines, launched, _ = _probe_launch(run, run_dir / "probe-warm", f"max_steps={cfg.warmup_steps + 1}",
+                                       "checkpoint.every=0", "export=false")
+    _, warm_startup = step_timing(lines, cfg.warmup_steps, launched, per_step=costs.per_step)
     return dataclasses.replace(costs, startup=warm_startup), costs.startup
+
+
+def _probe_launch(run: QualityRun, folder: Path, *overrides: str) -> tuple[list[dict], float, float]:
+    """One dflash-train launch of the probe into ``folder`` (removed after): its metric lines,
+    one a step, and when it was launched and finished."""
+    shutil.rmtree(folder, ignore_errors=True)
+    launched = time.time()
+    _run_stage("probe", _train_command(
+        run, folder, *overrides, "logging.every=1", "logging.progress_bar=false", "logging.wandb=disabled",
+        "checkpoint.resume=false", f"data.val_rows={run.cfg.data.val_rows}", "data.val_every=0"))
+    finished = time.time()
+    lines = _metrics(folder)
+    shutil.rmtree(folder)
+    return lines, launched, finished
 
 
 def _plan(run: QualityRun, run_dir: Path) -> dict:

@@ -120,13 +120,19 @@ def _failing_save(monkeypatch, step: int, error: int):
     monkeypatch.setattr(torch, "save", save)
 
 
+def _failed_run(tiny, run, capsys, max_steps: int) -> list[str]:
+    """dflash-train checkpointing every step into ``run``, which must exit with status 2:
+    the error lines it printed."""
+    with pytest.raises(SystemExit) as stop:
+        train.main(tiny_train_args(tiny["target"], tiny["data"], run, "checkpoint.every=1", f"max_steps={max_steps}"))
+    assert stop.value.code == 2
+    return [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+
+
 def test_a_failed_background_write_ends_the_run_at_the_next_save(tiny, tmp_path, monkeypatch, capsys):
     _failing_save(monkeypatch, step=2, error=errno.ENOSPC)
     run = tmp_path / "run"
-    with pytest.raises(SystemExit) as stop:
-        train.main(tiny_train_args(tiny["target"], tiny["data"], run, "checkpoint.every=1", "max_steps=4"))
-    assert stop.value.code == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    err = _failed_run(tiny, run, capsys, max_steps=4)
     # the same line a synchronous save gives
     assert err == [f"dflash-train: error: no space left on the disk of '{run / 'checkpoints'}' while writing checkpoint "
                    "step_00000002; its partial folder was removed and the last checkpoint, step_00000001, is kept: "
@@ -153,10 +159,7 @@ def test_a_failed_last_write_ends_the_run_before_the_export(tiny, tmp_path, monk
 def test_a_refused_background_write_is_one_line(tiny, tmp_path, monkeypatch, capsys):
     _failing_save(monkeypatch, step=1, error=errno.EACCES)
     run = tmp_path / "run"
-    with pytest.raises(SystemExit) as stop:
-        train.main(tiny_train_args(tiny["target"], tiny["data"], run, "checkpoint.every=1", "max_steps=3"))
-    assert stop.value.code == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    err = _failed_run(tiny, run, capsys, max_steps=3)
     tmp = run / "checkpoints" / ".tmp-step_00000001"
     assert err == [f"dflash-train: error: Permission denied: {tmp / 'model.pt'}"]
     assert list((run / "checkpoints").iterdir()) == []
