@@ -12,8 +12,8 @@ the next queued turn; every live slot adds one token a step; a conversation's ne
 queued first the moment its answer ends. sdpa reads every slot's row (idle ones too) up to the
 width that covers the longest live row (a multiple of `width_step`, `2 * sync_steps + 1` ahead);
 flex reads each live row's blocks of `block` columns. Each turn's prompt is the whole
-conversation so far (the engine prefills it again); `kept` counts what a cache kept between a
-conversation's turns would prefill instead (its new user tokens). Defaults: Qwen2.5-0.5B in
+conversation so far (the engine of `a538aeb` prefilled it again); `kept` counts what a cache kept
+between a conversation's turns prefills instead (its new user tokens; the engine does so since). Defaults: Qwen2.5-0.5B in
 bf16 (24 layers, 2 KV heads of 64: 12,288 bytes a token; 0.99 GB of weights), the engine's
 constants, the datagen recipe's 3,072 + 512 tokens a row.
 """

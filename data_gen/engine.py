@@ -9,7 +9,9 @@ ATTENTION_NAME (transformers' AttentionInterface), which writes the new keys/val
 slot rows and attends over them:
   * prefill: the new prompts, right padded, causal attention over the prompts themselves
     (transformers' SDPA function); all but each prompt's last token, whose logits come from
-    the first decode step, so the prefill needs no logits;
+    the first decode step, so the prefill needs no logits. A conversation's next turn takes
+    its last answer's slot when free and prefills only what follows the tokens the row still
+    holds, its queries attending over the row's cache;
   * decode: one token per slot, attending over its own cache row (data_gen/engine_attention.py,
     by `backend.attention`): `sdpa` over the first `width` cache columns of every row with a
     per-row visibility mask, `width` covering every busy row (on CUDA a multiple of
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from data_gen.config import ENGINE_ATTENTIONS, BackendConfig, SamplingConfig
+from data_gen.config import ENGINE_ATTENTIONS, BackendConfig, SamplingConfig, engine_attention_for
 from data_gen.engine_attention import decode_attention
 from data_gen.generators import Completion, Progress, past
 from data_gen.sampling import sample_tokens, uniform_stream
@@ -60,6 +62,11 @@ class _Step:
     cache_k: list[torch.Tensor]  # per layer (B, Hkv, S, D)
     cache_v: list[torch.Tensor]
     rows: torch.Tensor | None = None  # prefill: the slots the prompts go to, (n,)
+    # prefill after a kept prefix: each row's first new position (n,) and new tokens (n,), and
+    # the cache columns the group reads (the longest row's end)
+    starts: torch.Tensor | None = None
+    new: torch.Tensor | None = None
+    span: int = 0
     pos: torch.Tensor | None = None  # decode: each slot's position, (B,)
     live: torch.Tensor | None = None  # decode: the slots with an answer going on, (B,)
     width: int = 0  # decode: cache columns attended (sdpa)
@@ -76,6 +83,8 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
     step: _Step = kwargs.pop(STEP_KWARG)
     k_cache, v_cache = step.cache_k[module.layer_idx], step.cache_v[module.layer_idx]
+    if step.starts is not None:
+        return _after_prefix(module, query, key, value, k_cache, v_cache, step, scaling, sliding_window), None
     if step.rows is not None:
         length = query.shape[2]
         k_cache[step.rows, :, :length] = key
@@ -96,6 +105,34 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     out = decode_attention(step.attention, q, k_cache, v_cache, step.pos, step.live, step.width, sliding_window,
                            scaling, step.masks)
     return out.reshape(b, 1, hq, d), None
+
+
+def _after_prefix(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, step: _Step, scaling: float | None,
+                  sliding_window: int | None) -> torch.Tensor:
+    """Prefill of prompts whose first `starts` tokens' keys/values are in their rows already
+    (the same conversation's earlier turn): the new tokens' keys/values go in after them, and
+    each new query attends over its row's cache up to itself. Right-padded; a padding token
+    writes into the row's last column, which no fed token ever holds (an answer's last token
+    is never fed)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    n, _, length, _ = query.shape
+    t = torch.arange(length, device=query.device)
+    pos = step.starts[:, None] + t  # (n, T)
+    write = torch.where(t < step.new[:, None], pos, k_cache.shape[2] - 1)
+    rows = step.rows[:, None]
+    k_cache[rows, :, write] = key.transpose(1, 2)
+    v_cache[rows, :, write] = value.transpose(1, 2)
+    columns = torch.arange(step.span, device=query.device)
+    k = k_cache[rows, :, columns[None]].transpose(1, 2)  # (n, Hkv, span, D)
+    v = v_cache[rows, :, columns[None]].transpose(1, 2)
+    mask = columns[None, None] <= pos[:, :, None]  # (n, T, span)
+    if sliding_window is not None:
+        mask &= columns[None, None] > pos[:, :, None] - sliding_window
+    out, _ = sdpa_attention_forward(module, query, k, v, mask[:, None], dropout=0.0, scaling=scaling,
+                                    is_causal=False)
+    return out
 
 
 def _register_attention() -> None:
@@ -135,13 +172,13 @@ class GenerationEngine:
 
     def __init__(self, target: TargetModel, batch_size: int, max_len: int, sampling: SamplingConfig,
                  stop_ids: list[int], cuda_graphs: bool = True, sync_steps: int | None = None,
-                 attention: str = "sdpa"):
+                 attention: str = "auto"):
         if attention not in ENGINE_ATTENTIONS:
             raise ValueError(f"attention={attention!r}: expected one of {list(ENGINE_ATTENTIONS)}")
         _register_attention()
-        self.attention = attention
-        self.model = _private_model(target.model)
         self.device = target.device
+        self.attention = engine_attention_for(self.device.type) if attention == "auto" else attention
+        self.model = _private_model(target.model)
         self.sampling = sampling
         self.batch_size, self.max_new = batch_size, sampling.max_new_tokens
         self.max_len = max_len
@@ -156,6 +193,12 @@ class GenerationEngine:
         self.slot_key: list[Hashable | None] = [None] * batch_size
         self.slot_pos = [0] * batch_size
         self.slot_since = [0] * batch_size
+        # Each slot's prompt, and after its answer ends (key, the tokens whose keys/values the row
+        # still holds): the same conversation's next turn takes that slot and prefills only what
+        # follows the tokens it shares with them; _slot_of: a key's slot kept so.
+        self.slot_prompt: list[list[int] | None] = [None] * batch_size
+        self.kept: list[tuple[Hashable, list[int]] | None] = [None] * batch_size
+        self._slot_of: dict[Hashable, int] = {}
         self.snapshots = 0
         self.stop_list = list(stop_ids)  # the host's copy: reading the device's would wait for it
         # Told where the wall time goes when set (benchmarks/engine_profile.py): span(part, **info)
@@ -260,9 +303,13 @@ class GenerationEngine:
         t = torch.tensor(values)
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
-    def _prefill(self, admitted: list[tuple[int, list[int]]]) -> None:
-        """Keys/values of every prompt token but the last into the admitted slots."""
-        todo = sorted(((slot, p[:-1]) for slot, p in admitted if len(p) > 1), key=lambda r: len(r[1]))
+    def _prefill(self, admitted: list[tuple[int, list[int]]], kept: dict[int, int] | None = None) -> None:
+        """Keys/values of every prompt token but the last into the admitted slots; a slot in
+        `kept` (slot -> tokens its row holds already) gets those after them."""
+        kept = kept or {}
+        self._prefill_after([(slot, p[:-1], kept[slot]) for slot, p in admitted if slot in kept])
+        todo = sorted(((slot, p[:-1]) for slot, p in admitted if len(p) > 1 and slot not in kept),
+                      key=lambda r: len(r[1]))
         while todo:
             width = len(todo[-1][1])
             n = max(1, min(len(todo), PREFILL_TOKENS // width))
@@ -273,23 +320,57 @@ class GenerationEngine:
             positions = torch.arange(width, device=self.device).expand(len(group), width)
             self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **{STEP_KWARG: step})
 
+    def _prefill_after(self, todo: list[tuple[int, list[int], int]]) -> None:
+        """Prefill of (slot, tokens, start): the row holds tokens[:start] already."""
+        todo = sorted(((slot, t, start) for slot, t, start in todo if len(t) > start), key=lambda r: len(r[1]) - r[2])
+        while todo:
+            width = len(todo[-1][1]) - todo[-1][2]
+            n = max(1, min(len(todo), PREFILL_TOKENS // width))
+            group, todo = todo[-n:], todo[:-n]
+            ids = self._to_device([t[start:] + [0] * (width - len(t) + start) for _, t, start in group])
+            starts = [start for _, _, start in group]
+            step = _Step(self.cache_k, self.cache_v, rows=self._to_device([slot for slot, _, _ in group]),
+                         starts=self._to_device(starts), new=self._to_device([len(t) - s for _, t, s in group]),
+                         span=max(len(t) for _, t, _ in group))
+            positions = step.starts[:, None] + torch.arange(width, device=self.device)
+            self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **{STEP_KWARG: step})
+
+    def _kept_slot(self, key: Hashable, free: set[int]) -> int | None:
+        """The free slot whose row holds this key's earlier turn, if any."""
+        slot = self._slot_of.pop(key, None)
+        if slot is None or slot not in free or self.kept[slot] is None or self.kept[slot][0] != key:
+            return None
+        return slot
+
     def _admit(self, deadline: float | None) -> None:
         """Queued prompts into the free slots (prefill and slot state, queued on the device);
-        none once ``deadline`` has passed."""
+        none once ``deadline`` has passed. A conversation's next turn takes the slot of its
+        last answer when that is free, and prefills after the tokens the row holds."""
         if past(deadline):
             return
         free = [slot for slot, key in enumerate(self.slot_key) if key is None]
-        admitted = []
-        for slot in free[:len(self.queue)]:
-            key, prompt, seed = self.queue.popleft()
-            self.slot_key[slot] = key
+        todo = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
+        open_slots = set(free)
+        slots = [self._kept_slot(key, open_slots) for key, _, _ in todo]
+        # new conversations take the slots no earlier turn is kept in first
+        others = iter(sorted(open_slots - set(slots), key=lambda slot: (self.kept[slot] is not None, slot)))
+        admitted, kept = [], {}
+        for (key, prompt, seed), slot in zip(todo, slots):
+            if slot is None:
+                slot = next(others)
+            elif (shared := shared_prefix(self.kept[slot][1], prompt[:-1])) > 0:
+                kept[slot] = shared
+            if self.kept[slot] is not None:
+                self._slot_of.pop(self.kept[slot][0], None)
+                self.kept[slot] = None
+            self.slot_key[slot], self.slot_prompt[slot] = key, prompt
             # The first snapshot that shows this prompt in the slot is the next one taken.
             self.slot_pos[slot], self.slot_since[slot] = len(prompt) - 1, self.snapshots
             admitted.append((slot, prompt, seed))
         if not admitted:
             return
         with self._span("prefill"):
-            self._prefill([(slot, p) for slot, p, _ in admitted])
+            self._prefill([(slot, p) for slot, p, _ in admitted], kept)
         with self._span("copies"):
             self._start_slots(admitted)
 
@@ -345,6 +426,11 @@ class GenerationEngine:
             if done[slot]:
                 ids = out[slot, :count[slot]].tolist()
                 self.slot_key[slot] = None
+                # The row holds the prompt and the answer but its last token (never fed) and
+                # the one before (an ended row goes on writing at its last position).
+                held = self.slot_prompt[slot] + ids
+                self.kept[slot] = (key, held[:len(held) - 2])
+                self._slot_of[key] = slot
                 yield key, Completion(ids, "stop" if ids[-1] in stop_ids else "length")
 
     @torch.inference_mode()
@@ -385,6 +471,12 @@ class GenerationEngine:
             if snapshot is None and all(key is None for key in self.slot_key):
                 return
             pending = snapshot
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 class EngineGenerator:

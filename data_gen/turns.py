@@ -1,10 +1,16 @@
 """Every turn regenerated: conversations answered turn by turn on the target's own history,
 scheduled so that a conversation's next turn is asked as soon as its answer ends.
 
-The pipeline hands this module the shards of one rank. Conversations of the oldest open
-shards come first; when fewer turns are ready than the generator takes, the next shard opens,
-so turn 3 of one conversation runs beside turn 1 of others and nothing waits for a whole
-shard to finish a turn. Two schedules share that order and the bookkeeping:
+The pipeline hands this module the shards of one rank. Shards open in order, as many as keep
+`lookahead` conversations open (and more while fewer turns are ready than the generator
+takes), so turn 3 of one conversation runs beside turn 1 of others and nothing waits for a
+whole shard to finish a turn. Among the turns ready, a conversation's next turn goes first,
+then the conversation with the most user turns starts (then the oldest shard's): its answers
+must come one after another, so it is the job's critical path, and started last it would run
+almost alone in the slots at the end (issue 39's every-turn job on one H100: 58% of the
+engine's slots live in a mean step; `python -m benchmarks.turn_schedule` models it). With one
+turn each (`template.max_turns=1`) the order is the shards'. Two schedules share that order and
+the bookkeeping:
   * streamed, for a generator that answers as its slots free (the engine: `streams`, `wanted`,
     `submit`, `drain`, `unstarted`): it is fed as many turns as its free slots take, and the
     moment an answer ends the conversation's next turn is queued, so the engine never drains
@@ -140,25 +146,40 @@ def _finish(shard: _Shard) -> tuple[list[dict], dict]:
 
 class _Schedule:
     """The bookkeeping both schedules share: the open shards, the turns ready to be asked (the
-    oldest shard's first), and what an answer does to its conversation. A turn is named by
-    its key (shard, position in the shard)."""
+    next turns of conversations begun, then the conversations with the most turns, then the
+    oldest shard's), and what an answer does to its conversation. A turn is named by its key
+    (shard, position in the shard)."""
 
-    def __init__(self, cfg: DatagenConfig, shaper: ChatShaper, shards: dict[int, list[SourcePrompt]]):
-        self.cfg, self.shaper, self.shards = cfg, shaper, shards
+    def __init__(self, cfg: DatagenConfig, shaper: ChatShaper, shards: dict[int, list[SourcePrompt]],
+                 lookahead: int):
+        self.cfg, self.shaper, self.shards, self.lookahead = cfg, shaper, shards, lookahead
         self.waiting = sorted(shards)
         self.active: dict[int, _Shard] = {}
-        self.ready: list[tuple[int, int]] = []  # heap of keys: the oldest shard's turns go first
+        self.open = 0  # conversations of the open shards that have not ended
+        # heap of (not begun, -turns left, shard, position): a conversation's next turn first,
+        # then the longest chain of answers still to start
+        self.ready: list[tuple[int, int, int, int]] = []
+
+    def _push(self, key: tuple[int, int]) -> None:
+        c = self.active[key[0]].convs[key[1]]
+        heapq.heappush(self.ready, (int(not c.answers), len(c.answers) - len(c.prompt.user_turns), *key))
+
+    def _ended(self, shard: _Shard) -> None:
+        shard.open -= 1
+        self.open -= 1
 
     def take(self, n: int) -> list[tuple[int, int]]:
-        """Up to n ready turns, opening the next shards while fewer are ready."""
-        while self.waiting and len(self.ready) < n:
+        """Up to n ready turns, opening the next shards while fewer than `lookahead`
+        conversations are open or fewer than n turns are ready."""
+        while self.waiting and (self.open < self.lookahead or len(self.ready) < n):
             k = self.waiting.pop(0)
             shard = self.active[k] = _Shard(k, [_Conversation(p) for p in self.shards[k]])
             for pos, c in enumerate(shard.convs):
                 if _next_turn(self.cfg, self.shaper, shard, c):
-                    heapq.heappush(self.ready, (k, pos))
                     shard.open += 1
-        return [heapq.heappop(self.ready) for _ in range(min(n, len(self.ready)))]
+                    self.open += 1
+                    self._push((k, pos))
+        return [heapq.heappop(self.ready)[2:] for _ in range(min(n, len(self.ready)))]
 
     def prompt(self, key: tuple[int, int]) -> tuple[list[int], int]:
         """The turn's prompt ids and its own sampling seed."""
@@ -172,13 +193,13 @@ class _Schedule:
         c = shard.convs[key[1]]
         if result is None:
             _cut(shard, c)
-            shard.open -= 1
+            self._ended(shard)
             return
         _record(shard, c, result)
         if c.pending is not None and _goes_on(self.cfg, self.shaper, shard, c, result.finish_reason):
-            heapq.heappush(self.ready, key)
+            self._push(key)
         else:
-            shard.open -= 1
+            self._ended(shard)
 
     def finished(self) -> Iterator[tuple[int, list[dict], dict]]:
         """The shards whose conversations have all ended, out of the schedule."""
@@ -186,21 +207,23 @@ class _Schedule:
 
     def end_by_budget(self) -> Iterator[tuple[int, list[dict], dict]]:
         """Every open shard, its ready turns cut."""
-        for k, pos in self.ready:
+        for *_, k, pos in self.ready:
             _cut(self.active[k], self.active[k].convs[pos])
         self.ready = []
         yield from _done(self.active, sorted(self.active))
 
 
 def generate_shards(cfg: DatagenConfig, shaper: ChatShaper, generator, shards: dict[int, list[SourcePrompt]],
-                    call_size: int, deadline: float | None = None) -> Iterator[tuple[int, list[dict], dict]]:
+                    call_size: int, deadline: float | None = None,
+                    lookahead: int | None = None) -> Iterator[tuple[int, list[dict], dict]]:
     """(index, rows, metadata) of each shard of `shards` (index -> prompts) as it completes,
     or as the budget ends it (``deadline``, a time.monotonic() value; the module says how).
     A generator that streams (the engine) is fed turn by turn; any other is called with up
-    to `call_size` turns at a time.
+    to `call_size` turns at a time. Shards open while fewer than `lookahead` conversations
+    are open (default `call_size`: the pipeline's calls hold many batches, generators.py).
 
     Raises GeneratorUnavailable on a retryable failure: the open shards stay uncommitted."""
-    schedule = _Schedule(cfg, shaper, shards)
+    schedule = _Schedule(cfg, shaper, shards, call_size if lookahead is None else lookahead)
     if getattr(generator, "streams", False):
         yield from _stream(schedule, generator, deadline)
     else:

@@ -78,3 +78,27 @@ def test_smollm2_float32_answers_equal_hf(smollm2, smollm2_tokenizer, attention)
     engine = EngineGenerator(target, cfg, sampling, [2], 256).generate(ids, list(range(16)))
     hf = HFGenerator(target, BackendConfig(kind="hf", batch_size=8), sampling, [2], 2).generate(ids, list(range(16)))
     assert [c.ids for c in engine] == [c.ids for c in hf]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_next_turns_after_kept_rows_equal_fresh_prefills(tiny, prompts, attention):
+    """Each conversation's next turn (its prompt, answer and new tokens) queued as its answer
+    comes out takes the answer's slot and prefills after what the row holds, behind the
+    replayed graphs; the answers equal a fresh engine's for the same prompts (float32)."""
+    engine = _engine(tiny, True, attention=attention).engine
+    asked = {k: [p[:200]] for k, p in enumerate(prompts[:6])}
+    answers = {}
+    for k, p in asked.items():
+        engine.submit(k, p[0])
+    for key, answer in engine.drain():
+        answers.setdefault(key, []).append(answer.ids)
+        if len(answers[key]) < 3 and answer.finish_reason == "stop":
+            asked[key].append(asked[key][-1] + answer.ids + [5, 6, 4 + len(answers[key])])
+            engine.submit(key, asked[key][-1])
+    assert sum(map(len, answers.values())) > len(asked), "later turns were asked"
+    fresh = _engine(tiny, True, batch_size=1, attention=attention).engine
+    for k, turns in answers.items():
+        for t in range(len(turns)):
+            fresh.submit((k, t), asked[k][t])
+    assert {key: a.ids for key, a in fresh.drain()} == {(k, t): a for k, turns in answers.items()
+                                                        for t, a in enumerate(turns)}

@@ -114,6 +114,47 @@ def test_multi_turn_run_equals_hf(tmp_path, smollm2, smollm2_tokenizer):
     assert max(data["engine"]["input_ids"][i].count(1) for i in range(3)) >= 5, "a later turn was answered"
 
 
+@pytest.mark.parametrize("conversations", [3, 4])
+def test_next_turn_prefills_after_what_its_slot_holds(smollm2, prompts, monkeypatch, conversations):
+    """Conversations of three turns through 3 slots, each next turn the earlier prompt, its
+    answer and new user tokens, queued as its answer comes out: it takes its last answer's
+    slot and prefills only what the row does not hold, the new tokens and the answer's last
+    two (its last token was never fed; the one before is where an ended row goes on writing).
+    With a fourth conversation queued first, it takes the first slot that frees and that
+    conversation's next turn prefills whole elsewhere. Every answer equals a fresh engine's for
+    the same prompt, which prefills it whole."""
+    from data_gen.engine import GenerationEngine
+
+    after = []
+    prefill_after = GenerationEngine._prefill_after
+    monkeypatch.setattr(GenerationEngine, "_prefill_after",
+                        lambda self, todo: (after.extend(len(t) - start for _, t, start in todo),
+                                            prefill_after(self, todo))[1])
+    sampling = SamplingConfig(max_new_tokens=MAX_NEW)
+    engine = GenerationEngine(smollm2, 3, 256, sampling, [IM_END], cuda_graphs=False)
+    user = {k: [[IM_END - 1] + prompts[2 * k + 1][-4 - t:] for t in range(2)] for k in range(conversations)}
+    asked, answers = {k: [prompts[2 * k + 1]] for k in range(conversations)}, {}
+    for k in range(conversations):
+        engine.submit(k, asked[k][0])
+    for key, answer in engine.drain():
+        answers.setdefault(key, []).append(answer.ids)
+        turn = len(answers[key])
+        if turn < 3:
+            asked[key].append(asked[key][-1] + answer.ids + user[key][turn - 1])
+            engine.submit(key, asked[key][-1])
+    expected = sorted(len(u) + 1 for k in range(conversations) for u in user[k])
+    if conversations == 3:
+        assert sorted(after) == expected, "every later turn prefilled only what its row did not hold"
+    else:
+        assert 0 < len(after) < len(expected) and all(n in expected for n in after), after
+    fresh = GenerationEngine(smollm2, 1, 256, sampling, [IM_END], cuda_graphs=False)
+    for k in range(conversations):
+        for turn, prompt in enumerate(asked[k]):
+            fresh.submit((k, turn), prompt)
+    assert {key: a.ids for key, a in fresh.drain()} == {(k, t): answers[k][t] for k in range(conversations)
+                                                        for t in range(3)}
+
+
 def test_kill_9_then_rerun_holds_every_prompt_once(tmp_path, smollm2, smollm2_tokenizer):
     """Prompts streamed through 2 slots, each shard committed as its prompts end: the kill
     lands with some shards committed and the others not; the rerun finishes those only."""

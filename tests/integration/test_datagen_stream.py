@@ -210,29 +210,33 @@ def test_a_turn_queued_at_the_deadline_is_cut(tmp_path, smollm2, smollm2_tokeniz
 
 
 def test_a_budget_ends_the_stream_and_a_rerun_adds_nothing(tmp_path, smollm2, smollm2_tokenizer, monkeypatch):
-    """budget_min runs out once the engine's 2 slots took their first turns (shard 0, the two
-    conversations of 1 and 2 turns): both answers finish, conversation 1's second turn is not
-    asked; shard 0 is written with both rows, the shards never opened are not, and the same
-    command again generates nothing."""
-    full = config(tmp_path, "full", "engine", batch_size=2, num_prompts=2)
+    """budget_min runs out once the engine's 2 slots took their first turns: the two
+    conversations of three turns (2 and 5, of shards 1 and 2: the longest start first). Both
+    answers finish, no second turn is asked; shards 1 and 2 are written with those rows (their
+    other conversations skipped), the shards not begun are not, and the same command again
+    generates nothing."""
+    full = config(tmp_path, "full", "engine", batch_size=2)
     run(full, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
     an_hour_after_each_admission(monkeypatch)
     cfg = config(tmp_path, "budget", "engine", batch_size=2, budget_min=1.0)
     result = run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
     manifest = read_manifest(cfg.out_dir)
     shards = -(-CONVERSATIONS // 2)
-    assert manifest["budget"] == {"minutes": 1.0, "reached": True, "shards": 1, "of": shards,
+    assert manifest["budget"] == {"minutes": 1.0, "reached": True, "shards": 2, "of": shards,
                                   "prompts_unstarted": CONVERSATIONS - 2}
     assert result.budget_reached and result.unstarted == CONVERSATIONS - 2 and not result.complete
     data, reference = load_generated(cfg.out_dir), load_generated(full.out_dir)
     _, _, _, shaper, prompts, _ = setup(cfg, smollm2_tokenizer)
-    assert data[0] == reference[0], "the one-turn conversation is whole"
-    ids, _ = shaper.prompt(prompts[1].system, prompts[1].user_turns, [])
-    first = data[1]["input_ids"][len(ids):]
-    assert data[1]["input_ids"][:len(ids)] == ids and first[-1] == IM_END and len(data) == 2
-    assert reference[1]["input_ids"][len(ids):].count(IM_END) >= 2, "without the budget it went on"
+    longest = [i for i, p in enumerate(prompts) if len(p.user_turns) == 3]
+    assert longest == [2, 5] and data["prompt_id"] == [prompts[i].prompt_id for i in longest]
+    for row, i in zip(data, longest):
+        ids, _ = shaper.prompt(prompts[i].system, prompts[i].user_turns, [])
+        first = row["input_ids"][len(ids):]
+        assert row["input_ids"][:len(ids)] == ids and first[-1] == IM_END and first.count(IM_END) == 1
+        assert reference[i]["input_ids"][:len(row["input_ids"])] == row["input_ids"], "the first answer as without it"
+        assert reference[i]["input_ids"][len(ids):].count(IM_END) >= 2, "without the budget it went on"
     counts = manifest["counts"]
-    assert counts["ended_early"] == {"budget": 1} and counts["finish_reasons"] == {"stop": 2}
+    assert counts["ended_early"] == {"budget": 2} and counts["finish_reasons"] == {"stop": 2}
     assert json.loads((tmp_path / "budget" / "budget.json").read_text())["seconds"] == pytest.approx(3600.0)
     before = {p: p.read_bytes() for p in (tmp_path / "budget").rglob("*") if p.is_file()}
     again = run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)

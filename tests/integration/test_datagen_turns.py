@@ -125,17 +125,18 @@ class Recorder:
 
 
 def test_next_turn_joins_the_next_call(turns_run, smollm2, smollm2_tokenizer):
-    """Calls of two prompts over shards of two conversations: conversation 0's second turn goes
-    with conversation 2's first, and a shard is committed as soon as its conversations end
-    (shard 2, opened last, before shard 1 whose conversation 3 has three turns)."""
+    """Calls of two prompts over shards of two conversations (of 3 and 1, 2 and 3, then 2 turns):
+    a begun conversation's next turn goes into the very next call, ahead of any other; of the
+    conversations not begun, the one with more turns starts first (3 before 2, though later in
+    its shard), and a shard is committed as soon as its conversations end."""
     cfg, shaper, prompts, _, data = turns_run
     generator = Recorder(build_generator(cfg.backend, cfg.sampling, SMOLLM2, shaper.stop_ids, IM_END,
                                          smollm2_tokenizer, target=smollm2), smollm2_tokenizer)
     shards = {k: prompts[2 * k:2 * k + 2] for k in range(3)}
     done = list(generate_shards(cfg, shaper, generator, shards, call_size=2))
-    assert generator.calls == [[(0, 0), (1, 0)], [(0, 1), (2, 0)], [(0, 2), (2, 1)], [(3, 0), (4, 0)],
-                               [(3, 1), (4, 1)], [(3, 2)]]
-    assert [k for k, _, _ in done] == [0, 2, 1]
+    assert generator.calls == [[(0, 0), (1, 0)], [(0, 1), (3, 0)], [(3, 1), (0, 2)], [(3, 2), (2, 0)],
+                               [(2, 1), (4, 0)], [(4, 1)]]
+    assert [k for k, _, _ in done] == [0, 1, 2]
     assert [r for _, rows, _ in sorted(done, key=lambda d: d[0]) for r in rows] == data.to_list()
 
 

@@ -120,7 +120,7 @@ def base_config(**overrides):
     ({"backend": {"max_retries": -1}}, r"^backend.max_retries=-1 must be a finite number >= 0$"),
     ({"backend": {"timeout_s": 0}}, r"^backend.timeout_s=0.0 must be > 0$"),
     ({"backend": {"kind": "engine", "attention": "flash"}},
-     r"^backend.attention='flash': expected one of \['sdpa', 'flex'\]$"),
+     r"^backend.attention='flash': expected one of \['auto', 'sdpa', 'flex'\]$"),
     ({"backend": {"kind": "hf", "attention": "flex"}},
      r"^backend.attention='flex' is the engine's; backend.kind is 'hf'$"),
     ({"sources": [{"kind": "csv", "path": "x"}]}, r"sources\[0\].kind='csv'"),
@@ -151,6 +151,15 @@ def base_config(**overrides):
 def test_config_errors_name_the_value(overrides, message):
     with pytest.raises(ValueError, match=message):
         to_datagen_config(base_config(**overrides))
+
+
+@pytest.mark.parametrize("kind, device, attention", [
+    ("engine", "cuda:1", "flex"), ("engine", "cpu", "sdpa"), ("auto", "cuda", "flex"), ("auto", "cpu", "sdpa")])
+def test_auto_attention_is_flex_on_a_gpu(kind, device, attention):
+    """backend.attention=auto (the default) resolves with the backend, so run records say which
+    decode attention answered: flex where the engine runs on a GPU, sdpa on CPU."""
+    backend = to_datagen_config(base_config(backend={"kind": kind, "device": device})).backend
+    assert backend.attention == attention
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES.glob("datagen*.yaml")))
