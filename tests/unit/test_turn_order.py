@@ -79,3 +79,19 @@ def test_single_turn_jobs_keep_the_shards_order(tmp_path, smollm2_tokenizer):
     shards = {k: [p] for k, p in enumerate(prompts)}
     _, asked, _ = run(cfg, shaper, shards, lookahead=len(shards))
     assert asked == [(k, 0) for k in range(len(shards))]
+
+
+def test_the_benchmark_replays_a_real_job(capsys):
+    """benchmarks/turn_schedule.py on SmolLM2's tokenizer and ShareGPT's first conversations:
+    every turn answered (the corpus's replies), never fewer steps than the tokens need, and a
+    kept slot prefills less than the whole conversations."""
+    from benchmarks.turn_schedule import main
+
+    main(["--target", SMOLLM2, "--conversations", "12", "--single", "12", "--slots", "4", "--max-new-tokens", "64",
+          "--max-prompt-len", "1024", "--shard-size", "4"])
+    out = capsys.readouterr().out
+    assert out.startswith("24 prompts (12 conversations, 12 single turns) in 6 shards of 4, 4 slots")
+    cells = [c.strip() for c in out.splitlines()[-1].strip("|").split("|")]
+    answers, tokens, steps, ideal = (int(c.replace(",", "")) for c in cells[:4])
+    prefilled, kept = (int(x.strip("()").replace(",", "")) for x in cells[6].split())
+    assert answers > 24 and steps >= ideal == round(tokens / 4) and 0 < kept < prefilled
