@@ -16,6 +16,7 @@
 # ended, so that a lease shares its GPUs with it: `GPUS="0 1" RESULTS=arms.tgz arm.sh 280
 # after-side-dflash-10,datagen-profile after-side-modelopt-10,kinds-step` beside `BUDGETS="10 15" run.sh`.
 # gpu-tests-kinds: the GPU tests of the kinds' loss kernels (pytest -m gpu), before kinds-step times them
+# gpu-tests-datagen: the generation engine's GPU tests (graphs, flex, kept prefixes), before datagen-profile
 # (tests/unit/test_kinds_step_parts.py comes with branch i38d's kernels: merge it first).
 # datagen-profile: issue 39's engine profile (datagen_engine_gpu.sh's job) on the queue's GPU.
 # serving-profile: issue 41's profile of the Qwen3-8B geometry's plain step and verify (benchmarks/serving_step.py
@@ -104,8 +105,9 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
       echo "date +%s > $d.t0; python3 -m benchmarks.quality_guard --target /tmp/qwen25coder05b.gguf --data /tmp/data/sharegpt-qwen25-coder-05b --out $d ${g[*]} > $d.log 2>&1; echo EXIT \$? >> $d.log; date +%s > $d.t1"
     elif [[ $arm = after-side-* ]]; then  # after-side-RUN: wait for the side-by-side's run RUN to end
       echo "date +%s > /tmp/arm-$arm.t0; while [ ! -f /tmp/side/${arm#after-side-}.t1 ]; do sleep 10; done; date +%s > /tmp/arm-$arm.t1"
-    elif [ $arm = gpu-tests-kinds ]; then  # the kinds' Triton kernels against their references, before timing them
+    elif [[ $arm = gpu-tests-kinds || $arm = gpu-tests-datagen ]]; then  # GPU tests, before what times them
       local c="python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_kinds_step_parts.py tests/unit/test_dspark_loss.py tests/unit/test_dspark_loss_equivalence.py tests/unit/test_dflash2_topk.py tests/unit/test_topk_kernel.py tests/unit/test_train_loss.py"
+      [ $arm = gpu-tests-datagen ] && c="python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_datagen_engine_gpu.py"
       echo "date +%s > /tmp/arm-$arm.t0; { echo \"$c\"; $c; echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
     elif [ $arm = datagen-profile ]; then  # issue 39's profile: datagen_engine_gpu.sh's job, followed to its end
       echo "date +%s > /tmp/arm-$arm.t0; OUT=/tmp/arm-$arm bash benchmarks/datagen_engine_gpu.sh 3600 > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"

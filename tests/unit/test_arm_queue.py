@@ -41,3 +41,10 @@ def test_an_unknown_arm_is_refused():
     done = subprocess.run(["bash", "-c", f"set -- 0\n{functions}\nqueue_cmd no-such-arm"], capture_output=True,
                           text=True, timeout=60, cwd=ARM.parents[2])
     assert done.returncode != 0 and "unknown arm 'no-such-arm'" in done.stdout
+
+
+def test_gpu_test_items_name_their_files():
+    kinds, datagen = queue_lines("gpu-tests-kinds,gpu-tests-datagen")
+    assert "-m gpu" in kinds and "tests/unit/test_topk_kernel.py" in kinds and "datagen" not in kinds
+    assert "pytest -q -m gpu -p no:cacheprovider tests/gpu/test_datagen_engine_gpu.py;" in datagen
+    assert datagen.endswith("date +%s > /tmp/arm-gpu-tests-datagen.t1")
