@@ -20,7 +20,9 @@ conversation's next turn queued as its answer ends; hf in calls): first turns on
 --all-turns every turn, each on the target's own earlier answers.
 The issue-39 job (`--config-name datagen_all_turns`, 5,000 conversations and 5,000 magpie
 prompts): --all-turns --prompts 5000 --magpie 5000 --max-prompt-len 3072 --batch-size 512
---max-new-tokens 512. Greedy unless --temperature is given. Each kind first answers
+--max-new-tokens 512; the magpie candidates cut at --magpie-tokens are kept as the recipe keeps
+them (keep_truncated; --drop-truncated drops them, as the profile of `a538aeb` did: 71% of
+the magpie tokens wasted). Greedy unless --temperature is given. Each kind first answers
 --batch-size first turns untimed (CUDA graph capture, compilation), then the job, timed.
 --profile adds, for each engine kind, where the timed pass's wall time went
 (benchmarks/engine_profile.py): decode, prefill, copies, host scheduling, the time between
@@ -58,6 +60,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--all-turns", action="store_true", help="every user turn, each on the earlier answers")
     p.add_argument("--magpie", type=int, default=0, help="add this many prompts written by the target")
     p.add_argument("--magpie-tokens", type=int, default=256, help="the longest prompt the target may write")
+    p.add_argument("--drop-truncated", action="store_true",
+                   help="drop a magpie candidate cut at --magpie-tokens (the recipes keep it: keep_truncated)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--max-prompt-len", type=int, default=1024)
@@ -87,7 +91,8 @@ def job_config(args, out_dir: str):
     sources, num_prompts = [first], args.prompts
     if args.magpie:  # the count applies to the corpus alone
         first["num_prompts"], num_prompts = args.prompts, None
-        sources.append({"kind": "magpie", "num_prompts": args.magpie, "max_tokens": args.magpie_tokens})
+        sources.append({"kind": "magpie", "num_prompts": args.magpie, "max_tokens": args.magpie_tokens,
+                        "keep_truncated": not args.drop_truncated})
     return to_datagen_config({
         "target": {"name": args.target, "dtype": args.dtype}, "out_dir": out_dir, "sources": sources,
         "num_prompts": num_prompts, "max_prompt_len": args.max_prompt_len,
