@@ -303,44 +303,27 @@ class GenerationEngine:
         t = torch.tensor(values)
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
-    def _prefill(self, admitted: list[tuple[int, list[int]]], kept: dict[int, int] | None = None) -> None:
+    def _prefill(self, admitted: list[tuple[int, list[int]]], kept: dict[int, int]) -> None:
         """Keys/values of every prompt token but the last into the admitted slots; a slot in
         `kept` (slot -> tokens its row holds already) gets those after them."""
-        kept = kept or {}
         self._prefill_after([(slot, p[:-1], kept[slot]) for slot, p in admitted if slot in kept])
-        todo = sorted(((slot, p[:-1]) for slot, p in admitted if len(p) > 1 and slot not in kept),
-                      key=lambda r: len(r[1]))
-        while todo:
-            width = len(todo[-1][1])
-            n = max(1, min(len(todo), PREFILL_TOKENS // width))
-            group, todo = todo[-n:], todo[:-n]  # longest first: similar lengths, little padding
+        for width, group in _prefill_groups([(slot, p[:-1], 0) for slot, p in admitted if slot not in kept]):
             # Right padding: a causal row never sees the padding after it.
-            ids = self._to_device([p + [0] * (width - len(p)) for _, p in group])
-            step = _Step(self.cache_k, self.cache_v, rows=self._to_device([slot for slot, _ in group]))
+            ids = self._to_device([t + [0] * (width - len(t)) for _, t, _ in group])
+            step = _Step(self.cache_k, self.cache_v, rows=self._to_device([slot for slot, _, _ in group]))
             positions = torch.arange(width, device=self.device).expand(len(group), width)
             self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **{STEP_KWARG: step})
 
     def _prefill_after(self, todo: list[tuple[int, list[int], int]]) -> None:
         """Prefill of (slot, tokens, start): the row holds tokens[:start] already."""
-        todo = sorted(((slot, t, start) for slot, t, start in todo if len(t) > start), key=lambda r: len(r[1]) - r[2])
-        while todo:
-            width = len(todo[-1][1]) - todo[-1][2]
-            n = max(1, min(len(todo), PREFILL_TOKENS // width))
-            group, todo = todo[-n:], todo[:-n]
+        for width, group in _prefill_groups(todo):
             ids = self._to_device([t[start:] + [0] * (width - len(t) + start) for _, t, start in group])
-            starts = [start for _, _, start in group]
             step = _Step(self.cache_k, self.cache_v, rows=self._to_device([slot for slot, _, _ in group]),
-                         starts=self._to_device(starts), new=self._to_device([len(t) - s for _, t, s in group]),
+                         starts=self._to_device([start for _, _, start in group]),
+                         new=self._to_device([len(t) - start for _, t, start in group]),
                          span=max(len(t) for _, t, _ in group))
             positions = step.starts[:, None] + torch.arange(width, device=self.device)
             self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **{STEP_KWARG: step})
-
-    def _kept_slot(self, key: Hashable, free: set[int]) -> int | None:
-        """The free slot whose row holds this key's earlier turn, if any."""
-        slot = self._slot_of.pop(key, None)
-        if slot is None or slot not in free or self.kept[slot] is None or self.kept[slot][0] != key:
-            return None
-        return slot
 
     def _admit(self, deadline: float | None) -> None:
         """Queued prompts into the free slots (prefill and slot state, queued on the device);
@@ -350,10 +333,10 @@ class GenerationEngine:
             return
         free = [slot for slot, key in enumerate(self.slot_key) if key is None]
         todo = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
-        open_slots = set(free)
-        slots = [self._kept_slot(key, open_slots) for key, _, _ in todo]
+        # A key's kept slot is free: only an admission takes a slot, and it forgets what was kept.
+        slots = [self._slot_of.pop(key, None) for key, _, _ in todo]
         # new conversations take the slots no earlier turn is kept in first
-        others = iter(sorted(open_slots - set(slots), key=lambda slot: (self.kept[slot] is not None, slot)))
+        others = iter(sorted(set(free) - set(slots), key=lambda slot: (self.kept[slot] is not None, slot)))
         admitted, kept = [], {}
         for (key, prompt, seed), slot in zip(todo, slots):
             if slot is None:
@@ -471,6 +454,18 @@ class GenerationEngine:
             if snapshot is None and all(key is None for key in self.slot_key):
                 return
             pending = snapshot
+
+
+def _prefill_groups(todo: list[tuple[int, list[int], int]]) -> Iterator[tuple[int, list]]:
+    """(width, rows) of prefill forwards for rows (slot, tokens, start) with tokens[start:] to
+    prefill: longest first, so a group holds similar lengths and little padding, each at most
+    PREFILL_TOKENS tokens wide in all (one row at least)."""
+    todo = sorted((r for r in todo if len(r[1]) > r[2]), key=lambda r: len(r[1]) - r[2])
+    while todo:
+        width = len(todo[-1][1]) - todo[-1][2]
+        n = max(1, min(len(todo), PREFILL_TOKENS // width))
+        group, todo = todo[-n:], todo[:-n]
+        yield width, group
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
