@@ -89,8 +89,8 @@ class SlotModel:
 
 def corpus_replies(src) -> dict[str, list[str]]:
     """Each ShareGPT conversation's assistant replies by the prompt id the pipeline gives it."""
-    from data_gen.sources import READERS, SkipLog, prompt_hash
-    from dflash_train.data.prompts import chat_messages
+    from data_gen.sources import READERS, SkipLog
+    from dflash_train.data.prompts import chat_messages, prompt_id
 
     replies = {}
     for _, _, turns in READERS["sharegpt"](src, SkipLog()):
@@ -100,7 +100,7 @@ def corpus_replies(src) -> dict[str, list[str]]:
             continue
         users = [m["content"] for m in messages if m["role"] == "user"]
         if users and users[0].strip():
-            replies.setdefault(prompt_hash(users[0])[:16], [m["content"] for m in messages if m["role"] == "assistant"])
+            replies.setdefault(prompt_id(users[0]), [m["content"] for m in messages if m["role"] == "assistant"])
     return replies
 
 

@@ -48,7 +48,7 @@ from data_gen.sampling import SAMPLER
 from data_gen.template import SENTINELS, ChatShaper
 from dflash_train.atomic import atomic_write_text
 from dflash_train.contract import derive_seed
-from dflash_train.data.prompts import prompt_hash
+from dflash_train.data.prompts import prompt_id
 
 PROMPTS_DIR = "prompts"
 # In a source's prompts folder once the run's budget ended its writing: no more candidates.
@@ -264,7 +264,7 @@ class MagpieWriter:
         claimed: set[str] = set()
         kept_tokens = 0
         for r in self.read:  # a duplicate's first copy is the one taken
-            pid = prompt_hash(r["text"])[:16] if self._usable(r) else None
+            pid = prompt_id(r["text"]) if self._usable(r) else None
             if pid in kept_ids and pid not in claimed:
                 claimed.add(pid)
                 kept_tokens += r["num_tokens"]

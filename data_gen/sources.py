@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dflash_train.data.prompts import BadConversation, chat_messages, jsonl_lines, load_benchmark, prompt_hash
+from dflash_train.data.prompts import (BadConversation, chat_messages, jsonl_lines, load_benchmark, prompt_hash,
+                                       prompt_id)
 from dflash_train.resources import resolve_path
 
 from data_gen.config import SourceConfig
@@ -209,5 +210,5 @@ def _prompt(src: SourceConfig, where: str, field: str, value, max_turns: int | N
     users = users[:nonempty][:max_turns]
     if not users:
         raise _Skip("empty", f"{where}: empty first user turn")
-    return SourcePrompt(prompt_id=prompt_hash(users[0])[:16], source=src.name, system=system,
+    return SourcePrompt(prompt_id=prompt_id(users[0]), source=src.name, system=system,
                         user_turns=tuple(users))

@@ -128,6 +128,11 @@ def prompt_hash(text: str) -> str:
     return hashlib.sha256(re.sub(r"\s+", " ", text).strip().encode("utf-8")).hexdigest()
 
 
+def prompt_id(first_turn: str) -> str:
+    """The id a generated row carries: its first user turn's prompt_hash, shortened."""
+    return prompt_hash(first_turn)[:16]
+
+
 def _package_file(package: str, rel: str, dataset: str) -> Path:
     path = package_file(package, rel, f"dataset {dataset!r}")
     if not path.is_file():
