@@ -46,11 +46,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from dflash_train.config import DistributedConfig
-from dflash_train.training.state_files import SHARDED_DIR, STATE_FILES, write_state
+from dflash_train.training.state_files import STATE_FILES, write_sharded, write_state
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -252,7 +251,7 @@ class Backend(ABC):
     # The sharded format's files (FSDP2).
     def _write_sharded_state(self, directory: str | os.PathLike, model_sd: dict, optim_sd: dict) -> None:
         """Every rank writes the shards it holds, in parallel; nothing is gathered."""
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=Path(directory) / SHARDED_DIR)
+        write_sharded({"model": model_sd, "optim": optim_sd}, directory)
         self._write_scheduler(directory)
 
     def _write_scheduler(self, directory: str | os.PathLike) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,30 @@ def write_state(directory: str | os.PathLike, state: dict[str, Any]) -> None:
     path.mkdir(parents=True, exist_ok=True)
     for key, name in STATE_FILES.items():
         torch.save(state[key], path / name)
+
+
+def _failures(err: CheckpointException) -> list[BaseException]:
+    """Each failing rank's own exception in DCP's CheckpointException, the lowest rank first."""
+    return [exc for _rank, (exc, _trace) in sorted(err.failures.items())]
+
+
+@contextmanager
+def dcp_errors() -> Iterator[None]:
+    """A failed DCP write raised as the first failing rank's own exception (an OSError for a
+    full disk, on whichever rank it happened), on every rank: DCP's CheckpointException is a
+    BaseException, which no error handler catches, and its message is a traceback per rank."""
+    try:
+        yield
+    except CheckpointException as err:
+        failures = _failures(err)
+        raise (failures[0] if failures else RuntimeError(str(err))) from None
+
+
+def write_sharded(state: dict, directory: str | os.PathLike) -> None:
+    """Collective: writes the sharded format's DCP folder, each rank the shards of ``state``
+    ({"model": ..., "optim": ...}) it holds; nothing is gathered."""
+    with dcp_errors():
+        dcp.save(state, checkpoint_id=Path(directory) / SHARDED_DIR)
 
 
 def check_files(path: Path, names: Iterable[str]) -> None:
@@ -84,7 +109,7 @@ def load_sharded(state: dict, directory: str | os.PathLike, no_dist: bool = Fals
         try:
             dcp.load(state, checkpoint_id=path, no_dist=no_dist or not dist.is_initialized())
         except CheckpointException as err:  # a BaseException: it would bypass error handling
-            causes = [f"{type(e).__name__}: {e}" for e, _ in err.failures.values()]
+            causes = [f"{type(e).__name__}: {e}" for e in _failures(err)]
             raise RuntimeError(causes[0] if causes else str(err)) from None
 
 
