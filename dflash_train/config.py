@@ -169,7 +169,7 @@ class CheckpointConfig:
     every: int = 500  # optimizer steps; 0 disables periodic checkpoints
     keep_last: int = 3
     # true: training stops only while the state is copied to host memory, and the files are
-    # written on a background thread (single, DDP, ZeRO; FSDP2 always writes synchronously).
+    # written on a background thread (every backend; FSDP2's ranks each write their shards).
     async_write: bool = True
     # true: continue from the latest checkpoint under output_dir if its recipe computes the
     # same thing; force: continue even with changed settings, which then apply; false: never.

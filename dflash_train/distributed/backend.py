@@ -29,10 +29,12 @@ Semantics shared by every backend:
     CPU): full, unsharded fp32 tensors written by rank 0 (`STATE_FILES`; single, DDP,
     ZeRO), or FSDP2's sharded one (`SHARDED_DIR`, a torch.distributed.checkpoint folder
     each rank writes its own shards into, resharded on load); both are defined with their
-    readers in training/state_files.py. The full format is taken in two halves:
-    `snapshot_state()` (collective, quick) copies the state into the main process's host
-    memory, and `write_state(dir, snapshot)` (training/state_files.py) writes it, on another
-    thread if the caller likes: training may go on meanwhile (checkpoint.async_write).
+    readers in training/state_files.py. Either is also taken in two halves, for training to
+    go on while the files are written (checkpoint.async_write): `stage_state(dir)`
+    (collective, quick) copies the state into host memory and returns the call that writes
+    it, which each process may run on another thread. The full format's copy is
+    `snapshot_state()`, on the main process; FSDP2's is each rank's shards, written by
+    torch.distributed.checkpoint's `async_save`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import copy
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +96,6 @@ def host_copy(tree: Any) -> Any:
 
 class Backend(ABC):
     """One training strategy. Construct with `build_backend`; call `setup` once."""
-
-    # Whether `save_state` is `snapshot_state` then the main process's `write_state`, which
-    # may then run on another thread; False where every rank writes its own files (FSDP2).
-    snapshots = True
 
     def __init__(self, cfg: DistributedConfig, rank: int, world_size: int, local_rank: int,
                  device: torch.device, mixed_dtype: torch.dtype | None, owns_group: bool):
@@ -164,6 +163,15 @@ class Backend(ABC):
         if self.is_main:
             write_state(directory, snapshot)
         self.barrier()
+
+    def stage_state(self, directory: str | os.PathLike) -> Callable[[], None] | None:
+        """Collective: `save_state` in two halves. Returns once the state of this moment is
+        copied into host memory (the next steps cannot change what is written), with the call
+        that writes it into ``directory``, to run on any thread of this process; None where
+        this process has nothing left to write. Every process that gets one must run it; on
+        the main process it returns only once every process's part is written."""
+        snapshot = self.snapshot_state()
+        return partial(write_state, directory, snapshot) if self.is_main else None
 
     def snapshot_state(self) -> dict[str, Any] | None:
         """Collective: the full model, optimizer and scheduler state dicts (STATE_FILES' keys)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from dflash_train.distributed.backend import Backend, OptimizerFactory, SchedulerFactory, host_copy, shardable_blocks
-from dflash_train.training.state_files import is_sharded, load_sharded, read_scheduler, read_state
+from dflash_train.training.state_files import is_sharded, load_sharded, read_scheduler, read_state, start_sharded_write
 
 # Gathers full tensors to rank 0 on CPU: the GPU never holds the whole unsharded state.
 _FULL_TO_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -194,15 +195,16 @@ class DDPBackend(_TorchBackend):
 class FSDP2Backend(_TorchBackend):
     """Parameters, gradients and optimizer state sharded per block (`fully_shard`).
 
-    Its checkpoints are written synchronously, every rank its shards: a background write
-    would need to learn that all ranks finished before the main process renames the folder,
-    a collective from the writer thread beside the training's on the same process group."""
-
-    snapshots = False
+    Every rank writes its own shards of a checkpoint (torch.distributed.checkpoint). In the
+    background (`stage_state`) DCP's `async_save` copies them into host memory and writes
+    them on a thread of its own, whose collectives (the plan, and the gather of every rank's
+    result that tells the main process all shards are written) run on a process group of
+    their own (`_checkpoint_group`)."""
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+        self._checkpoint_pg: dist.ProcessGroup | None = None
         mesh = dist.device_mesh.init_device_mesh(self.device.type, (self.world_size,))
         # fp32 gradient reduction even under bf16 compute: summing bf16 grads over many
         # ranks loses precision
@@ -218,6 +220,28 @@ class FSDP2Backend(_TorchBackend):
 
     def save_state(self, directory: str | os.PathLike) -> None:
         self._write_sharded_state(directory, *get_state_dict(self._model, self.optimizer))
+
+    def stage_state(self, directory: str | os.PathLike) -> Callable[[], None]:
+        model_sd, optim_sd = get_state_dict(self._model, self.optimizer)
+        wait = start_sharded_write({"model": model_sd, "optim": optim_sd}, directory, self._checkpoint_group())
+        self._write_scheduler(directory)  # a few numbers: written now, beside the RNG files
+        return wait
+
+    def _checkpoint_group(self) -> dist.ProcessGroup:
+        """The process group of the background writes' collectives, made at the first one.
+
+        Not the default group: collectives of one group must come in the same order on every
+        rank, and DCP's thread issues its own while the training thread issues FSDP2's
+        all-gathers and reduce-scatters; on a shared group they would pair up across ranks in
+        whatever order the two threads happen to reach them, and hang or mix their data
+        (seen: on the default group, 2 gloo processes hung at their first background write).
+        gloo: DCP exchanges pickled plans between host memories (async_save refuses a group
+        without a CPU backend), and on GPUs training keeps NCCL to itself. Every rank creates
+        it at the same point, the first `stage_state` (collective); a run that writes its
+        checkpoints synchronously never does."""
+        if self._checkpoint_pg is None:
+            self._checkpoint_pg = dist.new_group(backend="gloo")
+        return self._checkpoint_pg
 
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
         # FSDP2 reads this flag in its post-backward hooks, so setting it here is in time

@@ -15,11 +15,12 @@ Layout under ``<output_dir>/checkpoints/``::
 
 Every process writes into ``.tmp-step_...`` and the main process renames it only after all
 of them are done, so a directory named ``step_*`` is always complete: a run killed while
-saving resumes from the previous one. With ``checkpoint.async_write`` (single, DDP, ZeRO)
-training stops only while the state is copied into the main process's host memory and each
-process writes its RNG file; the main process's files, their checksums, the rename and the
-pruning then run on one background thread (``CheckpointWriter``), at most one checkpoint at
-a time. Its errors are raised in the training process at the next save or at the end of
+saving resumes from the previous one. With ``checkpoint.async_write`` training stops only
+while the state is copied into host memory (the main process's, or under FSDP2 each rank its
+own shards) and each process writes its RNG file; the state's files, the main process's
+checksums, the rename and the pruning then run on one background thread per process
+(``CheckpointWriter``), at most one checkpoint at a time. The rename waits for every rank's
+shards. Its errors are raised in the training process at the next save or at the end of
 training, as a synchronous save raises them. A checkpoint damaged later (a bad disk, a truncated
 copy) fails its checksums: it is reported and the previous good one is used. A checksums
 file missing where the run writes one (a checkpoint of format 2, or one whose siblings have
@@ -52,7 +53,6 @@ from omegaconf import OmegaConf
 from dflash_train.atomic import disk_full, disk_full_error, file_sha256, publish
 from dflash_train.config import TrainConfig, as_dict
 from dflash_train.training.run_dir import STEP_DIR, checkpoint_root, list_checkpoints
-from dflash_train.training.state_files import write_state
 
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
@@ -260,28 +260,31 @@ def _set_rng_state(state: dict) -> None:
 
 
 class CheckpointWriter:
-    """The main process's checkpoint writer: one background thread, one write in flight.
+    """A process's checkpoint writer: one background thread, one write in flight.
 
     ``save_checkpoint`` hands it the files of a checkpoint whose state is already copied;
-    ``wait`` returns once they are published, and raises here, in the training process, the
-    error the write met (a full disk: the same one line as a synchronous save)."""
+    ``wait`` returns once they are written (on the main process: published), and raises here,
+    in the training process, the error the write met (a full disk: the same one line as a
+    synchronous save)."""
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-checkpoint")
         self._pending: tuple[str, Future] | None = None
 
-    def submit(self, name: str, write: Callable[[], None], stopped_s: float) -> None:
+    def submit(self, name: str, write: Callable[[], None], stopped_s: float | None) -> None:
         """Writes checkpoint ``name`` with ``write`` on the thread; training was stopped
-        ``stopped_s`` seconds for it (logged with the write's time). Call ``wait`` first."""
+        ``stopped_s`` seconds for it (logged with the write's time; None: not logged, a
+        process other than the main one). Call ``wait`` first."""
         assert self._pending is None, "a checkpoint write is still in flight"
         self._pending = name, self._pool.submit(self._write, name, write, stopped_s)
 
     @staticmethod
-    def _write(name: str, write: Callable[[], None], stopped_s: float) -> None:
+    def _write(name: str, write: Callable[[], None], stopped_s: float | None) -> None:
         started = time.perf_counter()
         write()
-        log.info("checkpoint %s snapshot %.1f s, written in the background in %.1f s",
-                 name, stopped_s, time.perf_counter() - started)
+        if stopped_s is not None:
+            log.info("checkpoint %s snapshot %.1f s, written in the background in %.1f s",
+                     name, stopped_s, time.perf_counter() - started)
 
     def wait(self) -> float:
         """Blocks until the write in flight, if any, is published (raising its error);
@@ -321,14 +324,17 @@ def _removed_on_failure(tmp: Path, final: Path, output_dir: str | Path) -> Itera
         raise
 
 
-def _write_main_files(snapshot: dict | None, texts: dict[str, str], tmp: Path, final: Path,
-                      output_dir: str | Path, keep_last: int) -> None:
-    """The main process's part of a checkpoint, once every process's files are in ``tmp``:
-    the state ``snapshot`` (None: ``save_state`` wrote it), the trainer state and recipe
-    ``texts``, the checksums, the rename into place and the pruning to ``keep_last``."""
+def _write_rest(write_staged: Callable[[], None] | None, texts: dict[str, str] | None, tmp: Path, final: Path,
+                output_dir: str | Path, keep_last: int) -> None:
+    """A process's part of a checkpoint once every process's own small files are in ``tmp``:
+    the state (``write_staged``, what ``Backend.stage_state`` returned; None: ``save_state``
+    wrote it), then on the main process (``texts``: the trainer state and recipe; None on the
+    others) the checksums, the rename into place and the pruning to ``keep_last``."""
     with _removed_on_failure(tmp, final, output_dir):
-        if snapshot is not None:
-            write_state(tmp, snapshot)
+        if write_staged is not None:
+            write_staged()  # on the main process it returns once every process's part is written
+        if texts is None:
+            return
         for name, text in texts.items():
             (tmp / name).write_text(text)
         write_checksums(tmp)  # last: a checkpoint whose files match it is complete and intact
@@ -341,39 +347,42 @@ def save_checkpoint(backend, output_dir: str | Path, state: TrainerState, config
                     writer: CheckpointWriter | None = None) -> Path:
     """Collective: every process calls it. Returns the final directory.
 
-    Given a ``writer`` and a backend that snapshots its state (``Backend.snapshots``), it
-    returns once the state is copied to host memory and every process's own files are
-    written; the directory appears when the writer's thread has written the rest
-    (``writer.wait``). Otherwise the directory is complete when it returns."""
+    Given a ``writer``, it returns once the state is copied to host memory
+    (``Backend.stage_state``) and every process's own small files are written; the state's
+    files are written on the writers' threads, and the directory appears when the main
+    process's has written the rest (``writer.wait``). Otherwise the directory is complete
+    when it returns."""
     root = checkpoint_root(output_dir)
     final = root / step_dir_name(state.step)
     tmp = root / (TMP_PREFIX + final.name)
-    background = writer is not None and backend.snapshots
+    background = writer is not None
     if background:
-        writer.wait()  # one write in flight at most (only the main process ever has one)
+        writer.wait()  # one write in flight at most
     started = time.perf_counter()
     if backend.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a run killed while saving
         tmp.mkdir(parents=True)
     backend.barrier()
-    snapshot = None
+    write_staged = None
     with _removed_on_failure(tmp, final, output_dir):
         if background:
-            snapshot = backend.snapshot_state()
+            write_staged = backend.stage_state(tmp)
         else:
             backend.save_state(tmp)
         torch.save(_rng_state(), tmp / f"rng_rank{backend.rank}.pt")
-        backend.barrier()  # every process's files are in tmp
+        backend.barrier()  # every process's own files are in tmp
+    texts = None
     if backend.is_main:
         # Taken now: the trainer's state moves on while the thread writes.
         texts = {STATE_FILE: json.dumps({**asdict(state), "format": STATE_FORMAT}, indent=2) + "\n",
                  CONFIG_FILE: OmegaConf.to_yaml(as_dict(config))}
-        write = partial(_write_main_files, snapshot, texts, tmp, final, output_dir, keep_last)
-        if background:
-            writer.submit(final.name, write, time.perf_counter() - started)
-        else:
-            write()
-            log.info("checkpoint %s written in %.1f s", final.name, time.perf_counter() - started)
+    write = partial(_write_rest, write_staged, texts, tmp, final, output_dir, keep_last)
+    if background:
+        if backend.is_main or write_staged is not None:  # the others of the full format have nothing left
+            writer.submit(final.name, write, time.perf_counter() - started if backend.is_main else None)
+    elif backend.is_main:
+        write()
+        log.info("checkpoint %s written in %.1f s", final.name, time.perf_counter() - started)
     backend.barrier()
     return final
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,24 @@ def write_sharded(state: dict, directory: str | os.PathLike) -> None:
     ({"model": ..., "optim": ...}) it holds; nothing is gathered."""
     with dcp_errors():
         dcp.save(state, checkpoint_id=Path(directory) / SHARDED_DIR)
+
+
+def start_sharded_write(state: dict, directory: str | os.PathLike, group: dist.ProcessGroup) -> Callable[[], None]:
+    """`write_sharded` on DCP's own thread (``async_save``), every rank calling it. Returns once
+    this rank's shards of ``state`` are copied into new host memory, which the next optimizer
+    steps cannot reach; the thread's collectives run on ``group``. The call it returns waits
+    for the write and raises its error as `write_sharded` does; on the main process it returns
+    only once every rank's shards are written and synced (DCP gathers each rank's result
+    before it writes .metadata)."""
+    # async_save (marked experimental in torch 2.13) stages with its default DefaultStager:
+    # a blocking copy of every tensor into new, unpinned host memory, done before it returns.
+    written = dcp.async_save(state, checkpoint_id=Path(directory) / SHARDED_DIR, process_group=group)
+
+    def wait() -> None:
+        with dcp_errors():
+            written.result()
+
+    return wait
 
 
 def check_files(path: Path, names: Iterable[str]) -> None:

@@ -15,15 +15,13 @@ import torch
 
 from dflash_train import train
 from dflash_train.atomic import DiskFullError
-from dflash_train.training.checkpoint import STATE_FILE, TMP_PREFIX, checkpoint_problem, list_checkpoints
+from dflash_train.training.checkpoint import TMP_PREFIX, list_checkpoints
 from dflash_train.training.run_dir import checkpoint_root
 from dflash_train.training.trainer import Trainer
+from tests.checkpoint_compare import assert_same_checkpoint
 from tests.train_data import tiny_inputs, tiny_train_args, tiny_train_config
 
 STEPS = 4
-# Every file of a checkpoint whose content is the training state (config.yaml records the
-# async_write setting itself, checksums.json the config's digest).
-STATE_PT = ("model.pt", "optimizer.pt", "scheduler.pt", "rng_rank0.pt")
 
 
 @pytest.fixture(scope="module")
@@ -44,37 +42,13 @@ def synchronous(tiny, tmp_path_factory):
     return out
 
 
-def _assert_same_tree(got, want, where: str) -> None:
-    if torch.is_tensor(want):
-        assert torch.is_tensor(got) and got.dtype == want.dtype and got.shape == want.shape, where
-        assert torch.equal(got, want), f"{where} differs"
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), where
-        for key in want:
-            _assert_same_tree(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            _assert_same_tree(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, where
-
-
-def _assert_same_checkpoint(got: Path, want: Path) -> None:
-    assert got.name == want.name and checkpoint_problem(got) is None
-    for name in STATE_PT:
-        _assert_same_tree(torch.load(got / name, weights_only=True), torch.load(want / name, weights_only=True),
-                          f"{got.name}/{name}")
-    assert json.loads((got / STATE_FILE).read_text()) == json.loads((want / STATE_FILE).read_text())
-
-
 def test_background_checkpoints_hold_what_synchronous_ones_do(tiny, synchronous, tmp_path):
     out = tmp_path / "run"
     Trainer(_cfg(tiny, out, async_write=True, max_steps=STEPS)).fit()
     got, want = list_checkpoints(out), list_checkpoints(synchronous)
     assert [p.name for p in got] == [p.name for p in want] == [f"step_{s:08d}" for s in range(1, STEPS + 1)]
     for g, w in zip(got, want):
-        _assert_same_checkpoint(g, w)
+        assert_same_checkpoint(g, w)
     assert not list(checkpoint_root(out).glob(TMP_PREFIX + "*"))
 
 
@@ -99,7 +73,7 @@ def test_the_steps_after_a_save_do_not_leak_into_its_files(tiny, synchronous, tm
     release.set()
     trainer.finish_checkpoint()
     (got,) = list_checkpoints(out)
-    _assert_same_checkpoint(got, list_checkpoints(synchronous)[0])
+    assert_same_checkpoint(got, list_checkpoints(synchronous)[0])
     # and step 2 did change the live weights in place, after the snapshot
     saved = torch.load(got / "model.pt", weights_only=True)
     trained = [(k, p) for k, p in trainer.drafter.named_parameters() if p.requires_grad]
@@ -182,4 +156,4 @@ def test_a_write_cut_short_resumes_from_the_previous_checkpoint(tiny, synchronou
     resumed.fit()
     assert not partial.exists()
     for got, want in zip(list_checkpoints(out)[-2:], list_checkpoints(synchronous)[-2:]):
-        _assert_same_checkpoint(got, want)
+        assert_same_checkpoint(got, want)
