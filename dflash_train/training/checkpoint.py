@@ -287,8 +287,8 @@ class CheckpointWriter:
                      name, stopped_s, time.perf_counter() - started)
 
     def wait(self) -> float:
-        """Blocks until the write in flight, if any, is published (raising its error);
-        returns the seconds it blocked."""
+        """Blocks until the write in flight, if any, is done (on the main process: published),
+        raising its error; returns the seconds it blocked."""
         if self._pending is None:
             return 0.0
         started = time.perf_counter()
