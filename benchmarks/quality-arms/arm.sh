@@ -21,6 +21,8 @@
 # datagen-profile: issue 39's engine profile (datagen_engine_gpu.sh's job) on the queue's GPU.
 # serving-profile: issue 41's profile of the Qwen3-8B geometry's plain step and verify (benchmarks/serving_step.py
 # --profile, batch 1 and 8, k = 15, both GQA paths; benchmarks/serving-step-h100-2026-11-27/README.md).
+# kinds-gaps: issue 38's DFlash and DFlash2 steps through benchmarks/profile_step.py: device time by kernel kind, then
+# (--gaps) the device's idle time and its longest gaps with the Python frames that launched the next kernel.
 # kinds-step: each drafter kind's training step against DFlash's (benchmarks/kinds_step.sh, the recipe,
 # random 0.5B target, the shared set); sampler: benchmarks/sampler_speed.py at 512 slots.
 # Run by every call of a lease's chain (benchmarks/gpu/setup.sh carries the GGUF over in parts):
@@ -115,6 +117,12 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
       local c="bash benchmarks/kinds_step.sh /tmp/arm-$arm \"dflash dspark dflash2\" +experiment=qwen25_coder_05b_1xh100 target.name=/tmp/qwen25coder05b.gguf bench.random_target=true data.path=/tmp/data/sharegpt-qwen25-coder-05b"
       [ $arm = sampler ] && c="python3 -m benchmarks.sampler_speed --device cuda --slots 512"
       echo "date +%s > /tmp/arm-$arm.t0; mkdir -p /tmp/arm-$arm; { echo \"$c\"; $c; echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
+    elif [ $arm = kinds-gaps ]; then  # issue 38: DFlash's and DFlash2's step by kernel kind, then the device's idle gaps
+      local k g c=""
+      for k in dflash dflash2; do for g in kernels gaps; do
+        c+="python3 benchmarks/profile_step.py +experiment=qwen25_coder_05b_1xh100 target.name=/tmp/qwen25coder05b.gguf bench.random_target=true data.path=/tmp/data/sharegpt-qwen25-coder-05b drafter.kind=$k $([ $g = gaps ] && echo --gaps) > /tmp/arm-$arm/profile-$k-$g.txt 2>&1; echo \"$k $g: exit \$?\"; "
+      done; done
+      echo "date +%s > /tmp/arm-$arm.t0; mkdir -p /tmp/arm-$arm; { $c echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
     elif [ $arm = serving-profile ]; then  # issue 41: the 8B geometry's plain step and verify by kernel group, repeat and packed GQA
       local b c=""
       for b in 1 8; do  # one process a batch size (batch 8 after batch 1 in one process failed to capture once)

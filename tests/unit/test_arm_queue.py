@@ -48,3 +48,16 @@ def test_gpu_test_items_name_their_files():
     assert "-m gpu" in kinds and "tests/unit/test_topk_kernel.py" in kinds and "datagen" not in kinds
     assert "pytest -q -m gpu -p no:cacheprovider tests/gpu/test_datagen_engine_gpu.py;" in datagen
     assert datagen.endswith("date +%s > /tmp/arm-gpu-tests-datagen.t1")
+
+
+def test_kinds_gaps_profiles_both_kinds_by_kernel_and_by_gap():
+    (line,) = queue_lines("kinds-gaps")
+    runs = re.findall(r"python3 benchmarks/profile_step\.py (.*?) > (\S+) 2>&1", line)
+    assert [out for _, out in runs] == [f"/tmp/arm-kinds-gaps/profile-{k}-{g}.txt"
+                                        for k in ("dflash", "dflash2") for g in ("kernels", "gaps")]
+    for (args, out) in runs:
+        kind = re.search(r"drafter\.kind=(\w+)", args).group(1)
+        assert out.startswith(f"/tmp/arm-kinds-gaps/profile-{kind}-")
+        assert args.endswith("--gaps") == out.endswith("-gaps.txt")
+        assert "+experiment=qwen25_coder_05b_1xh100" in args and "bench.random_target=true" in args
+    assert line.endswith("date +%s > /tmp/arm-kinds-gaps.t1")
