@@ -252,6 +252,11 @@ def dspark_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, block_ids: 
     teacher = (table, teacher_index(rows.index, anchors, block_size, final.shape[1]), table_lse)
     kernel = chunk_kernel(hidden.device, compile_)
     w2 = drafter.markov_head.markov_w2.weight  # (V, r)
+    if not torch.is_grad_enabled():
+        # needs_input_grad reports a parameter as needing its gradient even under no_grad
+        # (validation): detached, the walk computes none (on a CPU without bf16 units the
+        # gradient matmuls were 5/6 of a bf16 validation's time).
+        w2 = w2.detach()
     # The head in its own dtype (the target's). The Markov term: on the fused walk in the head's
     # dtype too, like everything there over the vocabulary. A float32 (c, r) x (r, V) matmul
     # runs without tensor cores: the Markov term's three per chunk are 11.5 TFLOP a step of the

@@ -11,6 +11,7 @@ from torch import nn
 from dflash_train import contract
 from dflash_train.contract import IGNORE_INDEX
 from dflash_train.model.dspark import DSparkConfig, DSparkDraftModel
+from dflash_train.training import dspark_loss as dspark_loss_module
 from dflash_train.training.dspark_loss import DSparkLossWeights, dspark_chunk_terms, dspark_loss, previous_tokens
 from tests.unit.test_train_loss import NEEDS_CXX
 
@@ -172,14 +173,21 @@ def test_bf16_head_on_fixed_chunks_equals_the_autograd_loss_with_the_markov_matm
     assert torch.equal(out.correct, ref_correct)
 
 
-def test_without_grad_the_loss_is_the_same_and_no_gradient_is_kept():
+def test_without_grad_the_loss_is_the_same_and_no_gradient_is_kept(monkeypatch):
     drafter, head, hidden, labels, block_ids, final = loss_case()
     weights = contract.slot_weights(B, 2.0, "dspark")
     args = (drafter, hidden, labels, block_ids, ANCHORS, final, head, weights, 3, ALPHAS)
+    walks = []  # with_grad of each walk: W2 is a parameter, yet under no_grad none is computed
+    walk = dspark_loss_module._head_walk
+    monkeypatch.setattr(dspark_loss_module, "_head_walk", lambda *a: walks.append(a[-1]) or walk(*a))
     with torch.no_grad():
         out = dspark_loss(*args, fused=True, compiled=False)
-    assert not out.weighted_sum.requires_grad
+        plain = dspark_loss(*args, fused=False)
+    assert not out.weighted_sum.requires_grad and walks == [False, False]
     torch.testing.assert_close(out.weighted_sum, dspark_loss(*args).weighted_sum.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(plain.weighted_sum, dspark_loss(*args, fused=False).weighted_sum.detach(),
+                               rtol=1e-6, atol=0)
+    assert walks[-2:] == [True, True]
 
 
 def test_no_supervised_slot_gives_zero_loss_and_zero_gradients():
