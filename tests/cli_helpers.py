@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,26 @@ def run_cli(prog: str, *args, cwd=None, env=None, timeout=300) -> subprocess.Com
         return warm.run_module(MODULES[prog], [str(a) for a in args], full_env, cwd, timeout)
     return subprocess.run([sys.executable, "-m", MODULES[prog], *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, env=full_env, timeout=timeout)
+
+
+def warm_stages(monkeypatch, module) -> None:
+    """``module``'s stage commands (``subprocess.run([python, "-m", MODULE, ...], env=...)``, as
+    dflash-quality starts its stages) forked from a warm Python for that environment, as
+    ``run_cli`` does: each stage still runs in a process of its own with the stage's command line
+    and environment, without the 5-8 s of importing torch and transformers. Their output goes to
+    this process's file descriptors 1 and 2, where a fresh stage's would (capfd reads it)."""
+    real = module.subprocess.run
+
+    def run(command, env=None, **kwargs):
+        warm = warm_python(env) if command[:2] == [sys.executable, "-m"] and env and not kwargs else None
+        if warm is None:
+            return real(command, env=env, **kwargs)
+        done = warm.run_module(command[2], command[3:], env, None, timeout=900)
+        for fd, text in ((1, done.stdout), (2, done.stderr)):
+            os.write(fd, text.encode())
+        return done
+
+    monkeypatch.setattr(module, "subprocess", types.SimpleNamespace(run=run))
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess, prog: str, *needles: str) -> str:

@@ -8,7 +8,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from dflash_train import quality
 from dflash_train.recipe import parse_command_line, quote_value
-from tests.cli_helpers import run_cli
+from tests.cli_helpers import run_cli, warm_stages
 from tests.train_data import tiny_inputs, tiny_train_args
 from tests.unit.test_quality import TINY_TRAIN
 
@@ -40,7 +40,8 @@ def test_training_reads_and_writes_such_paths(tiny, tmp_path):
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
-def test_quality_passes_such_paths_to_its_stages(tiny, tmp_path):
+def test_quality_passes_such_paths_to_its_stages(tiny, tmp_path, monkeypatch):
+    warm_stages(monkeypatch, quality)
     run = tmp_path / ODD / "qualität 1"
     argv = ["target=smollm2_135m", f"data.path={tiny['data']}", "budget_min=0.05", "seconds_per_step=1",
             f"run_dir={run}", "data.val_rows=2", "datasets=[mtbench]", "limit=1", "max_new_tokens=4", "device=cpu",

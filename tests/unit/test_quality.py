@@ -12,7 +12,7 @@ from dflash_train.console import MAX_LINE
 from dflash_train.data.format import FORMAT_VERSION
 from dflash_train.model.target import load_tokenizer
 from dflash_train.training.optim import scheduler_factory
-from tests.cli_helpers import assert_one_line_error, readable_lines, run_cli, unwrap_commands
+from tests.cli_helpers import assert_one_line_error, readable_lines, run_cli, unwrap_commands, warm_stages
 from tests.conftest import SMOLLM2
 from tests.datagen_helpers import write_prompts
 from tests.train_data import save_tiny_target, tiny_train_args, write_datagen_dir
@@ -64,14 +64,15 @@ def test_the_lr_after_a_planned_schedule():
 
 
 @pytest.mark.slow
-def test_quality_run_on_a_tiny_target(tmp_path, capsys):
+def test_quality_run_on_a_tiny_target(tmp_path, capsys, monkeypatch):
+    warm_stages(monkeypatch, quality)
     tok = load_tokenizer(SMOLLM2)
     target = save_tiny_target(tmp_path / "target", tok)
     data = write_datagen_dir(tmp_path / "data", target, tok, repeat=4)
     run = tmp_path / "run"
     both = [f"target.name={target}", "target.num_layers=6", "target.mask_token_id=16", "target.dtype=float32"]
-    # 15 s: after the ~6 s start-up and ~1 s export an idle CPU core plans ~200 steps of 0.04 s,
-    # so the lr check below sees a schedule that decayed to its end.
+    # 15 s: after the start-up (~1 s: its stages fork from a warm Python here) and ~1 s export an idle
+    # CPU core plans a few hundred steps of 0.04 s, so the lr check below sees a schedule that decayed to its end.
     argv = ["target=smollm2_135m", f"data.path={data}", "budget_min=0.25", f"run_dir={run}", "probe_steps=4",
             "warmup_steps=1", "data.val_rows=4", "limit=2", "max_new_tokens=8", "device=cpu", *both,
             _listed("train", TINY_TRAIN)]
@@ -105,10 +106,11 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_quality_run_generates_its_data_first(tmp_path, capfd):
+def test_quality_run_generates_its_data_first(tmp_path, capfd, monkeypatch):
     """From nothing but a target: the datagen stage writes run_dir/data within its budget
     (the eval datasets excluded), training reads it, and the table adds the stage's row.
     Every line the run prints, its stages' included, is under MAX_LINE (progress bars aside)."""
+    warm_stages(monkeypatch, quality)
     tok = load_tokenizer(SMOLLM2)
     target = save_tiny_target(tmp_path / "target", tok)
     prompts = tmp_path / "prompts.jsonl"
