@@ -27,6 +27,18 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def few_static_slots(monkeypatch):
+    """Static runtimes built in the test get 32 cache slots, not runtime.MIN_SLOTS (1,024): the
+    sampling tests' 250-row batches need at most 25, and every verify step attends over all of
+    a row's slots (on CPU GQA copies them too), the unused ones masked out: 5-6x their time.
+    The slots past a row's positions are still there and still masked; test_runtime_static
+    checks the sizing itself."""
+    from dflash_train.model import runtime
+
+    monkeypatch.setattr(runtime, "MIN_SLOTS", 32)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct target in float32 on CPU (a `TargetModel`)."""

@@ -199,7 +199,7 @@ def sampling_models():
 
 @pytest.mark.parametrize("runtime", ["static", "dynamic"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_batched_sampling_keeps_the_target_distribution(sampling_models, kind, runtime):
+def test_batched_sampling_keeps_the_target_distribution(sampling_models, kind, runtime, few_static_slots):
     """Rejection sampling against the q each kind drew its drafts from (DFlash2's scattered
     candidate distribution, DSpark's Markov-corrected one) keeps the target's distribution:
     the chi-square check of tests/unit/test_runtime.py, rows of one batch as draws."""

@@ -101,7 +101,7 @@ def test_short_budgets_equal_plain_decoding(target, prompts, trained, new_tokens
         assert out.num_new_tokens == new_tokens
 
 
-def test_batched_static_sampling_keeps_the_target_distribution(models):  # noqa: F811
+def test_batched_static_sampling_keeps_the_target_distribution(models, few_static_slots):  # noqa: F811
     tiny, drafter = models
     prompt, new, temperature, rows, rounds = [1, 5, 2, 3], 4, 0.6, 250, 12
     exact = exact_marginals(tiny, torch.tensor([prompt]), temperature)
