@@ -33,6 +33,17 @@ def run_cli(prog: str, *args, cwd=None, env=None, timeout=300) -> subprocess.Com
                           cwd=cwd, env=full_env, timeout=timeout)
 
 
+def start_cli(prog: str, *args, env=None):
+    """``run_cli``'s command started and not waited for (its output discarded): a Popen, or
+    with a warm Python for this environment a ``warm_python.Started`` (pid, poll, kill, wait)."""
+    full_env = {**os.environ, "WANDB_MODE": "disabled", **(env or {})}
+    warm = warm_python(full_env)
+    if warm is not None:
+        return warm.start_module(MODULES[prog], [str(a) for a in args], full_env, None)
+    return subprocess.Popen([sys.executable, "-m", MODULES[prog], *map(str, args)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=full_env)
+
+
 def warm_stages(monkeypatch, module) -> None:
     """``module``'s stage commands (``subprocess.run([python, "-m", MODULE, ...], env=...)``, as
     dflash-quality starts its stages) forked from a warm Python for that environment, as

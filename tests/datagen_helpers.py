@@ -4,8 +4,6 @@ console command and the in-process reference run, so the two are the same config
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import types
 from http.server import BaseHTTPRequestHandler
@@ -17,6 +15,7 @@ import data_gen.pipeline
 from data_gen.config import DatagenConfig, to_datagen_config
 from data_gen.engine import GenerationEngine
 from data_gen.hf_generator import HFGenerator
+from tests.cli_helpers import start_cli
 
 QUESTIONS = ["What is {a}+{b}? Answer with one number.", "Is {a} bigger than {b}? Answer yes or no."]
 
@@ -42,16 +41,13 @@ def overrides(out_dir, prompts_file, shard_size: int, batch_size: int, max_new_t
             f"sampling.max_new_tokens={max_new_tokens}"]
 
 
-def cli(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "data_gen.cli", *args]
-
-
 def kill_after_first_shard(args: list[str], out_dir) -> list:
-    """Run dflash-datagen with ``args``, SIGKILL it once its first shard is committed, and
-    return the shard files it left (the run must not end before that shard, or within 180 s)."""
+    """Run dflash-datagen with ``args`` (forked from a warm Python, as run_cli's commands),
+    SIGKILL it once its first shard is committed, and return the shard files it left (the run
+    must not end before that shard, or within 180 s)."""
     from dflash_train.data.format import shard_path
 
-    proc = subprocess.Popen(cli(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_cli("dflash-datagen", *args)
     try:
         deadline = time.time() + 180
         while not shard_path(out_dir, 0).exists():

@@ -66,8 +66,20 @@ class WarmPython:
     def _request(self, request: dict, cmd: list[str], timeout: float) -> list[tuple[int, int]]:
         """Sends ``request``; (child's index, exit status) of each child it forks, in the order
         they ended."""
+        return self._statuses(self._send(request), cmd, timeout)
+
+    def _send(self, request: dict) -> list[int]:
+        """Sends ``request``; the pids of the children it forked (``_statuses`` must follow
+        before the next request)."""
         os.write(self.proc.stdin.fileno(), (json.dumps(request) + "\n").encode())
-        pids = json.loads(self._line(60))
+        return json.loads(self._line(60))
+
+    def _ended(self) -> bool:
+        """Whether the server has written the exit statuses of the last request's children."""
+        return bool(select.select([self.proc.stdout.fileno()], [], [], 0)[0])
+
+    def _statuses(self, pids: list[int], cmd: list[str], timeout: float) -> list[tuple[int, int]]:
+        """(index in ``pids``, exit status) of each child as it ended; all killed after ``timeout``."""
         codes = self._line(timeout)
         if codes is None:  # the server has not reaped them, so the pids are still theirs
             for pid in pids:
@@ -90,6 +102,15 @@ class WarmPython:
         ((_, code),) = self._request(request, cmd, timeout)
         return subprocess.CompletedProcess(cmd, code, *self._outputs(1))
 
+    def start_module(self, module: str, args: list[str], env: dict[str, str], cwd) -> Started:
+        """`python -m module *args` in ``cwd``, started and not waited for (``run_module``'s
+        first half): a handle to poll, kill and wait for, as a Popen's. No other request may
+        come before its ``wait``."""
+        cmd = [sys.executable, "-m", module, *args]
+        request = {"module": module, "args": args, "cwd": str(cwd or os.getcwd()), "env": env,
+                   "out": str(self.workdir)}
+        return Started(self, self._send(request), cmd)
+
     def run_ranks(self, nproc: int, script: str, args: list[str], env: dict[str, str],
                   timeout: float) -> subprocess.CompletedProcess:
         """`torchrun --standalone --nproc-per-node NPROC SCRIPT *args` on this host: ``nproc``
@@ -110,6 +131,29 @@ class WarmPython:
             self.proc.stdin.close()
             self.proc.wait(timeout=30)
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class Started:
+    """A command ``WarmPython.start_module`` started: ``pid``, ``poll``, ``kill`` and ``wait``
+    as a subprocess.Popen's (the server, its parent, reaps it as soon as it ends)."""
+
+    def __init__(self, warm: WarmPython, pids: list[int], cmd: list[str]):
+        self.warm, self.pid, self.cmd, self.returncode = warm, pids[0], cmd, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.warm._ended():
+            self.wait()
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):  # it ended, not yet polled
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float = 600) -> int:
+        if self.returncode is None:
+            ((_, self.returncode),) = self.warm._statuses([self.pid], self.cmd, timeout)
+        return self.returncode
 
 
 # The warm processes by environment, the latest used last. The environment changes under a

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -39,6 +40,29 @@ def test_a_forked_command_is_what_a_fresh_interpreter_gives(tmp_path, monkeypatc
         assert fresh.stderr.endswith("ValueError: boom\n") and forked.stderr.endswith("ValueError: boom\n")
     else:
         assert forked.stderr == fresh.stderr
+
+
+def test_a_started_command_is_polled_killed_and_waited_for_as_a_popen(tmp_path, monkeypatch):
+    """start_module's handle (kill_after_first_shard and the training kill test use it): poll is
+    None while the command runs, SIGKILL ends it with status -9, and the server takes the next
+    request; a command that ends by itself is seen by poll with its own status."""
+    (tmp_path / "sleeper.py").write_text("import pathlib, sys, time\npathlib.Path('started').touch()\n"
+                                         "time.sleep(float(sys.argv[1]))\nsys.exit(5)\n")
+    monkeypatch.chdir(tmp_path)
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    warm = warm_python(env)
+    started = warm.start_module("sleeper", ["600"], env, None)
+    while not (tmp_path / "started").exists():
+        assert started.poll() is None
+        time.sleep(0.01)
+    assert started.poll() is None
+    started.kill()
+    assert started.wait() == -9 and started.poll() == -9
+    started.kill()  # ended: nothing to kill
+    ends = warm.start_module("sleeper", ["0"], env, None)
+    while ends.poll() is None:
+        time.sleep(0.01)
+    assert ends.returncode == 5 and warm.run_module("sleeper", ["0"], env, None, 60).returncode == 5
 
 
 def test_a_changed_environment_gets_a_warm_process_of_its_own(monkeypatch):
