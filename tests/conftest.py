@@ -29,11 +29,11 @@ def one_thread():
 
 @pytest.fixture
 def few_static_slots(monkeypatch):
-    """Static runtimes built in the test get 32 cache slots, not runtime.MIN_SLOTS (1,024): the
-    sampling tests' 250-row batches need at most 25, and every verify step attends over all of
-    a row's slots (on CPU GQA copies them too), the unused ones masked out: 5-6x their time.
-    The slots past a row's positions are still there and still masked; test_runtime_static
-    checks the sizing itself."""
+    """Static runtimes built in the test get the power of two above what their requests need
+    (at least 32), not at least runtime.MIN_SLOTS (1,024) slots: every verify step attends over
+    all of a row's slots, the unused ones masked out, and on CPU transformers' sdpa copies them
+    all for GQA (repeat_kv); 250-row batches of the sampling tests need 25. The slots past a
+    row's positions are still there and still masked; test_runtime_static checks the sizing."""
     from dflash_train.model import runtime
 
     monkeypatch.setattr(runtime, "MIN_SLOTS", 32)

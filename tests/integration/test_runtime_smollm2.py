@@ -74,7 +74,7 @@ def test_random_drafter_is_lossless_with_tau_near_one(plain, random_dynamic):
     assert 1.0 <= sum(taus) / len(taus) < 1.2
 
 
-def test_static_runtime_equals_plain_and_the_dynamic_runtime(smollm2, prompts, plain, random_dynamic):
+def test_static_runtime_equals_plain_and_the_dynamic_runtime(smollm2, prompts, plain, random_dynamic, few_static_slots):
     """The static runtime (slot caches, B-wide blocks masked by position) on the real target:
     plain decoding's tokens, and the dynamic runtime's acceptance length at every step."""
     drafter = _random_drafter(smollm2.model)
@@ -96,7 +96,7 @@ def test_forced_correct_drafter_is_lossless_with_tau_near_block_size(smollm2, pr
         assert out.acceptance_lengths == [16, 16, 7]
 
 
-def test_stop_tokens_end_generation_like_plain_decoding(smollm2, smollm2_tokenizer, prompts):
+def test_stop_tokens_end_generation_like_plain_decoding(smollm2, smollm2_tokenizer, prompts, few_static_slots):
     drafter = _random_drafter(smollm2.model)
     eos = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
     ids = prompts[0]

@@ -31,7 +31,7 @@ def rows(smollm2_tokenizer):
                                                        return_dict=True)["input_ids"]) for p in PROMPTS]
 
 
-def test_rows_equal_plain_greedy_decoding_alone(smollm2, rows):
+def test_rows_equal_plain_greedy_decoding_alone(smollm2, rows, few_static_slots):
     target = smollm2.model
     assert len({len(r) for r in rows}) == len(rows)  # every row a different length
     torch.manual_seed(0)
