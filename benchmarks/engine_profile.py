@@ -30,7 +30,8 @@ from data_gen.engine_attention import DECODE_BLOCK, decode_attention, kv_blocks
 
 PARTS = {  # table rows, in order
     "decode": "decode steps",
-    "prefill": "prefill",
+    "prefill": "prefill (fresh rows)",
+    "prefill-kept": "prefill after a kept prefix",
     "copies": "slot copies (admission, snapshots)",
     "host": "host scheduling (device waits, in a drain)",
     "between": "between drains (the caller's calls)",
@@ -46,6 +47,7 @@ class SpanTimer:
         self.spans: list[tuple[str, object, object, bool]] = []  # (part, start, end, first of its call)
         self.busy: list[list[int]] = []  # per decode span: the busy rows' positions (the host's view)
         self.widths: list[int] = []  # per decode span: the width it ran at
+        self.tokens: Counter = Counter()  # prompt tokens prefilled, by part
         self.start = self.stop = None
         self._first = False
 
@@ -71,7 +73,8 @@ class SpanTimer:
         self._first = True
 
     @contextlib.contextmanager
-    def span(self, part: str, width: int = 0):
+    def span(self, part: str, width: int = 0, tokens: int = 0):
+        self.tokens[part] += tokens
         if part == "decode":
             e = self.engine
             self.busy.append([p for p, key in zip(e.slot_pos, e.slot_key) if key is not None])
@@ -191,7 +194,10 @@ def table(timer: SpanTimer, wall: float, tokens: int, idle: str | None = None,
     clock = "CUDA events on the device's stream" if timer.cuda else "CPU: wall timers (the host runs the device work)"
     notes = {"decode": f"{steps} steps in {counts['decode']} chunks, {tokens / max(1, steps):.1f} of "
                        f"{e.batch_size} slots live a step",
-             "prefill": f"{counts['prefill']} admissions", "copies": f"{counts['copies']} spans"}
+             "copies": f"{counts['copies']} spans"}
+    for part in ("prefill", "prefill-kept"):
+        notes[part] = (f"{counts[part]} spans, {timer.tokens[part]} tokens: "
+                       f"{timer.tokens[part] / max(parts[part], 1e-9):,.0f} tokens/s")
     lines = [f"profile ({e.attention} attention), {clock}",
              f"  {'part':<44}{'seconds':>9}{'share':>8}"]
     for key, name in PARTS.items():

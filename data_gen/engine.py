@@ -35,6 +35,7 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from data_gen.config import ENGINE_ATTENTIONS, BackendConfig, SamplingConfig, engine_attention_for
@@ -53,6 +54,10 @@ WIDTH_STEP = 256
 STEPS_PER_SYNC = 8
 # Prompt tokens (padding included) per prefill forward: bounds its activations.
 PREFILL_TOKENS = 16384
+# A prefill after kept prefixes (_kept_groups): cache columns gathered (rows times span) and
+# (query, column) pairs masked per KV head (rows times new tokens times span) a forward.
+KEPT_COLUMNS = 1 << 19
+KEPT_SCORES = 1 << 24
 
 
 @dataclass
@@ -71,7 +76,7 @@ class _Step:
     live: torch.Tensor | None = None  # decode: the slots with an answer going on, (B,)
     width: int = 0  # decode: cache columns attended (sdpa)
     attention: str = "sdpa"  # decode: backend.attention
-    masks: dict | None = None  # decode: the step's masks by sliding window (None: full)
+    masks: dict | None = None  # decode, and prefill after a kept prefix: the step's masks by sliding window (None: full)
 
 
 def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -114,25 +119,38 @@ def _after_prefix(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     (the same conversation's earlier turn): the new tokens' keys/values go in after them, and
     each new query attends over its row's cache up to itself. Right-padded; a padding token
     writes into the row's last column, which no fed token ever holds (an answer's last token
-    is never fed)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    is never fed).
 
-    n, _, length, _ = query.shape
+    Grouped-query attention is folded as in decoding (data_gen/engine_attention.py): the G
+    query heads of a KV head are G x T queries of that head, so the rows' cache columns are
+    read as they are, never repeated per query head. (Masked, SDPA's enable_gqa takes its math
+    kernel, so transformers' SDPA path repeats the KV heads instead: a copy of every row's span
+    per query head, 7 for Qwen2.5-0.5B.) The mask, additive (n, 1, G x T, span), is built by
+    the first layer and shared by the others."""
+    n, hq, length, d = query.shape
+    hkv = key.shape[1]
     t = torch.arange(length, device=query.device)
     pos = step.starts[:, None] + t  # (n, T)
     write = torch.where(t < step.new[:, None], pos, k_cache.shape[2] - 1)
     rows = step.rows[:, None]
     k_cache[rows, :, write] = key.transpose(1, 2)
     v_cache[rows, :, write] = value.transpose(1, 2)
-    columns = torch.arange(step.span, device=query.device)
-    k = k_cache[rows, :, columns[None]].transpose(1, 2)  # (n, Hkv, span, D)
-    v = v_cache[rows, :, columns[None]].transpose(1, 2)
-    mask = columns[None, None] <= pos[:, :, None]  # (n, T, span)
-    if sliding_window is not None:
-        mask &= columns[None, None] > pos[:, :, None] - sliding_window
-    out, _ = sdpa_attention_forward(module, query, k, v, mask[:, None], dropout=0.0, scaling=scaling,
-                                    is_causal=False)
-    return out
+    k = k_cache[:, :, :step.span].index_select(0, step.rows)  # (n, Hkv, span, D)
+    v = v_cache[:, :, :step.span].index_select(0, step.rows)
+    mask = step.masks.get(sliding_window)
+    if mask is None:
+        columns = torch.arange(step.span, device=query.device)
+        seen = columns[None, None] <= pos[:, :, None]  # (n, T, span)
+        if sliding_window is not None:
+            seen &= columns[None, None] > pos[:, :, None] - sliding_window
+        groups = hq // hkv
+        # Additive, in the queries' dtype: a boolean mask would be converted by every layer's call.
+        hidden = torch.zeros(n, 1, groups, length, step.span, dtype=query.dtype, device=query.device)
+        hidden.masked_fill_(~seen[:, None, None], torch.finfo(query.dtype).min)
+        mask = step.masks[sliding_window] = hidden.view(n, 1, groups * length, step.span)
+    q = query.reshape(n, hkv, hq // hkv * length, d)  # head h = j * G + i of KV head j: rows i*T..i*T+T-1
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # (n, Hkv, G*T, D)
+    return out.reshape(n, hq, length, d).transpose(1, 2).contiguous()  # (n, T, Hq, D)
 
 
 def _register_attention() -> None:
@@ -306,22 +324,30 @@ class GenerationEngine:
     def _prefill(self, admitted: list[tuple[int, list[int]]], kept: dict[int, int]) -> None:
         """Keys/values of every prompt token but the last into the admitted slots; a slot in
         `kept` (slot -> tokens its row holds already) gets those after them."""
-        self._prefill_after([(slot, p[:-1], kept[slot]) for slot, p in admitted if slot in kept])
-        for width, group in _prefill_groups([(slot, p[:-1], 0) for slot, p in admitted if slot not in kept]):
-            # Right padding: a causal row never sees the padding after it.
-            ids = self._to_device([t + [0] * (width - len(t)) for _, t, _ in group])
-            step = _Step(self.cache_k, self.cache_v, rows=self._to_device([slot for slot, _, _ in group]))
-            positions = torch.arange(width, device=self.device).expand(len(group), width)
-            self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **{STEP_KWARG: step})
+        after = [(slot, p[:-1], kept[slot]) for slot, p in admitted if slot in kept]
+        if after:
+            with self._span("prefill-kept", tokens=sum(len(t) - start for _, t, start in after)):
+                self._prefill_after(after)
+        fresh = [(slot, p[:-1], 0) for slot, p in admitted if slot not in kept]
+        if not fresh:
+            return
+        with self._span("prefill", tokens=sum(len(t) for _, t, _ in fresh)):
+            for width, group in _prefill_groups(fresh):
+                # Right padding: a causal row never sees the padding after it.
+                ids = self._to_device([t + [0] * (width - len(t)) for _, t, _ in group])
+                step = _Step(self.cache_k, self.cache_v, rows=self._to_device([slot for slot, _, _ in group]))
+                positions = torch.arange(width, device=self.device).expand(len(group), width)
+                self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1,
+                           **{STEP_KWARG: step})
 
     def _prefill_after(self, todo: list[tuple[int, list[int], int]]) -> None:
         """Prefill of (slot, tokens, start): the row holds tokens[:start] already."""
-        for width, group in _prefill_groups(todo):
+        columns = self.cache_k[0].shape[2]
+        for width, span, group in _kept_groups(todo, columns):
             ids = self._to_device([t[start:] + [0] * (width - len(t) + start) for _, t, start in group])
             step = _Step(self.cache_k, self.cache_v, rows=self._to_device([slot for slot, _, _ in group]),
                          starts=self._to_device([start for _, _, start in group]),
-                         new=self._to_device([len(t) - start for _, t, start in group]),
-                         span=max(len(t) for _, t, _ in group))
+                         new=self._to_device([len(t) - start for _, t, start in group]), span=span, masks={})
             positions = step.starts[:, None] + torch.arange(width, device=self.device)
             self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **{STEP_KWARG: step})
 
@@ -352,8 +378,7 @@ class GenerationEngine:
             admitted.append((slot, prompt, seed))
         if not admitted:
             return
-        with self._span("prefill"):
-            self._prefill([(slot, p) for slot, p, _ in admitted], kept)
+        self._prefill([(slot, p) for slot, p, _ in admitted], kept)
         with self._span("copies"):
             self._start_slots(admitted)
 
@@ -466,6 +491,28 @@ def _prefill_groups(todo: list[tuple[int, list[int], int]]) -> Iterator[tuple[in
         n = max(1, min(len(todo), PREFILL_TOKENS // width))
         group, todo = todo[-n:], todo[:-n]
         yield width, group
+
+
+def _kept_groups(todo: list[tuple[int, list[int], int]], columns: int) -> Iterator[tuple[int, int, list]]:
+    """(width, span, rows) of the forwards that prefill rows (slot, tokens, start) after the
+    tokens[:start] their cache rows hold: longest rows first, so that a group's rows read
+    similar spans of cache; a group gathers at most KEPT_COLUMNS cache columns (rows times its
+    span, the longest row's length rounded up to a multiple of 16 within the cache's
+    `columns`: the memory-efficient kernel's mask alignment), feeds at most PREFILL_TOKENS
+    tokens (rows times its width, the most new tokens of a row) and masks at most KEPT_SCORES
+    (query, column) pairs of a KV head (rows times width times span), one row at least."""
+    todo = sorted((r for r in todo if len(r[1]) > r[2]), key=lambda r: len(r[1]), reverse=True)
+    while todo:
+        span = min(columns, -(-len(todo[0][1]) // 16) * 16)
+        n = width = 0
+        for _, tokens, start in todo:
+            wider = max(width, len(tokens) - start)
+            if n and ((n + 1) * span > KEPT_COLUMNS or (n + 1) * wider > PREFILL_TOKENS
+                      or (n + 1) * wider * span > KEPT_SCORES):
+                break
+            n, width = n + 1, wider
+        yield width, span, todo[:n]
+        todo = todo[n:]
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:

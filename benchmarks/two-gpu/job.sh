@@ -76,11 +76,17 @@ descendants() {  # the processes under each pid given, the pids included
   for p in "$@"; do echo "$p"; descendants $(pgrep -P "$p"); done
 }
 
-killed_run() {  # a 2-GPU run killed with kill -9 two steps after its mid-run checkpoint
-  local b=$1 K=$R/$1-killed pid waited=0
+killed_run() {  # a 2-GPU run killed with kill -9 two steps after its mid-run checkpoint is published
+  local b=$1 K=$R/$1-killed pid waited=0 at=""
+  local published=$K/checkpoints/step_$(printf %08d $HALF)
   launch $b 2 -- backend=$b "${TRAIN[@]}" output_dir=$K > $K.log 2>&1 &
   pid=$!
-  until [ "$(last_step $K)" -ge $((HALF + 2)) ] || ! kill -0 $pid 2>/dev/null || [ $waited -ge 9000 ]; do
+  # Published, not merely taken: with checkpoint.async_write the folder appears when the
+  # background write ends, seconds after its step (the 2026-11-28 lease killed FSDP2 at step 36
+  # with step 30's shards still being written, and its "resume" started over).
+  until { [ -n "$at" ] && [ "$(last_step $K)" -ge $((at + 2)) ]; } || ! kill -0 $pid 2>/dev/null \
+      || [ $waited -ge 9000 ]; do
+    [ -z "$at" ] && [ -d "$published" ] && at=$(last_step $K)
     sleep 0.1; waited=$((waited + 1))
   done
   # the launcher and every process under it at once (torchrun starts its workers in sessions of
@@ -106,6 +112,10 @@ resume_phase() {
     { launch $b 1 -- backend=$b "${TRAIN[@]}" optim.grad_accum_steps=2 max_steps=$HALF output_dir=$R/$b-1to2 \
         > $R/$b-1to2.log 2>&1 \
       && launch $b 2 -- backend=$b "${TRAIN[@]}" output_dir=$R/$b-1to2 >> $R/$b-1to2.log 2>&1; } || failed=$((failed + 1))
+    # 1to2's reference: the same first half on one GPU, continued there uninterrupted (against the
+    # 2-GPU run, its losses would carry the first half's drift between 1 and 2 GPUs: 2.5% by step 60)
+    launch $b 1 -- backend=$b "${TRAIN[@]}" optim.grad_accum_steps=2 output_dir=$R/$b-full1 > $R/$b-full1.log 2>&1 \
+      || failed=$((failed + 1))
   done
 }
 

@@ -2,7 +2,8 @@
 
 dflash-bench of each geometry and backend on 1 and 2 GPUs (scaling: the 2-GPU rate over twice the
 1-GPU one, in rows a second, as the timed steps' conversations per row vary), then each resumed
-run's losses against the uninterrupted 2-GPU run's at the steps both ran after the resume, and
+run's losses against the uninterrupted run's at the steps both ran after the resume (on 2 GPUs;
+1to2's against one continued on 1 GPU, its first half's world size), and
 the checkpoint saves the runs logged. A run that left no result shows its log's last line.
 """
 
@@ -78,14 +79,15 @@ def resume_rows(root: Path) -> list[str]:
             killed = re.findall(r"killed with kill -9 at step (\d+)", log.read_text(errors="replace"))
             start = resumed_from(log)
             got = losses(root / f"{b}-{run}")
-            # 1to2: all steps (the first half ran on 1 GPU); the others: the steps after the resume
-            first = 0 if run == "1to2" else (start or 0)
-            common = sorted(s for s in got if s in full and s > first)
+            # the steps after the resume, against the uninterrupted run with the same first half:
+            # 1to2's ran on one GPU (``full1``); the others' on two
+            reference = losses(root / f"{b}-full1") if run == "1to2" else full
+            common = sorted(s for s in got if s in reference and s > (start or 0))
             if start is None or not common:
                 rows.append(f"| {b} | {run} | {killed[0] if killed else ''} | {start if start is not None else 'none'} "
                             f"| none | {last_line(log)} | no |")
                 continue
-            worst = max(abs(got[s] - full[s]) / abs(full[s]) for s in common)
+            worst = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in common)
             rows.append(f"| {b} | {run} | {killed[0] if killed else ''} | {start} | {common[0]}-{common[-1]} "
                         f"({len(common)}) | {worst:.2e} | {'yes' if worst <= TOLERANCE else 'NO'} |")
     return rows

@@ -235,8 +235,13 @@ def test_profile_of_an_every_turn_job_with_magpie_on_cpu(tmp_path, capsys):
         profile = out.split(f"profile ({attention} attention), CPU: wall timers")[1].split("profile (")[0]
         parts = {name.strip(): float(sec) for name, sec in
                  re.findall(r"^  ([a-z][a-z ,()']+?) +(-?\d+\.\d+) +\d+\.\d%", profile, re.M)}
-        assert len(parts) == 5 and min(parts.values()) >= 0, parts
-        assert parts["decode steps"] > 0 and parts["prefill"] > 0, parts
+        assert len(parts) == 6 and min(parts.values()) >= 0, parts
+        assert parts["decode steps"] > 0 and parts["prefill (fresh rows)"] > 0, parts
+        # The later turns prefill after what their rows kept: fewer tokens than their prompts.
+        fed = {part: int(n) for part, n in re.findall(r"^  (prefill.*?) +\d+\.\d+ +\d+\.\d%  \d+ spans, (\d+) tokens",
+                                                      profile, re.M)}
+        assert sorted(fed) == ["prefill (fresh rows)", "prefill after a kept prefix"], profile
+        assert fed["prefill after a kept prefix"] > 0 and parts["prefill after a kept prefix"] > 0, fed
         steps = int(re.search(r"(\d+) steps in \1 chunks", profile).group(1))  # one step a chunk on CPU
         assert steps >= tokens / 3, "3 slots make at most 3 tokens a step"
         summed = float(re.search(r"sum of the parts +(\d+\.\d+)", profile).group(1))
