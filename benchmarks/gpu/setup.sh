@@ -47,3 +47,18 @@ if [ ! -f $GGUF ] && [ "$(ls $GG_DIR 2>/dev/null | wc -l)" = "$QWEN_PARTS" ]; th
 fi
 echo "setup: $(ls $GG_DIR 2>/dev/null | wc -l)/$QWEN_PARTS GGUF parts; $(ls $GGUF 2>/dev/null)"
 mkdir -p "$OUT"
+# frozen_tree: the directory of a copy of this checkout, made at a lease's first use (TREE, default
+# /tmp/tree). Jobs that outlive their call run from it: every call copies the working tree onto the
+# machine again, and a process that imports the package while that copy is under way can find a
+# module missing (2026-11-28: a quality run's training stage died of ModuleNotFoundError so). The
+# carried .gpu/ stays out of it; a later call's changed checkout does not reach the jobs already
+# started, which all run the code of the first.
+frozen_tree() {
+  local dir=${TREE:-/tmp/tree}
+  if [ ! -f "$dir/.frozen" ]; then
+    rm -rf "$dir.part" && mkdir -p "$dir.part" \
+      && tar -C . --exclude=./.gpu --exclude=./.git -cf - . | tar -C "$dir.part" -xf - \
+      && touch "$dir.part/.frozen" && rm -rf "$dir" && mv "$dir.part" "$dir" || return 1
+  fi
+  echo "$dir"
+}

@@ -142,11 +142,13 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
 ARMS=$(echo "$@" | tr ', ' '\n\n')
 if [ -f /tmp/qwen25coder05b.gguf ] && [ ! -f /tmp/arms.started ]; then
   touch /tmp/arms.started; i=0
+  TREE_DIR=$(frozen_tree) || { echo "arm.sh: could not copy the checkout"; exit 1; }
   gpus=(${GPUS:-$(seq 0 $(($# - 1)))})  # GPUS="2 3": the queues on those GPUs (another script has the rest)
   for q in "$@"; do
     gpu=${gpus[$i]}; i=$((i + 1))
     queue_cmd "$q" > /tmp/queue-$gpu.sh || exit 2
-    CUDA_VISIBLE_DEVICES=$gpu setsid nohup bash /tmp/queue-$gpu.sh > /tmp/queue-$gpu.out 2>&1 < /dev/null &
+    # from the lease's frozen copy of the checkout (setup.sh), not the one each call replaces
+    (cd "$TREE_DIR" && CUDA_VISIBLE_DEVICES=$gpu setsid nohup bash /tmp/queue-$gpu.sh > /tmp/queue-$gpu.out 2>&1 < /dev/null &)
   done
 fi
 done_all() { for a in $ARMS; do [ -f /tmp/arm-${a//[@=]/_}.t1 ] || return 1; done; }

@@ -43,7 +43,9 @@ else
     if [ -n "$missing" ]; then
       echo "run.sh: $PHASES not started, missing:$missing"
     else
-      setsid nohup bash $HERE/job.sh $R $PHASES > $R/job-$KEY.out 2>&1 < /dev/null &
+      # from the lease's frozen copy of the checkout (setup.sh), not the one each call replaces
+      tree=$(frozen_tree) || { echo "run.sh: could not copy the checkout"; exit 1; }
+      (cd "$tree" && setsid nohup bash $HERE/job.sh $R $PHASES > $R/job-$KEY.out 2>&1 < /dev/null &)
       sleep 1
     fi
   fi

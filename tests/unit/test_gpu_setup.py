@@ -69,3 +69,28 @@ def test_two_scripts_of_one_call_assemble_the_gguf_once_checked(tmp_path):
                           timeout=60)
     assert done.returncode == 0 and "GGUF md5 mismatch" in done.stdout, done
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("q.gguf")]
+
+
+def test_frozen_tree_copies_the_checkout_once_without_gpu_files(tmp_path):
+    """Jobs that outlive a call run from this copy: a later call's copy of the working tree
+    (2026-11-28: a training stage started mid-copy died of ModuleNotFoundError) never reaches it."""
+    checkout, tree = tmp_path / "checkout", tmp_path / "tree"
+    (checkout / "pkg").mkdir(parents=True)
+    (checkout / "pkg" / "mod.py").write_text("A = 1\n")
+    (checkout / ".gpu" / "p00").mkdir(parents=True)
+    (checkout / ".gpu" / "p00" / "q.00").write_bytes(b"x" * 1000)
+    env = {**os.environ, "DATA_ROOT": str(tmp_path / "root"), "OUT": str(tmp_path / "out"),
+           "GG_DIR": str(tmp_path / "gg"), "GGUF": str(tmp_path / "q.gguf"), "TREE": str(tree)}
+
+    def frozen() -> str:
+        done = subprocess.run(["bash", "-c", f"source {SETUP} > /dev/null && frozen_tree"], cwd=checkout, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert frozen() == str(tree)
+    assert (tree / "pkg" / "mod.py").read_text() == "A = 1\n" and not (tree / ".gpu").exists()
+    (checkout / "pkg" / "mod.py").write_text("A = 2\n")  # the next call's checkout
+    (checkout / "pkg" / "new.py").write_text("")
+    assert frozen() == str(tree)
+    assert (tree / "pkg" / "mod.py").read_text() == "A = 1\n" and not (tree / "pkg" / "new.py").exists()
