@@ -6,7 +6,8 @@
 #   resume  each backend: an uninterrupted 2-GPU run; a 2-GPU run killed with kill -9 after its
 #           mid-run checkpoint and resumed on 2 GPUs; a copy of the killed run resumed on 1 GPU;
 #           a 1-GPU run's checkpoint resumed on 2 GPUs (later steps' losses compared by table.py)
-# BACKENDS (default "ddp fsdp2 zero2 zero3") picks the backends. With CPU_SMOKE=1 the same
+# BACKENDS (default "ddp fsdp2 zero2 zero3") picks the backends (fsdp2-keep too: FSDP2 with
+# backend.reshard_after_forward=false). With CPU_SMOKE=1 the same
 # commands run on the tests' tiny random Llama and 32 conversations written for it, as CPU
 # processes on gloo, with the geometry keys shrunk to fit it (benchmarks/two-gpu/README.md).
 set -u
@@ -49,6 +50,11 @@ TRAIN=(+experiment=qwen25_coder_05b_1xh100 target.name=$TARGET data.path=$DATA "
   max_steps=$STEPS epochs=1000 optim.schedule_steps=$STEPS data.val_rows=$VAL_ROWS data.val_every=0
   logging.every=1 checkpoint.every=$HALF export=false logging.wandb=disabled logging.progress_bar=false)
 
+backend_args() {  # the overrides of a BACKENDS entry: a backend's name, or fsdp2-keep: FSDP2 keeping
+  # the gathered parameters from forward to backward (no second all-gather)
+  case $1 in fsdp2-keep) echo "backend=fsdp2 backend.reshard_after_forward=false" ;; *) echo "backend=$1" ;; esac
+}
+
 launch() {  # launch BACKEND GPUS [--bench] -- ARGS...: the launcher a user runs for that backend
   local b=$1 n=$2; shift 2
   case $b in
@@ -61,7 +67,7 @@ bench_phase() {  # bench_phase NAME ARGS...: every backend on 1 and 2 GPUs
   local geo=$1 b n; shift
   for b in $BACKENDS; do for n in 1 2; do
     echo "$(date +%T) $geo $b $n GPU(s)"
-    launch $b $n --bench -- backend=$b "$@" bench.json=$R/$geo-$b-$n.json > $R/$geo-$b-$n.log 2>&1 || failed=$((failed + 1))
+    launch $b $n --bench -- $(backend_args $b) "$@" bench.json=$R/$geo-$b-$n.json > $R/$geo-$b-$n.log 2>&1 || failed=$((failed + 1))
   done; done
 }
 
@@ -79,7 +85,7 @@ descendants() {  # the processes under each pid given, the pids included
 killed_run() {  # a 2-GPU run killed with kill -9 two steps after its mid-run checkpoint is published
   local b=$1 K=$R/$1-killed pid waited=0 at=""
   local published=$K/checkpoints/step_$(printf %08d $HALF)
-  launch $b 2 -- backend=$b "${TRAIN[@]}" output_dir=$K > $K.log 2>&1 &
+  launch $b 2 -- $(backend_args $b) "${TRAIN[@]}" output_dir=$K > $K.log 2>&1 &
   pid=$!
   # Published, not merely taken: with checkpoint.async_write the folder appears when the
   # background write ends, seconds after its step (the 2026-11-28 lease killed FSDP2 at step 36
@@ -101,20 +107,20 @@ resume_phase() {
   local b
   for b in $BACKENDS; do
     echo "$(date +%T) resume $b"
-    launch $b 2 -- backend=$b "${TRAIN[@]}" output_dir=$R/$b-full > $R/$b-full.log 2>&1 || failed=$((failed + 1))
+    launch $b 2 -- $(backend_args $b) "${TRAIN[@]}" output_dir=$R/$b-full > $R/$b-full.log 2>&1 || failed=$((failed + 1))
     killed_run $b
     # the killed run's folder as it was: resumed on 2 GPUs, and (a copy) on one GPU, which keeps the
     # global batch with 2 micro-batches a step (the rows of a step are the same)
     rm -rf $R/$b-2to1 && cp -r $R/$b-killed $R/$b-2to1
-    launch $b 2 -- backend=$b "${TRAIN[@]}" output_dir=$R/$b-killed >> $R/$b-killed.log 2>&1 || failed=$((failed + 1))
-    launch $b 1 -- backend=$b "${TRAIN[@]}" optim.grad_accum_steps=2 output_dir=$R/$b-2to1 > $R/$b-2to1.log 2>&1 \
+    launch $b 2 -- $(backend_args $b) "${TRAIN[@]}" output_dir=$R/$b-killed >> $R/$b-killed.log 2>&1 || failed=$((failed + 1))
+    launch $b 1 -- $(backend_args $b) "${TRAIN[@]}" optim.grad_accum_steps=2 output_dir=$R/$b-2to1 > $R/$b-2to1.log 2>&1 \
       || failed=$((failed + 1))
-    { launch $b 1 -- backend=$b "${TRAIN[@]}" optim.grad_accum_steps=2 max_steps=$HALF output_dir=$R/$b-1to2 \
+    { launch $b 1 -- $(backend_args $b) "${TRAIN[@]}" optim.grad_accum_steps=2 max_steps=$HALF output_dir=$R/$b-1to2 \
         > $R/$b-1to2.log 2>&1 \
-      && launch $b 2 -- backend=$b "${TRAIN[@]}" output_dir=$R/$b-1to2 >> $R/$b-1to2.log 2>&1; } || failed=$((failed + 1))
+      && launch $b 2 -- $(backend_args $b) "${TRAIN[@]}" output_dir=$R/$b-1to2 >> $R/$b-1to2.log 2>&1; } || failed=$((failed + 1))
     # 1to2's reference: the same first half on one GPU, continued there uninterrupted (against the
     # 2-GPU run, its losses would carry the first half's drift between 1 and 2 GPUs: 2.5% by step 60)
-    launch $b 1 -- backend=$b "${TRAIN[@]}" optim.grad_accum_steps=2 output_dir=$R/$b-full1 > $R/$b-full1.log 2>&1 \
+    launch $b 1 -- $(backend_args $b) "${TRAIN[@]}" optim.grad_accum_steps=2 output_dir=$R/$b-full1 > $R/$b-full1.log 2>&1 \
       || failed=$((failed + 1))
   done
 }

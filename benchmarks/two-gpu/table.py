@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 GEOMETRIES = ("real", "paper")
-BACKENDS = ("ddp", "fsdp2", "zero2", "zero3")
+BACKENDS = ("ddp", "fsdp2", "fsdp2-keep", "zero2", "zero3")  # fsdp2-keep: job.sh backend_args
 RESUMED = ("killed", "2to1", "1to2")
 # bf16 on GPUs: the resumed run recomputes the lost steps with other reduction orders; the
 # backends' 2-GPU test allows 2e-2 relative on the loss (tests/distributed/test_backend_gpu.py)
