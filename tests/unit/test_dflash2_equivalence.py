@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks.dflash2_conv_bytes import convolve_pad
 from benchmarks.dflash2_parts import selector_term_reference, wrap_reference
 from dflash_train.contract import IGNORE_INDEX
 from dflash_train.model.dflash2 import DFlash2Config, DFlash2DraftModel, GroupedDynamicCausalConv
@@ -45,6 +46,46 @@ def test_convolution_equals_the_widened_kernel_formulation(taps, group, block, q
     assert got[0].abs().max() > 0 and got[2].abs().max() > 0  # an output and a base-kernel gradient to compare
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, **TIGHT)
+
+
+# The model's convolution (a roll and a mask per tap, in a custom autograd.Function with its own
+# backward) against the straightforward one autograd differentiates (each tap a pad and a slice:
+# benchmarks/dflash2_conv_bytes.py `convolve_pad`, the model's formulation before): the same
+# values and gradients, in float32 and in bf16 over float32 weights (the trainer's autocast),
+# eager and traced (aot_eager: the graph inductor gets), with the kernel projection's scale,
+# the inference widths (one block of at most block_size) and taps wider than a block included.
+@pytest.mark.parametrize("taps, group, block, queries", [(2, 16, 16, 64), (3, 4, 4, 12), (2, 16, 16, 7), (3, 2, 4, 1),
+                                                          (5, 8, 4, 8)])
+@pytest.mark.parametrize("mode", ["float32", "bf16 autocast", "traced"])
+def test_convolution_equals_the_padded_autograd_formulation(taps, group, block, queries, mode):
+    torch.manual_seed(0)
+    conv = GroupedDynamicCausalConv(hidden_size=64, kernel_size=taps, group_size=group, block_size=block)
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_(0, 0.3)
+    conv.kernel_projection.scale = 0.1
+    sublayer = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+    bf16 = mode == "bf16 autocast"
+    h = torch.randn(2, queries, 64, dtype=torch.bfloat16 if bf16 else torch.float32)
+    def run(fn):
+        def step(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                return conv.wrap(sublayer, x)
+        if fn is not None:
+            conv.convolve = fn
+        try:
+            return _values_and_grads([conv, sublayer], h, torch.compile(step, backend="aot_eager", fullgraph=True)
+                                     if mode == "traced" else step)
+        finally:
+            conv.__dict__.pop("convolve", None)
+            torch._dynamo.reset()
+
+    got = run(None)
+    want = run(lambda x, deltas, side: convolve_pad(conv, x, deltas, side))
+    assert got[0].abs().max() > 0 and got[2].abs().max() > 0 and got[3].abs().max() > 0
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # bit for bit: the same roundings, in the same order
 
 
 # ------------------------------------------------------------------------------ selector
