@@ -103,7 +103,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--queries", type=int, default=2048, help="block queries of the one row (a multiple of 16)")
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--runs", type=int, default=5, help="timed forward+backward calls per variant")
+    ap.add_argument("--runs", type=int, default=5, help="timed forward+backward calls per variant (0: no timing)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     args = ap.parse_args(argv)
     import torch._inductor.metrics as metrics
@@ -159,7 +159,7 @@ def main(argv=None) -> None:
         print(f"{variant}: {rows[variant]}", flush=True)
     print("timing", flush=True)
     times = {v: [] for v in steps}
-    for fn in steps.values():
+    for fn in steps.values() if args.runs else ():
         fn()  # untimed
     for _ in range(args.runs):
         for v, fn in steps.items():
@@ -171,9 +171,9 @@ def main(argv=None) -> None:
     print(f"| {'variant':18s} | kernels | fwd MB | bwd MB | fwd+bwd MB | saved MB | CPU ms (median of {args.runs}) |")
     print(f"|{'-' * 20}|--------:|-------:|-------:|-----------:|---------:|------:|")
     for v, r in rows.items():
-        ms = sorted(times[v])[len(times[v]) // 2]
+        ms = f"{sorted(times[v])[len(times[v]) // 2]:5.0f}" if times[v] else "    -"
         print(f"| {v:18s} | {r['kernels']:7d} | {r['fwd'] / 1e6:6.1f} | {r['bwd'] / 1e6:6.1f} | "
-              f"{(r['fwd'] + r['bwd']) / 1e6:10.1f} | {r['saved'] / 1e6:8.1f} | {ms:5.0f} |")
+              f"{(r['fwd'] + r['bwd']) / 1e6:10.1f} | {r['saved'] / 1e6:8.1f} | {ms} |")
     if "dflash" in rows:
         base = rows["dflash"]
         print("\nthe convolutions' part (the row minus dflash's):")
