@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.model.dflash import DFlashConfig, DFlashDraftModel
-from dflash_train.model.dflash2 import DFlash2Config, DFlash2DraftModel, _convolve_blocks
+from dflash_train.model.dflash2 import DFlash2Config, DFlash2DraftModel, convolve_blocks
 
 # The one-H100 recipe's drafter (+experiment=qwen25_coder_05b_1xh100, recipes/drafter/b16.yaml).
 GEOMETRY = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
@@ -74,7 +74,7 @@ def convolve_pad(conv, x, deltas, side):
 def convolve_roll(conv, x, deltas, side):
     """The model's taps (a roll and a mask) under autograd's own backward: what the roll alone gains."""
     width, xs, delta, base = _parts(conv, x, deltas, side)
-    return _convolve_blocks(xs, delta, base).view(x.shape)
+    return convolve_blocks(xs, delta, base).view(x.shape)
 
 
 VARIANTS = {"dflash": None, "dflash2-pad": convolve_pad, "dflash2-roll": convolve_roll, "dflash2": None}

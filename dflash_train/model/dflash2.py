@@ -211,7 +211,7 @@ def later_in_block(z: torch.Tensor, t: int) -> torch.Tensor:
     return torch.where(slot < z.shape[2] - t, z.roll(-t, 2), 0)
 
 
-def _convolve_blocks(xs: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+def convolve_blocks(xs: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """sum_t (base[t] + delta[..., t]) * x[i - t]: xs (b, N, L, g, G), delta (b, N, L, Kc, g, 1),
     base (Kc, g, G); the product rounded to x's dtype per tap, as `convolve` documents."""
     out = None
@@ -222,7 +222,7 @@ def _convolve_blocks(xs: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) 
 
 
 class _BlockConvolution(torch.autograd.Function):
-    """`_convolve_blocks` with its own backward, which keeps only x, the deltas and a copy of the
+    """`convolve_blocks` with its own backward, which keeps only x, the deltas and a copy of the
     base kernel (Kc x H values; a copy, so a sharding backend may free the gathered parameter).
 
     Why (benchmarks/dflash2-conv-cpu-2026-11-28, inductor's byte estimates of one compiled
@@ -239,7 +239,7 @@ class _BlockConvolution(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, delta, base):
         ctx.save_for_backward(xs, delta, base.detach().clone())
-        return _convolve_blocks(xs, delta, base)
+        return convolve_blocks(xs, delta, base)
 
     @staticmethod
     def backward(ctx, dy):
@@ -296,7 +296,7 @@ class GroupedDynamicCausalConv(nn.Module):
         base = self.base_kernel[side].view(self.kernel_size, self.groups, self.group_size)  # (Kc, g, G)
         if torch.is_grad_enabled() and (x.requires_grad or delta.requires_grad or base.requires_grad):
             return _BlockConvolution.apply(xs, delta, base).view(b, q, hidden)
-        return _convolve_blocks(xs, delta, base).view(b, q, hidden)  # inference: the same forward
+        return convolve_blocks(xs, delta, base).view(b, q, hidden)  # inference: the same forward
 
     def wrap(self, sublayer: nn.Module, h: torch.Tensor, *args) -> torch.Tensor:
         """sublayer(conv_in(h)) convolved again; both kernels come from the sublayer input h."""
