@@ -76,7 +76,7 @@ class _Step:
     live: torch.Tensor | None = None  # decode: the slots with an answer going on, (B,)
     width: int = 0  # decode: cache columns attended (sdpa)
     attention: str = "sdpa"  # decode: backend.attention
-    masks: dict | None = None  # decode, and prefill after a kept prefix: the step's masks by sliding window (None: full)
+    masks: dict | None = None  # decode and kept-prefix prefill: the step's masks by sliding window (None: full)
 
 
 def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -328,14 +328,14 @@ class GenerationEngine:
         if after:
             with self._span("prefill-kept", tokens=sum(len(t) - start for _, t, start in after)):
                 self._prefill_after(after)
-        fresh = [(slot, p[:-1], 0) for slot, p in admitted if slot not in kept]
+        fresh = [(slot, p[:-1]) for slot, p in admitted if slot not in kept]
         if not fresh:
             return
-        with self._span("prefill", tokens=sum(len(t) for _, t, _ in fresh)):
+        with self._span("prefill", tokens=sum(len(t) for _, t in fresh)):
             for width, group in _prefill_groups(fresh):
                 # Right padding: a causal row never sees the padding after it.
-                ids = self._to_device([t + [0] * (width - len(t)) for _, t, _ in group])
-                step = _Step(self.cache_k, self.cache_v, rows=self._to_device([slot for slot, _, _ in group]))
+                ids = self._to_device([t + [0] * (width - len(t)) for _, t in group])
+                step = _Step(self.cache_k, self.cache_v, rows=self._to_device([slot for slot, _ in group]))
                 positions = torch.arange(width, device=self.device).expand(len(group), width)
                 self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1,
                            **{STEP_KWARG: step})
@@ -481,13 +481,13 @@ class GenerationEngine:
             pending = snapshot
 
 
-def _prefill_groups(todo: list[tuple[int, list[int], int]]) -> Iterator[tuple[int, list]]:
-    """(width, rows) of prefill forwards for rows (slot, tokens, start) with tokens[start:] to
-    prefill: longest first, so a group holds similar lengths and little padding, each at most
-    PREFILL_TOKENS tokens wide in all (one row at least)."""
-    todo = sorted((r for r in todo if len(r[1]) > r[2]), key=lambda r: len(r[1]) - r[2])
+def _prefill_groups(todo: list[tuple[int, list[int]]]) -> Iterator[tuple[int, list]]:
+    """(width, rows) of the forwards that prefill fresh rows (slot, tokens): longest first, so a
+    group holds similar lengths and little padding, each at most PREFILL_TOKENS tokens wide in
+    all (one row at least)."""
+    todo = sorted((r for r in todo if r[1]), key=lambda r: len(r[1]))
     while todo:
-        width = len(todo[-1][1]) - todo[-1][2]
+        width = len(todo[-1][1])
         n = max(1, min(len(todo), PREFILL_TOKENS // width))
         group, todo = todo[-n:], todo[:-n]
         yield width, group

@@ -193,22 +193,16 @@ class KernelProjection(nn.Linear):
         return F.linear(x, self.weight * self.scale, None if self.bias is None else self.bias * self.scale)
 
 
-def earlier_in_block(xs: torch.Tensor, t: int) -> torch.Tensor:
-    """xs[:, :, i - t] for each slot i of each block (dim 2 of xs: (b, N, L, ...)), zero for the
-    first t slots: x[i - t] never crosses into the block before. A roll inside the block and a
+def shifted_in_block(xs: torch.Tensor, t: int) -> torch.Tensor:
+    """xs[:, :, i - t] for each slot i of each block (dim 2 of xs: (b, N, L, ...)), zero where
+    i - t is outside the block: t > 0 reads earlier slots (a tap's x[i - t], never from the block
+    before), t < 0 later ones (its transpose, in the backward). A roll inside the block and a
     mask, which inductor reads in place (a pad and a slice it wrote out, once per tap)."""
     if t == 0:
         return xs
     slot = torch.arange(xs.shape[2], device=xs.device).view(-1, *(1,) * (xs.dim() - 3))
-    return torch.where(slot >= t, xs.roll(t, 2), 0)
-
-
-def later_in_block(z: torch.Tensor, t: int) -> torch.Tensor:
-    """z[:, :, i + t], zero for the last t slots of each block: the transpose of `earlier_in_block`."""
-    if t == 0:
-        return z
-    slot = torch.arange(z.shape[2], device=z.device).view(-1, *(1,) * (z.dim() - 3))
-    return torch.where(slot < z.shape[2] - t, z.roll(-t, 2), 0)
+    inside = slot >= t if t > 0 else slot < xs.shape[2] + t
+    return torch.where(inside, xs.roll(t, 2), 0)
 
 
 def convolve_blocks(xs: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -216,7 +210,7 @@ def convolve_blocks(xs: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -
     base (Kc, g, G); the product rounded to x's dtype per tap, as `convolve` documents."""
     out = None
     for t in range(base.shape[0]):
-        term = earlier_in_block(xs, t) * (base[t] + delta[:, :, :, t]).to(xs.dtype)  # (b, N, L, g, G)
+        term = shifted_in_block(xs, t) * (base[t] + delta[:, :, :, t]).to(xs.dtype)  # (b, N, L, g, G)
         out = term if out is None else out + term
     return out
 
@@ -247,7 +241,7 @@ class _BlockConvolution(torch.autograd.Function):
         width, taps = xs.shape[2], base.shape[0]
         dx = None
         for t in reversed(range(taps)):  # x[j] feeds y[j + t] with j + t's kernel; autograd's order of the sum
-            back = later_in_block(dy * (base[t] + delta[:, :, :, t]).to(xs.dtype), t)
+            back = shifted_in_block(dy * (base[t] + delta[:, :, :, t]).to(xs.dtype), -t)
             dx = back if dx is None else dx + back
         i = torch.arange(width, device=xs.device)[:, None] - torch.arange(taps, device=xs.device)  # (L, Kc): i - t
         shifted = torch.where((i >= 0)[:, :, None, None], xs[:, :, i.clamp(min=0)], 0)  # (b, N, L, Kc, g, G)
