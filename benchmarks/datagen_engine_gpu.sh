@@ -26,7 +26,7 @@ if [ "${CPU_SMOKE:-0}" = 1 ]; then
   CONVS=${2:-3} MAGPIE=${3:-2} SIZES=(--magpie-tokens 24 --batch-size 3 --max-new-tokens 8)
 else
   source benchmarks/gpu/setup.sh || exit 1
-  PY=python3 R=/tmp/datagen-profile TARGET=/tmp/qwen25coder05b.gguf
+  PY=python3 R=/tmp/datagen-profile${4:+-s$4} TARGET=/tmp/qwen25coder05b.gguf  # one folder a chunk length
   CONVS=${2:-2000} MAGPIE=${3:-2000} SIZES=(--batch-size 512 --max-new-tokens 512)
 fi
 mkdir -p "$OUT"

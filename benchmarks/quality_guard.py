@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -184,12 +185,14 @@ def _step_row(measured: dict, reference: dict) -> str:
 
 
 def _git_commit() -> str | None:
+    """HEAD (+dirty), or DFLASH_COMMIT where there is no git: a lease's copy of the checkout has
+    no .git, and benchmarks/gpu/setup.sh exports the commit prepare.sh built the wheel from."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
         return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return os.environ.get("DFLASH_COMMIT") or None
 
 
 def _device() -> str | None:

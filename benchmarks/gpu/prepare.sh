@@ -14,6 +14,8 @@ G=.gpu
 mkdir -p $G/whl
 rm -f $G/whl/dflash_train-*.whl
 $PY -m pip wheel -q --no-deps --no-build-isolation -w $G/whl .
+# the commit the wheel was built from (+dirty): a lease's copy of the checkout has no .git
+echo "$(git rev-parse --short HEAD)$([ -n "$(git status --porcelain --untracked-files=no)" ] && echo +dirty)" > $G/whl/COMMIT
 [ "${PARTS:-all}" = wheel ] && { ls $G/whl/dflash_train-*.whl; exit 0; }
 # Versions as the CPU venv has them (make setup-test), pure-Python wheels for the image's Python 3.12
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py \

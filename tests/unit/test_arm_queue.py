@@ -61,3 +61,10 @@ def test_kinds_gaps_profiles_both_kinds_by_kernel_and_by_gap():
         assert args.endswith("--gaps") == out.endswith("-gaps.txt")
         assert "+experiment=qwen25_coder_05b_1xh100" in args and "bench.random_target=true" in args
     assert line.endswith("date +%s > /tmp/arm-kinds-gaps.t1")
+
+
+def test_datagen_profile_items_pass_their_chunk_length():
+    default, sixteen = queue_lines("datagen-profile,datagen-profile-s16")
+    assert "OUT=/tmp/arm-datagen-profile bash benchmarks/datagen_engine_gpu.sh 3600 2000 2000  >" in default
+    assert "OUT=/tmp/arm-datagen-profile-s16 bash benchmarks/datagen_engine_gpu.sh 3600 2000 2000 16 >" in sixteen
+    assert sixteen.endswith("date +%s > /tmp/arm-datagen-profile-s16.t1")

@@ -180,3 +180,18 @@ def test_log_tail_splits_progress_bars_and_cuts_lines(guard, tmp_path):
     log = tmp_path / "seed-0.log"
     log.write_text("start\n" + "\r".join(f"bar {i}%" for i in range(5)) + "\n" + "x" * 500 + "\nerror: boom\n")
     assert guard.log_tail(log, lines=3, width=10).splitlines() == ["    bar 4%", "    xxxxxxxxxx", "    error: boo"]
+
+
+def test_the_commit_comes_from_the_environment_where_there_is_no_git(guard, tmp_path, monkeypatch):
+    """A lease's copy of the checkout has no .git: the guard says the commit setup.sh exported
+    (DFLASH_COMMIT, the wheel's), not None; inside the repository git's HEAD wins."""
+    monkeypatch.setenv("DFLASH_COMMIT", "033addf+dirty")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert guard._git_commit() == "033addf+dirty"
+    monkeypatch.delenv("DFLASH_COMMIT")
+    assert guard._git_commit() is None
+    monkeypatch.chdir(GUARD.parents[1])
+    monkeypatch.setenv("DFLASH_COMMIT", "not-this")
+    head = guard._git_commit()
+    assert head and head != "not-this" and len(head.split("+")[0]) >= 7
