@@ -145,6 +145,14 @@ class ChatShaper:
             spans.append((start, end))
         return spans
 
+    def ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """`encode`'s input_ids alone, without building the mask (one rendering, no offsets)."""
+        if self.uses_markers:
+            out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                     add_generation_prompt=add_generation_prompt, **self._kwargs())
+            return list(out["input_ids"])
+        return list(self.tokenizer(self.render(messages, add_generation_prompt), add_special_tokens=False)["input_ids"])
+
     def encode(self, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
         """(input_ids, loss_mask) of a rendered conversation; mask 1 on assistant turns."""
         if self.uses_markers:
@@ -158,7 +166,15 @@ class ChatShaper:
         mask = [int(any(a <= s and e <= b for a, b in spans)) for s, e in enc["offset_mapping"]]
         return list(enc["input_ids"]), mask
 
-    def prompt(self, system: str | None, user_turns, answers: list[list[int]]) -> tuple[list[int], list[int]]:
-        """Prompt ids and mask for the turn after `answers` (the target's earlier responses)."""
-        texts = [self.answer_text(a) for a in answers]
+    def prompt(self, system: str | None, user_turns, answers: list[list[int]],
+               texts: list[str] | None = None) -> tuple[list[int], list[int]]:
+        """Prompt ids and mask for the turn after `answers` (the target's earlier responses;
+        `texts`: their `answer_text`s, when the caller has them already)."""
+        texts = [self.answer_text(a) for a in answers] if texts is None else texts
         return self.encode(self.messages(system, user_turns[: len(answers) + 1], texts), add_generation_prompt=True)
+
+    def prompt_ids(self, system: str | None, user_turns, texts: list[str]) -> list[int]:
+        """`prompt`'s ids alone, after the earlier answers' `answer_text`s (a turn being asked:
+        the mask is needed only for the turn a training row keeps, data_gen/turns.py)."""
+        return self.ids(self.messages(system, user_turns[: len(texts) + 1], texts), add_generation_prompt=True)
+

@@ -46,9 +46,12 @@ from dflash_train.contract import derive_seed
 class _Conversation:
     prompt: SourcePrompt
     answers: list[list[int]] = field(default_factory=list)
-    # The pending turn's prompt (ids, mask); None once the conversation has ended.
-    pending: tuple[list[int], list[int]] | None = None
-    # The last completed turn: (prompt ids, prompt mask, response ids, finish reason).
+    texts: list[str] = field(default_factory=list)  # the answers as the chat holds them, once decoded
+    # The pending turn's prompt ids; None once the conversation has ended.
+    pending: list[int] | None = None
+    # The last completed turn: (prompt ids, response ids, finish reason). Its prompt's loss mask
+    # is built as the row is written (_row): asking a turn needs the ids alone, and of all the
+    # prompts a conversation asks, the row keeps the last one's mask.
     row: tuple | None = None
     tokens: int = 0
     retokenized: int = 0
@@ -74,8 +77,9 @@ def _next_turn(cfg: DatagenConfig, shaper: ChatShaper, shard: _Shard, c: _Conver
     c.pending = None
     if len(c.answers) == len(c.prompt.user_turns):
         return False
+    c.texts += [shaper.answer_text(a) for a in c.answers[len(c.texts):]]
     try:
-        ids, mask = shaper.prompt(c.prompt.system, c.prompt.user_turns, c.answers)
+        ids = shaper.prompt_ids(c.prompt.system, c.prompt.user_turns, c.texts)
     except Exception as e:  # a later turn the template refuses (jinja raise_exception) ends it
         shard.ended.add(f"template_error: {type(e).__name__}")
         return False
@@ -84,7 +88,7 @@ def _next_turn(cfg: DatagenConfig, shaper: ChatShaper, shard: _Shard, c: _Conver
         # longer than data.max_length there.
         shard.ended.add("too_long")
         return False
-    c.pending = (ids, mask)
+    c.pending = ids
     return True
 
 
@@ -104,11 +108,10 @@ def _record(shard: _Shard, c: _Conversation, result) -> None:
         (shard.skips if c.row is None else shard.ended).add("backend_error", f"{c.prompt.prompt_id}: {result.detail}")
         c.pending = None
         return
-    ids, mask = c.pending
     c.tokens += len(result.ids)
     c.retokenized += not result.exact_ids
     c.answers.append(result.ids)
-    c.row = (ids, mask, result.ids, result.finish_reason)
+    c.row = (c.pending, result.ids, result.finish_reason)
 
 
 def _cut(shard: _Shard, c: _Conversation) -> None:
@@ -122,17 +125,47 @@ def _cut(shard: _Shard, c: _Conversation) -> None:
         shard.ended.add("budget")
 
 
-def _row(c: _Conversation) -> dict:
+def _prompt(shaper: ChatShaper, c: _Conversation, turn: int) -> tuple[list[int], list[int]]:
+    """Ids and loss mask of the conversation's prompt for user turn `turn` (0-based)."""
+    c.texts += [shaper.answer_text(a) for a in c.answers[len(c.texts):turn]]
+    return shaper.prompt(c.prompt.system, c.prompt.user_turns, c.answers[:turn], texts=c.texts[:turn])
+
+
+def _row(shaper: ChatShaper, shard: _Shard, c: _Conversation) -> dict:
     """The training row of a conversation: its last prompt (the earlier answers inside it are
-    learned too, template.py) plus the target's last answer."""
-    ids, mask, response, finish = c.row
+    learned too, template.py) plus the target's last answer.
+
+    Its prompt was asked with its ids alone; its mask is built here. A template that renders a
+    turn but cannot mask it ends the conversation where asking with the mask would have: at
+    the first such turn, the row being the turn before it (the turns asked after it were
+    generated, and count in the shard's tokens)."""
+    ids, response, finish = c.row
+    last = len(c.answers) - 1
+    try:
+        full, mask = _prompt(shaper, c, last)
+    except Exception as e:
+        shard.ended.add(f"template_error: {type(e).__name__}")
+        last = next(t for t in range(1, last + 1) if _unmasked(shaper, c, t)) - 1
+        (ids, mask), response, finish = _prompt(shaper, c, last), c.answers[last], "stop"
+    else:
+        if full != ids:  # one rendering, tokenized twice: never seen; a row must not hold it
+            raise RuntimeError(f"prompt {c.prompt.prompt_id!r}, turn {last}: its ids changed between asking "
+                               "the turn and writing its row")
     return {"input_ids": ids + response, "loss_mask": mask + [1] * len(response), "prompt_id": c.prompt.prompt_id,
             "source": c.prompt.source, "finish_reason": finish, "prompt_len": len(ids),
             "response_len": len(response), "num_tokens": len(ids) + len(response)}
 
 
-def _finish(shard: _Shard) -> tuple[list[dict], dict]:
-    rows = [_row(c) for c in shard.convs if c.row is not None]
+def _unmasked(shaper: ChatShaper, c: _Conversation, turn: int) -> bool:
+    try:
+        _prompt(shaper, c, turn)
+    except Exception:
+        return True
+    return False
+
+
+def _finish(shaper: ChatShaper, shard: _Shard) -> tuple[list[dict], dict]:
+    rows = [_row(shaper, shard, c) for c in shard.convs if c.row is not None]
     meta = {"shard": shard.index, "prompt_ids": [c.prompt.prompt_id for c in shard.convs],
             "generated_tokens": sum(c.tokens for c in shard.convs),
             "retokenized": sum(c.retokenized for c in shard.convs), "skipped": dict(shard.skips.counts),
@@ -184,7 +217,7 @@ class _Schedule:
     def prompt(self, key: tuple[int, int]) -> tuple[list[int], int]:
         """The turn's prompt ids and its own sampling seed."""
         c = self.active[key[0]].convs[key[1]]
-        return c.pending[0], turn_seed(self.cfg.sampling.seed, c.prompt, len(c.answers))
+        return c.pending, turn_seed(self.cfg.sampling.seed, c.prompt, len(c.answers))
 
     def answer(self, key: tuple[int, int], result) -> None:
         """Record the turn's result (None: the budget kept it from starting); its conversation
@@ -203,14 +236,14 @@ class _Schedule:
 
     def finished(self) -> Iterator[tuple[int, list[dict], dict]]:
         """The shards whose conversations have all ended, out of the schedule."""
-        yield from _done(self.active, [k for k, s in self.active.items() if s.open == 0])
+        yield from _done(self.shaper, self.active, [k for k, s in self.active.items() if s.open == 0])
 
     def end_by_budget(self) -> Iterator[tuple[int, list[dict], dict]]:
         """Every open shard, its ready turns cut."""
         for *_, k, pos in self.ready:
             _cut(self.active[k], self.active[k].convs[pos])
         self.ready = []
-        yield from _done(self.active, sorted(self.active))
+        yield from _done(self.shaper, self.active, sorted(self.active))
 
 
 def generate_shards(cfg: DatagenConfig, shaper: ChatShaper, generator, shards: dict[int, list[SourcePrompt]],
@@ -277,10 +310,11 @@ def _raise_retryable(results: list[tuple[tuple[int, int], object]]) -> None:
         raise GeneratorUnavailable(f"shard {where}: {len(retry)} prompts failed, e.g. {retry[0][1]}")
 
 
-def _done(active: dict[int, _Shard], ended: list[int]) -> Iterator[tuple[int, list[dict], dict]]:
+def _done(shaper: ChatShaper, active: dict[int, _Shard],
+          ended: list[int]) -> Iterator[tuple[int, list[dict], dict]]:
     """The ended shards, out of ``active``; one the budget ended before any of its
     conversations began is left unwritten, for a later run."""
     for k in ended:
         shard = active.pop(k)
         if not shard.cut or any(c.row is not None for c in shard.convs):
-            yield k, *_finish(shard)
+            yield k, *_finish(shaper, shard)

@@ -115,3 +115,22 @@ def test_template_errors(smollm2_tokenizer, tmp_path):
     bare = type("Bare", (), {"chat_template": None, "name_or_path": "bare-tokenizer"})()
     with pytest.raises(ValueError, match="'bare-tokenizer' has no chat template"):
         ChatShaper(bare, [2])
+
+
+@pytest.mark.parametrize("template,thinking", [(None, None), ("smollm2_generation.jinja", None),
+                                               ("qwen2_5.jinja", None), ("qwen3.jinja", True)])
+def test_a_turn_is_asked_with_the_ids_its_row_keeps(smollm2_tokenizer, template, thinking):
+    """data_gen/turns.py asks each turn with `prompt_ids` (no mask) and builds the mask of the
+    turn a row keeps with `prompt`: both must give the same ids, for the sentinel and the
+    marker templates, with the answers' texts given or decoded again."""
+    tok = smollm2_tokenizer
+    sh = shaper(tok, template, thinking=thinking)
+    users = ["Legs of a cat?", "Two cats?", "And a bird?"]
+    answers = [tok(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
+               for text in (THINK_1, THINK_2, "Two legs.")]
+    texts = [sh.answer_text(a) for a in answers]
+    for k in range(len(users)):
+        ids, mask = sh.prompt(None, users, answers[:k])
+        assert sh.prompt_ids(None, users, texts[:k]) == ids
+        assert sh.prompt(None, users, answers[:k], texts=texts[:k]) == (ids, mask)
+        assert len(mask) == len(ids) and (sum(mask) > 0) == (k > 0)

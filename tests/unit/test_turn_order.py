@@ -95,3 +95,48 @@ def test_the_benchmark_replays_a_real_job(capsys):
     answers, tokens, steps, ideal = (int(c.replace(",", "")) for c in cells[:4])
     prefilled, kept = (int(x.strip("()").replace(",", "")) for x in cells[6].split())
     assert answers > 24 and steps >= ideal == round(tokens / 4) and 0 < kept < prefilled
+
+
+# A template whose history cannot be masked: after each assistant turn it writes the answer's
+# length, so the text after an answer depends on its content (ChatShaper refuses that mask).
+COUNTING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% if m['role'] == 'assistant' %}({{ m['content'] | length }})\n{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_turn_the_template_cannot_mask_ends_the_conversation_before_it(tmp_path, smollm2_tokenizer):
+    """Turns are asked with their ids alone and a row's mask is built as it is written; where
+    the template renders a later turn but cannot mask it, the row is the turn before the first
+    such one, as when every ask built its mask (the conversation ended there): its prompt,
+    its mask and its answer, and the conversation counted as ended by the template."""
+    cfg, shaper, shards = job(tmp_path, smollm2_tokenizer, singles=1)
+    template = tmp_path / "counting.jinja"
+    template.write_text(COUNTING)
+    cfg.template.chat_template = str(template)
+    _, _, _, shaper, prompts, _ = setup(cfg, smollm2_tokenizer)
+    assert not shaper.uses_markers
+    shards = {k: [p] for k, p in enumerate(prompts)}
+    metas = {}
+    asked = []
+
+    def answer(key, prompt):
+        asked.append(key)
+        return Completion([100 + len(prompt) % 50] * (ANSWER - 1) + [shaper.stop_ids[0]], "stop")
+
+    model = SlotModel(slots=2, sync_steps=1, answer=answer)
+    rows = {}
+    for k, shard_rows, meta in generate_shards(cfg, shaper, model, shards, call_size=2, lookahead=len(shards)):
+        rows[k], metas[k] = shard_rows, meta
+    long = prompts[-1]
+    assert asked.count((1, 0)) == LONG_TURNS  # every turn renders, so every turn was asked
+    (row,) = rows[1]
+    ids, mask = shaper.prompt(long.system, long.user_turns, [])  # the first turn's prompt
+    reply = [100 + len(ids) % 50] * (ANSWER - 1) + [shaper.stop_ids[0]]
+    assert row["input_ids"] == ids + reply and row["loss_mask"] == mask + [1] * ANSWER
+    assert (row["prompt_len"], row["finish_reason"]) == (len(ids), "stop")
+    assert metas[1]["ended_early"] == {"template_error: ValueError": 1}
+    assert metas[1]["generated_tokens"] == LONG_TURNS * ANSWER
+    with pytest.raises(ValueError, match="depends on its content"):
+        shaper.prompt(long.system, long.user_turns, [reply])
+    (single,) = rows[0]  # a one-turn conversation needs no history mask
+    assert metas[0]["ended_early"] == {} and single["response_len"] == ANSWER
