@@ -76,7 +76,7 @@ UNSET = -1
 # The probe's steps beyond the steady ones: one that carries a checkpoint, one a validation.
 PROBE_EXTRA_STEPS = 2
 # Settings added after runs were recorded, with the value those runs had in effect.
-ADDED_SETTINGS = {"validation_s": 0.0, "checkpoint_s": 0.0, "export_s": 0.0}
+ADDED_SETTINGS = {"validation_s": 0.0, "checkpoint_s": 0.0, "export_s": 0.0, "nproc": 1}
 # The target keys dflash-datagen takes (data_gen.config.TargetConfig's fields; data_gen sits
 # above this module, so they are named here and a test holds them equal): the command line's
 # other target keys (target.compile) are training's.
@@ -113,6 +113,7 @@ class QualityConfig:
     limit: int = 40
     max_new_tokens: int = 256
     device: str | None = None
+    nproc: int = 1
     datagen: list[str] = field(default_factory=list)
     train: list[str] = field(default_factory=list)
     eval: list[str] = field(default_factory=list)
@@ -323,11 +324,21 @@ def _hydra_list(values: list[str]) -> str:
     return f"[{','.join(map(quote_value, values))}]"
 
 
+def _train_args(run: QualityRun, out_dir: Path, *extra: str, defaults: tuple[str, ...] = ()) -> list[str]:
+    """dflash-train's overrides: ``defaults`` before the user's, ``extra`` after them (the
+    plan's own); with nproc > 1, DDP unless train=[...] names another backend."""
+    several = ["backend=ddp"] if run.cfg.nproc > 1 else []
+    return [f"target={run.target_recipe}", f"data.path={quote_value(run.data_path)}", *run.machine, *several,
+            *defaults, *run.target_overrides, *run.cfg.train, f"output_dir={quote_value(str(out_dir))}",
+            f"epochs={UNBOUNDED_EPOCHS}", *extra]
+
+
 def _train_command(run: QualityRun, out_dir: Path, *extra: str, defaults: tuple[str, ...] = ()) -> list[str]:
-    """``defaults`` come before the user's overrides, ``extra`` after them (the plan's own)."""
-    return [sys.executable, "-m", "dflash_train.train", f"target={run.target_recipe}",
-            f"data.path={quote_value(run.data_path)}", *run.machine, *defaults, *run.target_overrides, *run.cfg.train,
-            f"output_dir={quote_value(str(out_dir))}", f"epochs={UNBOUNDED_EPOCHS}", *extra]
+    """The probe's and train stage's dflash-train command: one process, or nproc of them on
+    this host through torchrun (one a GPU), as launch/torchrun.sh starts them."""
+    launcher = ["torch.distributed.run", "--standalone", f"--nproc-per-node={run.cfg.nproc}", "-m"]
+    return [sys.executable, "-m", *(launcher if run.cfg.nproc > 1 else []), "dflash_train.train",
+            *_train_args(run, out_dir, *extra, defaults=defaults)]
 
 
 def eval_command(run: QualityRun, drafter: Path, out_dir: Path, device: str) -> list[str]:
@@ -386,8 +397,8 @@ def datagen_table(d: dict) -> str:
 def stage_schedule(run: QualityRun) -> Schedule:
     """When the train stage will validate and checkpoint: its recipe composed with its
     overrides, the plan's checkpoint interval UNSET to see whether train=[...] sets one."""
-    raw = compose_recipe(TrainConfig, "train", _train_command(
-        run, Path(run.cfg.run_dir) / "train", defaults=(f"checkpoint.every={UNSET}",))[3:])
+    raw = compose_recipe(TrainConfig, "train", _train_args(
+        run, Path(run.cfg.run_dir) / "train", defaults=(f"checkpoint.every={UNSET}",)))
     every = raw.checkpoint.every
     return Schedule(raw.data.val_every, run.cfg.data.val_rows > 0, None if every == UNSET else every)
 
@@ -465,7 +476,7 @@ def validate(cfg: QualityConfig) -> None:
     """Values no plan can come from, each named with its key."""
     positive = {"budget_min": cfg.budget_min, "seconds_per_step": cfg.seconds_per_step,
                 "probe_steps": cfg.probe_steps, "warmup_steps": cfg.warmup_steps, "limit": cfg.limit,
-                "max_new_tokens": cfg.max_new_tokens}
+                "max_new_tokens": cfg.max_new_tokens, "nproc": cfg.nproc}
     for key, value in positive.items():
         if value is not None and not 0 < value < math.inf:  # NaN fails the comparison too
             raise ValueError(f"{key}={value:g} must be a positive number")
@@ -557,8 +568,10 @@ def _run(argv: list[str] | None) -> None:
 
 def _quality(run: QualityRun, run_dir: Path) -> None:
     cfg = run.cfg
-    check_run(run, run_dir)
     cuda = _cuda()
+    if cuda and cfg.nproc > _gpus():
+        raise ValueError(f"nproc={cfg.nproc}: a process a GPU, and {_gpus()} GPU(s) are visible here")
+    check_run(run, run_dir)
     run.machine = machine_defaults(cuda, importlib.util.find_spec("wandb") is not None)
     if run.machine:
         print(f"[machine] dflash-train gets {' '.join(run.machine)} before your overrides "
@@ -602,6 +615,12 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -106,6 +106,46 @@ def test_quality_run_on_a_tiny_target(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
+def test_quality_run_on_two_processes(tmp_path, capfd, monkeypatch):
+    """nproc=2: the train stage runs as two DDP ranks through torchrun (gloo on this CPU), so
+    every step trains both ranks' rows (the metrics sum them: 2 rows of one conversation each,
+    a rank); the plan, export, evaluation and table as with one."""
+    warm_stages(monkeypatch, quality)
+    tok = load_tokenizer(SMOLLM2)
+    target = save_tiny_target(tmp_path / "target", tok)
+    data = write_datagen_dir(tmp_path / "data", target, tok, repeat=4)
+    run = tmp_path / "run"
+    both = [f"target.name={target}", "target.num_layers=6", "target.mask_token_id=16", "target.dtype=float32"]
+    # the plan's costs given (the probe's launches run the same command: test_several_processes_...)
+    quality.main(["target=smollm2_135m", f"data.path={data}", "budget_min=0.4", f"run_dir={run}",
+                  "seconds_per_step=0.5", "startup_s=15", "data.val_rows=4", "limit=2", "max_new_tokens=8",
+                  "device=cpu", "nproc=2", *both, _listed("train", TINY_TRAIN)])
+    out = json.loads((run / "quality.json").read_text())
+    assert out["steps"] == out["plan"]["steps"] >= 1
+    assert out["conversations"] == 2 * 2 * out["steps"]
+    assert set(out["tau"]) == {"mtbench", "humaneval"} and out["val_expected_tau"] >= 1
+    printed = capfd.readouterr().out
+    assert "[train] torch.distributed.run --standalone --nproc-per-node=2 -m dflash_train.train" in printed
+    assert "[eval] dflash_train.eval.cli" in printed
+    assert json.loads((run / "run.json").read_text())["settings"]["nproc"] == 2
+
+
+def test_several_processes_train_with_ddp_unless_told_otherwise():
+    run = quality.load([*REQUIRED, "nproc=2", _listed("train", ["seed=1"])])
+    cmd = quality._train_command(run, Path("out"), "max_steps=9")
+    assert cmd[1:8] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                        "dflash_train.train", "target=smollm2_135m"]
+    assert cmd.index("backend=ddp") < cmd.index("seed=1") < cmd.index("max_steps=9")
+    fsdp = quality._train_command(quality.load([*REQUIRED, "nproc=2", _listed("train", ["backend=fsdp2"])]), Path("o"))
+    assert fsdp.index("backend=ddp") < fsdp.index("backend=fsdp2")  # the user's, later, wins
+    one = quality._train_command(quality.load(REQUIRED), Path("o"))
+    assert one[1:3] == ["-m", "dflash_train.train"] and "backend=ddp" not in one
+    # a run recorded before nproc existed had one process: the same settings, not a change
+    now = quality.settings(quality.load(REQUIRED))
+    assert quality.settings_changes({k: v for k, v in now.items() if k != "nproc"}, now) == []
+
+
+@pytest.mark.slow
 def test_quality_run_generates_its_data_first(tmp_path, capfd, monkeypatch):
     """From nothing but a target: the datagen stage writes run_dir/data within its budget
     (the eval datasets excluded), training reads it, and the table adds the stage's row.
@@ -244,6 +284,7 @@ def test_a_rerun_with_another_target_key_is_refused_by_name(tmp_path, monkeypatc
                                                            "a validation's"),
     (["budget_min=10", "seconds_per_step=2", "checkpoint_s=-1"], "checkpoint_s=-1 must be a finite number >= 0"),
     (["budget_min=10", "data.val_rows=-1"], "data.val_rows=-1 must be a finite number >= 0"),
+    (["budget_min=10", "nproc=0"], "nproc=0 must be a positive number"),
     (["budget_min=10", "datasets=[]"], "datasets=[] names no dataset to evaluate on: give at least one "
                                        "(mtbench, humaneval, a .jsonl)"),
     ([], "missing value for budget_min: add budget_min=<training minutes> to the command"),
