@@ -117,11 +117,11 @@ def load_job(args, target, tokenizer, out_dir: str):
 
 def build(kind: str, target, args, stop_ids: list[int], pad_id: int):
     cfg = BackendConfig(kind=kind.split("-")[0], batch_size=args.batch_size, device=args.device,
-                        cuda_graphs=kind != "engine-eager", attention="flex" if kind == "engine-flex" else "sdpa")
+                        cuda_graphs=kind != "engine-eager", attention="flex" if kind == "engine-flex" else "sdpa",
+                        sync_steps=args.sync_steps if kind.startswith("engine") else None)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     if cfg.kind == "engine":
         gen = EngineGenerator(target, cfg, sampling, stop_ids, args.max_prompt_len)
-        gen.engine.sync_steps = args.sync_steps or gen.engine.sync_steps
         return gen, cfg
     gen = HFGenerator(target, cfg, sampling, stop_ids, pad_id)
     if kind == "hf-static":

@@ -143,6 +143,10 @@ class BackendConfig:
     # (compiled flex_attention) reads only the blocks each row holds (docs/datagen.md); auto:
     # flex on a GPU (1.5x sdpa's tokens/s on issue 39's job, one H100), sdpa on CPU.
     attention: str = "auto"
+    # engine: decode steps per chunk between two reads of the slots (None: the engine's
+    # STEPS_PER_SYNC, 8, on a GPU; 1 off it). Longer chunks: fewer admissions, so fewer prefill
+    # forwards and less host work a token; a finished slot idles longer before its next prompt.
+    sync_steps: int | None = field(default=None, metadata={MIN: 1})
     # hf on CPU: torch intra-op threads (None: torch's default). 1 is much faster on a
     # machine shared with other jobs, where spinning thread pools stall each other.
     cpu_threads: int | None = field(default=None, metadata={MIN: 1})
@@ -161,8 +165,11 @@ class BackendConfig:
             raise ValueError(f"backend.kind={self.kind!r}: expected one of {list(BACKEND_KINDS)}")
         if self.attention not in ENGINE_ATTENTIONS:
             raise ValueError(f"backend.attention={self.attention!r}: expected one of {list(ENGINE_ATTENTIONS)}")
+        if self.sync_steps is not None and (type(self.sync_steps) is not int or self.sync_steps < 1):
+            raise ValueError(f"backend.sync_steps={self.sync_steps!r}: expected an integer >= 1, or null for the "
+                             "engine's default")
         if self.kind != "auto":
-            self._check_attention()
+            self._check_engine_only()
         if self.timeout_s <= 0:
             raise ValueError(f"backend.timeout_s={self.timeout_s} must be > 0")
         if self.kind == "openai" and not self.base_url:
@@ -173,13 +180,15 @@ class BackendConfig:
         device=auto this asks torch whether there is a GPU."""
         if self.kind == "auto":
             self.kind = "engine" if self._on_gpu() else "hf"
-            self._check_attention()
+            self._check_engine_only()
         if self.attention == "auto":
             self.attention = engine_attention_for("cuda" if self.kind == "engine" and self._on_gpu() else "cpu")
 
-    def _check_attention(self) -> None:
+    def _check_engine_only(self) -> None:
         if self.attention not in ("auto", "sdpa") and self.kind != "engine":
             raise ValueError(f"backend.attention={self.attention!r} is the engine's; backend.kind is {self.kind!r}")
+        if self.sync_steps is not None and self.kind != "engine":
+            raise ValueError(f"backend.sync_steps={self.sync_steps} is the engine's; backend.kind is {self.kind!r}")
 
     def _on_gpu(self) -> bool:
         """Whether the in-process target runs on a GPU: the `engine` only pays off there (on

@@ -18,8 +18,8 @@ slot rows and attends over them:
     WIDTH_STEP); `flex` over the blocks of its row that hold its keys, whatever the others hold.
 The decode step (forward, token choice, stop detection, bookkeeping) runs on the device
 without a host sync; on CUDA each width is captured once as a CUDA graph and replayed (flex
-needs one width: the whole row). The host reads the slots every STEPS_PER_SYNC steps, one
-chunk behind the device.
+needs one width: the whole row). The host reads the slots every `sync_steps` steps
+(backend.sync_steps; by default STEPS_PER_SYNC on CUDA), one chunk behind the device.
 
 Nothing is shared between slots: a prompt's answer does not depend on the prompts beside it
 (up to floating-point rounding of the attention over a wider padded range).
@@ -67,10 +67,11 @@ class _Step:
     cache_k: list[torch.Tensor]  # per layer (B, Hkv, S, D)
     cache_v: list[torch.Tensor]
     rows: torch.Tensor | None = None  # prefill: the slots the prompts go to, (n,)
-    # prefill after a kept prefix: each row's first new position (n,) and new tokens (n,), and
-    # the cache columns the group reads (the longest row's end)
-    starts: torch.Tensor | None = None
-    new: torch.Tensor | None = None
+    # prefill after a kept prefix, built once a forward (not by each layer): each fed token's
+    # position (n, T), the index of its cache entries (rows (n, 1), every head, columns (n, T)),
+    # and the cache columns the group reads (the longest row's end)
+    fed: torch.Tensor | None = None
+    write: tuple | None = None
     span: int = 0
     pos: torch.Tensor | None = None  # decode: each slot's position, (B,)
     live: torch.Tensor | None = None  # decode: the slots with an answer going on, (B,)
@@ -88,7 +89,7 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
     step: _Step = kwargs.pop(STEP_KWARG)
     k_cache, v_cache = step.cache_k[module.layer_idx], step.cache_v[module.layer_idx]
-    if step.starts is not None:
+    if step.fed is not None:
         return _after_prefix(module, query, key, value, k_cache, v_cache, step, scaling, sliding_window), None
     if step.rows is not None:
         length = query.shape[2]
@@ -115,7 +116,7 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 def _after_prefix(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, step: _Step, scaling: float | None,
                   sliding_window: int | None) -> torch.Tensor:
-    """Prefill of prompts whose first `starts` tokens' keys/values are in their rows already
+    """Prefill of prompts whose first tokens' keys/values are in their rows already
     (the same conversation's earlier turn): the new tokens' keys/values go in after them, and
     each new query attends over its row's cache up to itself. Right-padded; a padding token
     writes into the row's last column, which no fed token ever holds (an answer's last token
@@ -126,23 +127,20 @@ def _after_prefix(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     read as they are, never repeated per query head. (Masked, SDPA's enable_gqa takes its math
     kernel, so transformers' SDPA path repeats the KV heads instead: a copy of every row's span
     per query head, 7 for Qwen2.5-0.5B.) The mask, additive (n, 1, G x T, span), is built by
-    the first layer and shared by the others."""
+    the first layer and shared by the others; the positions and write indices come built with
+    `step` (per layer they were a fifth of the forward's operators)."""
     n, hq, length, d = query.shape
     hkv = key.shape[1]
-    t = torch.arange(length, device=query.device)
-    pos = step.starts[:, None] + t  # (n, T)
-    write = torch.where(t < step.new[:, None], pos, k_cache.shape[2] - 1)
-    rows = step.rows[:, None]
-    k_cache[rows, :, write] = key.transpose(1, 2)
-    v_cache[rows, :, write] = value.transpose(1, 2)
+    k_cache[step.write] = key.transpose(1, 2)  # (n, T, Hkv, D) into the (row, :, column) entries
+    v_cache[step.write] = value.transpose(1, 2)
     k = k_cache[:, :, :step.span].index_select(0, step.rows)  # (n, Hkv, span, D)
     v = v_cache[:, :, :step.span].index_select(0, step.rows)
     mask = step.masks.get(sliding_window)
     if mask is None:
         columns = torch.arange(step.span, device=query.device)
-        seen = columns[None, None] <= pos[:, :, None]  # (n, T, span)
+        seen = columns[None, None] <= step.fed[:, :, None]  # (n, T, span)
         if sliding_window is not None:
-            seen &= columns[None, None] > pos[:, :, None] - sliding_window
+            seen &= columns[None, None] > step.fed[:, :, None] - sliding_window
         groups = hq // hkv
         # Additive, in the queries' dtype: a boolean mask would be converted by every layer's call.
         hidden = torch.zeros(n, 1, groups, length, step.span, dtype=query.dtype, device=query.device)
@@ -193,6 +191,8 @@ class GenerationEngine:
                  attention: str = "auto"):
         if attention not in ENGINE_ATTENTIONS:
             raise ValueError(f"attention={attention!r}: expected one of {list(ENGINE_ATTENTIONS)}")
+        if sync_steps is not None and sync_steps < 1:
+            raise ValueError(f"sync_steps={sync_steps}: expected an integer >= 1, or None for the default")
         _register_attention()
         self.device = target.device
         self.attention = engine_attention_for(self.device.type) if attention == "auto" else attention
@@ -204,7 +204,8 @@ class GenerationEngine:
         self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if cuda_graphs and self.device.type == "cuda" else None
         self._pool = None
         # Off CUDA the host waits for every step anyway: it reads the slots after each.
-        self.sync_steps = sync_steps or (STEPS_PER_SYNC if self.device.type == "cuda" else 1)
+        default = STEPS_PER_SYNC if self.device.type == "cuda" else 1
+        self.sync_steps = default if sync_steps is None else sync_steps
         self.queue: deque = deque()
         # The host's view of the slots: the request in each, its position as of the last
         # snapshot read, and the first snapshot that shows it.
@@ -345,10 +346,14 @@ class GenerationEngine:
         columns = self.cache_k[0].shape[2]
         for width, span, group in _kept_groups(todo, columns):
             ids = self._to_device([t[start:] + [0] * (width - len(t) + start) for _, t, start in group])
-            step = _Step(self.cache_k, self.cache_v, rows=self._to_device([slot for slot, _, _ in group]),
-                         starts=self._to_device([start for _, _, start in group]),
-                         new=self._to_device([len(t) - start for _, t, start in group]), span=span, masks={})
-            positions = step.starts[:, None] + torch.arange(width, device=self.device)
+            rows = self._to_device([slot for slot, _, _ in group])
+            starts = self._to_device([start for _, _, start in group])
+            new = self._to_device([len(t) - start for _, t, start in group])
+            t = torch.arange(width, device=self.device)
+            positions = starts[:, None] + t  # (n, T)
+            # A padding token writes into the row's last column (see _after_prefix).
+            write = (rows[:, None], slice(None), torch.where(t < new[:, None], positions, columns - 1))
+            step = _Step(self.cache_k, self.cache_v, rows=rows, fed=positions, write=write, span=span, masks={})
             self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **{STEP_KWARG: step})
 
     def _admit(self, deadline: float | None) -> None:
@@ -536,7 +541,7 @@ class EngineGenerator:
             torch.set_num_threads(cfg.cpu_threads)
         self.target = target  # shared with a generator of other sampling settings (magpie)
         self.engine = GenerationEngine(target, cfg.batch_size, max_prompt_len + sampling.max_new_tokens, sampling,
-                                       stop_ids, cfg.cuda_graphs, attention=cfg.attention)
+                                       stop_ids, cfg.cuda_graphs, sync_steps=cfg.sync_steps, attention=cfg.attention)
 
     @classmethod
     def load(cls, spec: str, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int],

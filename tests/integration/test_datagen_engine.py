@@ -50,8 +50,8 @@ def once():
     return get
 
 
-def generate(kind, target, prompts, batch_size, seeds=None, attention="sdpa", **sampling):
-    cfg = BackendConfig(kind=kind, batch_size=batch_size, attention=attention)
+def generate(kind, target, prompts, batch_size, seeds=None, attention="sdpa", sync_steps=None, **sampling):
+    cfg = BackendConfig(kind=kind, batch_size=batch_size, attention=attention, sync_steps=sync_steps)
     s = SamplingConfig(max_new_tokens=MAX_NEW, **sampling)
     gen = (EngineGenerator(target, cfg, s, [IM_END], max_prompt_len=256) if kind == "engine"
            else HFGenerator(target, cfg, s, [IM_END], IM_END))
@@ -63,7 +63,7 @@ def test_greedy_answers_equal_hf(smollm2, prompts, attention, once):
     """8 slots for 32 prompts: rows refill as answers end, beside rows of other lengths."""
     assert len({len(p) for p in prompts}) == 32
     model_attention = smollm2.model.config._attn_implementation
-    engine = generate("engine", smollm2, prompts, batch_size=8, attention=attention)
+    engine = once(f"engine greedy {attention}", lambda: generate("engine", smollm2, prompts, 8, attention=attention))
     hf = once("hf greedy", lambda: generate("hf", smollm2, prompts, batch_size=8))
     assert [c.ids for c in engine] == [c.ids for c in hf]
     assert [c.finish_reason for c in engine] == [c.finish_reason for c in hf]
@@ -72,6 +72,18 @@ def test_greedy_answers_equal_hf(smollm2, prompts, attention, once):
     assert all(len(c.ids) == MAX_NEW for c in engine if c.finish_reason == "length")
     assert all(c.ids[-1] == IM_END and IM_END not in c.ids[:-1] for c in engine if c.finish_reason == "stop")
     assert smollm2.model.config._attn_implementation == model_attention, "the caller's model keeps its attention"
+
+
+def test_longer_chunks_give_the_same_answers(smollm2, prompts, once):
+    """backend.sync_steps=3: the host reads the slots every 3 decode steps (a finished slot idles
+    up to 2 steps before its next prompt), and the greedy answers are those of reading after
+    every step (the default on CPU)."""
+    chunked = EngineGenerator(smollm2, BackendConfig(kind="engine", batch_size=8, attention="sdpa", sync_steps=3),
+                              SamplingConfig(max_new_tokens=MAX_NEW), [IM_END], max_prompt_len=256)
+    assert chunked.engine.sync_steps == 3
+    answers = chunked.generate(prompts, list(range(len(prompts))))
+    every_step = once("engine greedy sdpa", lambda: generate("engine", smollm2, prompts, 8))
+    assert [(c.ids, c.finish_reason) for c in answers] == [(c.ids, c.finish_reason) for c in every_step]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
@@ -114,15 +126,16 @@ def test_multi_turn_run_equals_hf(tmp_path, smollm2, smollm2_tokenizer):
     assert max(data["engine"]["input_ids"][i].count(1) for i in range(3)) >= 5, "a later turn was answered"
 
 
-@pytest.mark.parametrize("conversations", [3, 4])
-def test_next_turn_prefills_after_what_its_slot_holds(smollm2, prompts, monkeypatch, conversations):
+@pytest.mark.parametrize("conversations, sync_steps", [(3, 1), (4, 1), (3, 3)])
+def test_next_turn_prefills_after_what_its_slot_holds(smollm2, prompts, monkeypatch, conversations, sync_steps):
     """Conversations of three turns through 3 slots, each next turn the earlier prompt, its
     answer and new user tokens, queued as its answer comes out: it takes its last answer's
     slot and prefills only what the row does not hold, the new tokens and the answer's last
     two (its last token was never fed; the one before is where an ended row goes on writing).
     With a fourth conversation queued first, it takes the first slot that frees and that
     conversation's next turn prefills whole elsewhere. Every answer equals a fresh engine's for
-    the same prompt, which prefills it whole."""
+    the same prompt, which prefills it whole; so too with the slots read every 3 steps (an ended
+    row goes on writing at the same position until the host sees it)."""
     from data_gen.engine import GenerationEngine
 
     after = []
@@ -131,7 +144,7 @@ def test_next_turn_prefills_after_what_its_slot_holds(smollm2, prompts, monkeypa
                         lambda self, todo: (after.extend(len(t) - start for _, t, start in todo),
                                             prefill_after(self, todo))[1])
     sampling = SamplingConfig(max_new_tokens=MAX_NEW)
-    engine = GenerationEngine(smollm2, 3, 256, sampling, [IM_END], cuda_graphs=False)
+    engine = GenerationEngine(smollm2, 3, 256, sampling, [IM_END], cuda_graphs=False, sync_steps=sync_steps)
     user = {k: [[IM_END - 1] + prompts[2 * k + 1][-4 - t:] for t in range(2)] for k in range(conversations)}
     asked, answers = {k: [prompts[2 * k + 1]] for k in range(conversations)}, {}
     for k in range(conversations):

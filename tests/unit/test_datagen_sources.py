@@ -7,7 +7,7 @@ import datasets
 import pytest
 from hydra import compose, initialize_config_module
 
-from data_gen.config import SourceConfig, to_datagen_config
+from data_gen.config import BackendConfig, SourceConfig, to_datagen_config
 from data_gen.sources import SkipLog, eval_hashes, iter_prompts
 from dflash_train.data.prompts import load_benchmark, prompt_hash
 from dflash_train.resources import resolve_path
@@ -123,6 +123,10 @@ def base_config(**overrides):
      r"^backend.attention='flash': expected one of \['auto', 'sdpa', 'flex'\]$"),
     ({"backend": {"kind": "hf", "attention": "flex"}},
      r"^backend.attention='flex' is the engine's; backend.kind is 'hf'$"),
+    ({"backend": {"kind": "engine", "sync_steps": 0}}, r"^backend.sync_steps=0 must be a finite number >= 1$"),
+    ({"backend": {"kind": "engine", "sync_steps": 2.5}}, r"wrong type for backend.sync_steps=2.5"),
+    ({"backend": {"kind": "hf", "sync_steps": 4}}, r"^backend.sync_steps=4 is the engine's; backend.kind is 'hf'$"),
+    ({"backend": {"device": "cpu", "sync_steps": 4}}, r"^backend.sync_steps=4 is the engine's; backend.kind is 'hf'$"),
     ({"sources": [{"kind": "csv", "path": "x"}]}, r"sources\[0\].kind='csv'"),
     ({"sources": [{"kind": "hf", "path": "x"}]}, "exactly one of prompt_column or messages_column"),
     ({"sources": [{"kind": "jsonl", "path": "a"}, {"kind": "jsonl", "path": "b"}]}, "must be unique"),
@@ -160,6 +164,19 @@ def test_auto_attention_is_flex_on_a_gpu(kind, device, attention):
     decode attention answered: flex where the engine runs on a GPU, sdpa on CPU."""
     backend = to_datagen_config(base_config(backend={"kind": kind, "device": device})).backend
     assert backend.attention == attention
+
+
+@pytest.mark.parametrize("value", [0, -3, True, 2.0, "8"])
+def test_sync_steps_set_in_code_is_checked_too(value):
+    """A BackendConfig built in code (not merged from a recipe) meets the same check."""
+    with pytest.raises(ValueError, match=rf"^backend.sync_steps={value!r}: expected an integer >= 1, or null"):
+        BackendConfig(kind="engine", sync_steps=value).check()
+
+
+@pytest.mark.parametrize("sync_steps", [None, 1, 16])
+def test_sync_steps_is_kept_for_the_engine(sync_steps):
+    backend = to_datagen_config(base_config(backend={"kind": "engine", "sync_steps": sync_steps})).backend
+    assert backend.sync_steps == sync_steps
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES.glob("datagen*.yaml")))
