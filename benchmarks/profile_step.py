@@ -16,7 +16,8 @@ arguments, then profiles three more steps and prints
 Under torchrun (any backend but single) every rank profiles the same steps; rank 0 prints
 its own tables, then what each rank's steps held (``rank_line``: step time, device busy and
 idle, time inside collectives and the part of it no computation overlapped, host syncs) and
-the collectives of a step by kind (calls, elements and megabytes, device time). NCCL (and
+the collectives of a step by kind (calls, elements and megabytes, device time), and with
+``--gaps`` where its host read tensors' values (each a sync on a GPU). NCCL (and
 gloo) collectives are a kind of kernel of their own. ``--out`` and ``--trace`` are rank 0's;
 rank N's trace is written beside it as ``rankN-NAME``.
 
@@ -154,11 +155,14 @@ def kernel_tables(prof, events: list[dict], top: int = 40) -> str:
     return "\n".join(lines)
 
 
-def _python_stack(frames: list[tuple[float, float, str]], starts: list[float], ts: float, depth: int = 4) -> str:
-    """The innermost ``depth`` Python frames (of this repository or transformers) open at ``ts``."""
+def _python_stack(frames: list[tuple[float, float, str]], starts: list[float], ts: float, depth: int = 4,
+                  keep: tuple[str, ...] = ("dflash_train", "transformers")) -> str:
+    """The innermost ``depth`` Python frames (of this repository or transformers, or whose
+    file names contain one of ``keep``) open at ``ts``; a frame is named by the line its
+    function starts on."""
     i = bisect.bisect_right(starts, ts)
     open_ = [name for start, end, name in frames[max(0, i - 4000):i] if start <= ts <= end]
-    useful = [n for n in open_ if "dflash_train" in n or "transformers" in n]
+    useful = [n for n in open_ if any(k in n for k in keep)]
     return " < ".join(reversed(useful[-depth:])) or (open_[-1] if open_ else "?")
 
 
@@ -214,6 +218,19 @@ def gap_table(events: list[dict], rows: int = 15) -> str:
         lag = f"{after.start - launched:13.0f}" if launched is not None else f"{'?':>13}"
         where = _python_stack(frames, starts, launched) if launched is not None else "?"
         lines.append(f"{dur:8.0f} {lag}  {before.name[:40]} -> {after.name[:40]} | {where}")
+    return "\n".join(lines)
+
+
+def sync_table(events: list[dict], rows: int = 12) -> str:
+    """Where the host read values of tensors (rank 0; needs --gaps' Python stacks)."""
+    frames = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                    if e.get("cat") == "python_function")
+    starts = [f[0] for f in frames]
+    keep = ("dflash_train", "transformers", "torch/optim", "torch/nn/utils", "torch/distributed")
+    where = collections.Counter(_python_stack(frames, starts, e["ts"], 2, keep) for e in events
+                                if e.get("cat") == "cpu_op" and e["name"] in HOST_SYNCS)
+    lines = [f"host syncs per step (rank 0): {sum(where.values()) / STEPS:.0f}, by where the host read a value"]
+    lines += [f"  {n / STEPS:6.1f}  {frame}" for frame, n in where.most_common(rows)]
     return "\n".join(lines)
 
 
@@ -315,6 +332,8 @@ def main(argv: list[str]) -> None:
             dist.all_gather_object(summaries, rank_summary(events, seconds))
             report["text"] += "\n" + "\n".join(rank_line(r, s) for r, s in enumerate(summaries))
             report["text"] += "\n" + collective_table(events, dist.get_world_size())
+            if gaps:
+                report["text"] += "\n" + sync_table(events)
         return report["text"]
 
     with tempfile.TemporaryDirectory() as tmp:
