@@ -202,8 +202,9 @@ class DistributedConfig:
     # fsdp2: params, grads and optimizer state on CPU; zero2: optimizer on CPU;
     # zero3: optimizer and params on CPU
     cpu_offload: bool = False
-    # fsdp2: free the gathered params after forward (ZeRO-3-like memory) or keep them
-    # until backward (ZeRO-2-like: less communication, more memory)
+    # fsdp2: free each block's gathered params after forward (ZeRO-3-like memory) or keep
+    # them until backward (ZeRO-2-like: less communication, more memory); the root's
+    # (the drafter's input projection and norms) are kept either way
     reshard_after_forward: bool = True
     timeout_minutes: int = 30
 

@@ -6,6 +6,9 @@
 #   resume  each backend: an uninterrupted 2-GPU run; a 2-GPU run killed with kill -9 after its
 #           mid-run checkpoint and resumed on 2 GPUs; a copy of the killed run resumed on 1 GPU;
 #           a 1-GPU run's checkpoint resumed on 2 GPUs (later steps' losses compared by table.py)
+#   profile benchmarks/profile_step.py under torchrun on 2 GPUs of the real data, each backend but
+#           ZeRO: the kernel tables (profile-B.txt) and the device's gaps (profile-B-gaps.txt), each
+#           with a line per rank (step, device busy and idle, time in collectives) and the collectives
 # BACKENDS (default "ddp fsdp2 zero2 zero3") picks the backends (fsdp2-keep too: FSDP2 with
 # backend.reshard_after_forward=false). With CPU_SMOKE=1 the same
 # commands run on the tests' tiny random Llama and 32 conversations written for it, as CPU
@@ -33,13 +36,14 @@ write_datagen_dir(Path('$DATA'), save_tiny_target(Path('$TARGET'), tok), tok, re
     drafter.block_size=8 drafter.attention=dense drafter.compile=false drafter.target_layer_ids=null
     data.max_length=64 data.num_anchors=6 data.blocks_per_row=12)
   PAPER_TARGET=(target.name=$TARGET)  # a random target of the tiny one's config
-  REAL_STEPS=(bench.steps=2 bench.warmup=1) PAPER_STEPS=(bench.steps=2 bench.warmup=1)
+  REAL_STEPS=(bench.steps=2 bench.warmup=1) PAPER_STEPS=(bench.steps=2 bench.warmup=1) PROFILE_STEPS=()
   STEPS=16 HALF=8 VAL_ROWS=4
   # DeepSpeed's launcher defaults to port 29500, which other jobs on a shared CPU box may hold
   DS_PORT=(--master "localhost:$("$PY" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')")
 else
   TARGET=/tmp/qwen25coder05b.gguf DATA=/tmp/data/sharegpt-qwen25-coder-05b
-  SMALL=() PAPER_TARGET=() REAL_STEPS=(bench.steps=20) PAPER_STEPS=(bench.steps=10)
+  # the profile's own 3 steps follow the bench's timed ones: a few of those suffice
+  SMALL=() PAPER_TARGET=() REAL_STEPS=(bench.steps=20) PAPER_STEPS=(bench.steps=10) PROFILE_STEPS=(bench.steps=3)
   STEPS=60 HALF=30 VAL_ROWS=64 DS_PORT=()
 fi
 REAL=(+experiment=qwen25_coder_05b_1xh100 target.name=$TARGET data.path=$DATA "${SMALL[@]}" "${REAL_STEPS[@]}")
@@ -69,6 +73,19 @@ bench_phase() {  # bench_phase NAME ARGS...: every backend on 1 and 2 GPUs
     echo "$(date +%T) $geo $b $n GPU(s)"
     launch $b $n --bench -- $(backend_args $b) "$@" bench.json=$R/$geo-$b-$n.json > $R/$geo-$b-$n.log 2>&1 || failed=$((failed + 1))
   done; done
+}
+
+profile_phase() {  # each backend's profile of the real data's step on 2 GPUs (ZeRO's are not asked for)
+  local b mode
+  for b in $BACKENDS; do
+    case $b in zero*) continue ;; esac
+    for mode in "" --gaps; do
+      echo "$(date +%T) profile $b ${mode:-kernels}"
+      "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/profile_step.py $(backend_args $b) \
+        "${REAL[@]}" "${PROFILE_STEPS[@]}" $mode --out $R/profile-$b${mode:+-gaps}.txt \
+        > $R/profile-$b${mode:+-gaps}.log 2>&1 || failed=$((failed + 1))
+    done
+  done
 }
 
 last_step() {  # the last step in a run's metrics.jsonl (0 before the first)
@@ -127,7 +144,7 @@ resume_phase() {
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 case " $* " in
-  *" real "*|*" resume "*)  # the GGUF dequantized once, not by two processes at a time
+  *" real "*|*" resume "*|*" profile "*)  # the GGUF dequantized once, not by two processes at a time
     "$PY" -c "from dflash_train.model.target import resolve_target; print(resolve_target('$TARGET'))" ;;
 esac
 for phase in "$@"; do
@@ -135,7 +152,8 @@ for phase in "$@"; do
     real) bench_phase real "${REAL[@]}" ;;
     paper) bench_phase paper "${PAPER[@]}" ;;
     resume) resume_phase ;;
-    *) echo "job.sh: unknown phase '$phase' (real, paper or resume)"; exit 2 ;;
+    profile) profile_phase ;;
+    *) echo "job.sh: unknown phase '$phase' (real, paper, resume or profile)"; exit 2 ;;
   esac
 done
 exit $((failed > 0))

@@ -1,7 +1,7 @@
 # Issue 40 on a 2-GPU machine: dflash-bench through the launchers, as a user runs it, for every
 # backend on 1 and 2 GPUs, on the shared real data with the Qwen2.5-Coder-0.5B target and on the
 # paper geometry (Qwen3-8B, random weights); then kill -9 and resumes across world sizes.
-#   bash benchmarks/two-gpu/run.sh WAIT_S PHASE...     PHASE: real | paper | resume (job.sh says what each runs)
+#   bash benchmarks/two-gpu/run.sh WAIT_S PHASE...     PHASE: real | paper | resume | profile (job.sh says what each runs)
 #   BACKENDS="ddp fsdp2" bash benchmarks/two-gpu/run.sh ...   some backends only (default all four)
 #   CPU_SMOKE=1 PYTHON=.venv/bin/python bash benchmarks/two-gpu/run.sh 0 real paper resume
 # On the GPU machine: carry .gpu/whl-ds (DeepSpeed's pure-Python wheel, pydantic and its needs)
@@ -16,9 +16,9 @@ status=0
 WAIT=${1:?usage: run.sh WAIT_S PHASE...}; shift
 PHASES="$*"
 for phase in $PHASES; do
-  case $phase in real|paper|resume) ;; *) echo "run.sh: unknown phase '$phase' (real, paper or resume)"; exit 2 ;; esac
+  case $phase in real|paper|resume|profile) ;; *) echo "run.sh: unknown phase '$phase' (real, paper, resume or profile)"; exit 2 ;; esac
 done
-[ -n "$PHASES" ] || { echo "run.sh: name the phases to run: real, paper and/or resume"; exit 2; }
+[ -n "$PHASES" ] || { echo "run.sh: name the phases to run: real, paper, resume and/or profile"; exit 2; }
 HERE=benchmarks/two-gpu
 if [ "${CPU_SMOKE:-0}" = 1 ]; then
   PY=${PYTHON:-python3}
@@ -31,7 +31,7 @@ else
   running() { for f in $R/job-*.out; do [ -f "$f" ] && ! tail -n 1 "$f" | grep -q " done (exit" && return 0; done; return 1; }
   if [ ! -f $R/job-$KEY.out ]; then
     missing=""
-    case " $PHASES " in *" real "*|*" resume "*)
+    case " $PHASES " in *" real "*|*" resume "*|*" profile "*)
       [ -f /tmp/qwen25coder05b.gguf ] || missing="$missing the whole GGUF;"
       [ -d /tmp/data/sharegpt-qwen25-coder-05b ] || missing="$missing .gpu/data;" ;;
     esac
@@ -54,6 +54,9 @@ else
 fi
 for f in $R/job-*.out; do [ -f "$f" ] && echo "== $(basename $f .out): $(tail -n 1 $f)"; done
 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$PY" $HERE/table.py $R
+for f in $R/profile-*.txt; do  # the profiles' lines per rank and their collectives
+  [ -f "$f" ] && { echo "== $(basename $f .txt)"; awk '/^rank 0:/ { p = 1 } p' "$f"; }
+done
 tar -C $R -czf $OUT/two-gpu.tgz --exclude='./tiny' --exclude='*/checkpoints' --exclude='*.lock' . 2>/dev/null
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
 exit $status

@@ -212,11 +212,43 @@ class FSDP2Backend(_TorchBackend):
         offload = CPUOffloadPolicy() if self.cfg.cpu_offload else OffloadPolicy()
         if not self.cfg.cpu_offload:
             model = model.to(self.device)
-        options = dict(mesh=mesh, mp_policy=precision, offload_policy=offload,
-                       reshard_after_forward=self.cfg.reshard_after_forward)
+        options = dict(mesh=mesh, mp_policy=precision, offload_policy=offload)
         for block in shardable_blocks(model):
-            fully_shard(block, **options)
-        return fully_shard(model, **options)
+            fully_shard(block, reshard_after_forward=self.cfg.reshard_after_forward, **options)
+        # The root's parameters (the drafter's input projection and norms) stay gathered from
+        # forward to backward: its final norm is the first thing the backward needs, so
+        # resharding it would all-gather it again at once, the first collective of the backward
+        # with nothing to hide it behind. torch's own default for a root, which an explicit
+        # reshard_after_forward=True passed to it would turn off.
+        return fully_shard(model, reshard_after_forward=False, **options)
+
+    def step(self, loss: torch.Tensor | None = None) -> float:
+        """The clip from this rank's shards, read by the host once: the sum of the squares of
+        its gradient shards, all-reduced (one scalar), is the global norm. torch's
+        clip_grad_norm_ over DTensors all-reduces every parameter's partial norm through
+        DTensor's dispatch, and the loss's check and the norm were two host syncs before the
+        optimizer step could be queued. CPU offload keeps the default (its gradients live in
+        host memory, which an NCCL all-reduce cannot read)."""
+        if self.cfg.cpu_offload:
+            return super().step(loss)
+        shards = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                  for p in self._params if p.grad is not None]
+        # (): this rank's part (on the device even with no gradient here, for the all-reduce)
+        squares = torch.nn.utils.get_total_norm(shards).to(self.device, torch.float64).square()
+        if self.world_size > 1:
+            dist.all_reduce(squares)
+        total = squares.sqrt()
+        if loss is not None:  # a non-finite loss skips the update as a non-finite norm does
+            total = torch.where(torch.isfinite(loss), total, torch.full_like(total, math.nan))
+        norm = float(total)  # the one host sync: the same value on every rank
+        if not math.isfinite(norm):
+            self.skip_step()
+            return norm
+        coef = self.clip_grad_norm / (norm + 1e-6)  # clip_grad_norm_'s coefficient and epsilon
+        if coef < 1.0:
+            torch._foreach_mul_(shards, coef)
+        self.optimizer.step()
+        return self._after_update(norm)
 
     def save_state(self, directory: str | os.PathLike) -> None:
         self._write_sharded_state(directory, *get_state_dict(self._model, self.optimizer))

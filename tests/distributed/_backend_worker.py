@@ -75,10 +75,12 @@ def skip_deepspeed_shm_op() -> None:
 
 
 def train(backend_name: str, accum: int, steps: int, first_step: int = 0, micro: int | None = None,
-          clip: float = 0.5, load: str | None = None, save: str | None = None, device: str = "cpu") -> dict | None:
+          clip: float = 0.5, load: str | None = None, save: str | None = None, device: str = "cpu",
+          poison: int | None = None) -> dict | None:
     """Runs updates `first_step ... first_step + steps - 1`; each update takes `micro` micro-steps
-    (default `accum`; fewer exercises an update that ends early). Returns the loss curve,
-    grad norms, learning rates and final weights on rank 0, None elsewhere."""
+    (default `accum`; fewer exercises an update that ends early). ``poison``: at that update the
+    last rank's loss is NaN (its gradients too). Returns the loss curve, grad norms, learning
+    rates and final weights on rank 0, None elsewhere."""
     from dflash_train.distributed.build import build_backend
 
     micro = micro or accum
@@ -93,6 +95,8 @@ def train(backend_name: str, accum: int, steps: int, first_step: int = 0, micro:
         for i in range(micro):
             x, y = (t.to(backend.device) for t in micro_batch(step, backend.rank * micro + i))
             loss = nn.functional.mse_loss(backend.model(x).float(), y)
+            if step == poison and backend.rank == backend.world_size - 1:
+                loss = loss * float("nan")
             backend.backward(loss, sync=i == micro - 1)
             total += loss.detach()
         norms.append(backend.step())
@@ -183,7 +187,7 @@ def main() -> None:
     parser.add_argument("--shard_target", type=int)
     parser.add_argument("--backend_name")
     parser.add_argument("--held_by")
-    for name in ("accum", "steps", "first_step", "micro"):
+    for name in ("accum", "steps", "first_step", "micro", "poison"):
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--clip", type=float, default=0.5)
     parser.add_argument("--load")

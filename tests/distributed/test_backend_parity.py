@@ -9,6 +9,7 @@ keep far below rtol=1e-5 on the loss and 1e-4 on the weights.
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -100,3 +101,13 @@ def test_zero_gathers_the_checkpoint_onto_rank_0_only(backend, tmp_path):
     _needs(backend)
     record = launch(2, tmp_path / "a.pt", held_by=backend, save=tmp_path / "ckpt")
     assert record["held"] == [{"save": 40, "export": 10}, {"save": 0, "export": 0}]
+
+
+def test_fsdp2_skips_an_update_whose_gradients_are_not_finite_on_one_rank(tmp_path):
+    """FSDP2's step reads the global norm of the shards once: NaN gradients on one rank make it
+    NaN on both, and both skip the update (weights, moments and schedule as they were), then
+    train on as one process does that never had that update."""
+    record = launch(2, tmp_path / "a.pt", backend_name="fsdp2", accum=ACCUM, steps=3, poison=1)
+    assert math.isnan(record["grad_norm"][1]) and not any(map(math.isnan, record["grad_norm"][::2]))
+    assert record["lr"][1] == record["lr"][0]  # the schedule did not advance
+    assert all(torch.isfinite(w).all() for w in record["weights"].values())
