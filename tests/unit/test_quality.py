@@ -63,14 +63,20 @@ def test_the_lr_after_a_planned_schedule():
     assert (_lr_after(1), _lr_after(2), _lr_after(25)) == (pytest.approx(3e-3), 0.0, 0.0)
 
 
-@pytest.mark.slow
-def test_quality_run_on_a_tiny_target(tmp_path, capsys, monkeypatch):
+def tiny_run(tmp_path, monkeypatch) -> tuple[Path, Path, list[str]]:
+    """A tiny target's data set, the run folder and the target keys both stages get; the
+    stages fork from a warm Python."""
     warm_stages(monkeypatch, quality)
     tok = load_tokenizer(SMOLLM2)
     target = save_tiny_target(tmp_path / "target", tok)
     data = write_datagen_dir(tmp_path / "data", target, tok, repeat=4)
-    run = tmp_path / "run"
     both = [f"target.name={target}", "target.num_layers=6", "target.mask_token_id=16", "target.dtype=float32"]
+    return data, tmp_path / "run", both
+
+
+@pytest.mark.slow
+def test_quality_run_on_a_tiny_target(tmp_path, capsys, monkeypatch):
+    data, run, both = tiny_run(tmp_path, monkeypatch)
     # 15 s: after the start-up (~1 s: its stages fork from a warm Python here) and ~1 s export an idle
     # CPU core plans a few hundred steps of 0.04 s, so the lr check below sees a schedule that decayed to its end.
     argv = ["target=smollm2_135m", f"data.path={data}", "budget_min=0.25", f"run_dir={run}", "probe_steps=4",
@@ -110,12 +116,7 @@ def test_quality_run_on_two_processes(tmp_path, capfd, monkeypatch):
     """nproc=2: the train stage runs as two DDP ranks through torchrun (gloo on this CPU), so
     every step trains both ranks' rows (the metrics sum them: 2 rows of one conversation each,
     a rank); the plan, export, evaluation and table as with one."""
-    warm_stages(monkeypatch, quality)
-    tok = load_tokenizer(SMOLLM2)
-    target = save_tiny_target(tmp_path / "target", tok)
-    data = write_datagen_dir(tmp_path / "data", target, tok, repeat=4)
-    run = tmp_path / "run"
-    both = [f"target.name={target}", "target.num_layers=6", "target.mask_token_id=16", "target.dtype=float32"]
+    data, run, both = tiny_run(tmp_path, monkeypatch)
     # the plan's costs given (the probe's launches run the same command: test_several_processes_...)
     quality.main(["target=smollm2_135m", f"data.path={data}", "budget_min=0.4", f"run_dir={run}",
                   "seconds_per_step=0.5", "startup_s=15", "data.val_rows=4", "limit=2", "max_new_tokens=8",
