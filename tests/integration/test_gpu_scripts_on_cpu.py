@@ -81,7 +81,7 @@ def test_two_gpu_script_runs_deepspeed_through_its_launcher(tmp_path):
 def test_two_gpu_script_refuses_an_unknown_phase(tmp_path):
     done = subprocess.run(["bash", "benchmarks/two-gpu/run.sh", "0", "bench"], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, "CPU_SMOKE": "1", "R": str(tmp_path)})
-    assert done.returncode == 2 and "run.sh: unknown phase 'bench' (real, paper or resume)" in done.stdout
+    assert done.returncode == 2 and "run.sh: unknown phase 'bench' (real, paper, resume or profile)" in done.stdout
     assert not list(tmp_path.iterdir()), "nothing ran"
 
 
