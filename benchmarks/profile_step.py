@@ -155,6 +155,13 @@ def kernel_tables(prof, events: list[dict], top: int = 40) -> str:
     return "\n".join(lines)
 
 
+def _python_frames(events: list[dict]) -> tuple[list[tuple[float, float, str]], list[float]]:
+    """The trace's Python frames (start, end, name) by start, and their starts (for bisect)."""
+    frames = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                    if e.get("cat") == "python_function")
+    return frames, [f[0] for f in frames]
+
+
 def _python_stack(frames: list[tuple[float, float, str]], starts: list[float], ts: float, depth: int = 4,
                   keep: tuple[str, ...] = ("dflash_train", "transformers")) -> str:
     """The innermost ``depth`` Python frames (of this repository or transformers, or whose
@@ -196,9 +203,7 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
 def gap_table(events: list[dict], rows: int = 15) -> str:
     kernels = device_kernels(events)
     launches = {e.get("args", {}).get("correlation"): e["ts"] for e in events if e.get("cat") == "cuda_runtime"}
-    frames = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
-                    if e.get("cat") == "python_function")
-    starts = [f[0] for f in frames]
+    frames, starts = _python_frames(events)
     busy, gaps, end = 0.0, [], kernels[0].start
     previous = kernels[0]
     for k in kernels:
@@ -223,9 +228,7 @@ def gap_table(events: list[dict], rows: int = 15) -> str:
 
 def sync_table(events: list[dict], rows: int = 12) -> str:
     """Where the host read values of tensors (rank 0; needs --gaps' Python stacks)."""
-    frames = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
-                    if e.get("cat") == "python_function")
-    starts = [f[0] for f in frames]
+    frames, starts = _python_frames(events)
     keep = ("dflash_train", "transformers", "torch/optim", "torch/nn/utils", "torch/distributed")
     where = collections.Counter(_python_stack(frames, starts, e["ts"], 2, keep) for e in events
                                 if e.get("cat") == "cpu_op" and e["name"] in HOST_SYNCS)

@@ -77,9 +77,9 @@ def _next_turn(cfg: DatagenConfig, shaper: ChatShaper, shard: _Shard, c: _Conver
     c.pending = None
     if len(c.answers) == len(c.prompt.user_turns):
         return False
-    c.texts += [shaper.answer_text(a) for a in c.answers[len(c.texts):]]
+    texts = _texts(shaper, c, len(c.answers))
     try:
-        ids = shaper.prompt_ids(c.prompt.system, c.prompt.user_turns, c.texts)
+        ids = shaper.prompt_ids(c.prompt.system, c.prompt.user_turns, texts)
     except Exception as e:  # a later turn the template refuses (jinja raise_exception) ends it
         shard.ended.add(f"template_error: {type(e).__name__}")
         return False
@@ -125,10 +125,15 @@ def _cut(shard: _Shard, c: _Conversation) -> None:
         shard.ended.add("budget")
 
 
+def _texts(shaper: ChatShaper, c: _Conversation, n: int) -> list[str]:
+    """The first n answers as the chat holds them, each decoded once a conversation."""
+    c.texts += [shaper.answer_text(a) for a in c.answers[len(c.texts):n]]
+    return c.texts[:n]
+
+
 def _prompt(shaper: ChatShaper, c: _Conversation, turn: int) -> tuple[list[int], list[int]]:
     """Ids and loss mask of the conversation's prompt for user turn `turn` (0-based)."""
-    c.texts += [shaper.answer_text(a) for a in c.answers[len(c.texts):turn]]
-    return shaper.prompt(c.prompt.system, c.prompt.user_turns, c.answers[:turn], texts=c.texts[:turn])
+    return shaper.prompt(c.prompt.system, c.prompt.user_turns, c.answers[:turn], texts=_texts(shaper, c, turn))
 
 
 def _row(shaper: ChatShaper, shard: _Shard, c: _Conversation) -> dict:

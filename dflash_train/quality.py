@@ -569,8 +569,8 @@ def _run(argv: list[str] | None) -> None:
 def _quality(run: QualityRun, run_dir: Path) -> None:
     cfg = run.cfg
     # before run.json is written; a run of one process refuses bad input without importing torch
-    if cfg.nproc > 1 and _cuda() and cfg.nproc > _gpus():
-        raise ValueError(f"nproc={cfg.nproc}: a process a GPU, and {_gpus()} GPU(s) are visible here")
+    if cfg.nproc > 1 and 0 < (gpus := _gpus()) < cfg.nproc:  # no GPU: gloo processes on the CPU
+        raise ValueError(f"nproc={cfg.nproc}: a process a GPU, and {gpus} GPU(s) are visible here")
     check_run(run, run_dir)
     cuda = _cuda()
     run.machine = machine_defaults(cuda, importlib.util.find_spec("wandb") is not None)

@@ -68,19 +68,23 @@ class _TorchBackend(Backend):
     def step(self, loss: torch.Tensor | None = None) -> float:
         if self._clip_in_step:
             return self._fused_step(loss)
-        if loss is not None and not bool(torch.isfinite(loss)):
-            self.skip_step()
-            return math.nan
-        # max_norm=inf when clipping is off still returns the norm and scales by exactly 1
-        norm = torch.nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        norm = float(norm)  # the global norm: the same on every rank
+        norm = self._clip(loss)
         if not math.isfinite(norm):
             self.skip_step()  # an inf/NaN gradient would poison weights and Adam moments
             return norm
         self.optimizer.step()
         return self._after_update(norm)
+
+    def _clip(self, loss: torch.Tensor | None) -> float:
+        """The gradients clipped to clip_grad_norm; returns their global norm (the same on
+        every rank), NaN for a non-finite loss (the step is then skipped, gradients unclipped)."""
+        if loss is not None and not bool(torch.isfinite(loss)):
+            return math.nan
+        # max_norm=inf when clipping is off still returns the norm and scales by exactly 1
+        norm = torch.nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
 
     def _fused_step(self, loss: torch.Tensor | None) -> float:
         """The fused AdamW step, queued without waiting for the device: the kernel divides
@@ -222,7 +226,7 @@ class FSDP2Backend(_TorchBackend):
         # reshard_after_forward=True passed to it would turn off.
         return fully_shard(model, reshard_after_forward=False, **options)
 
-    def step(self, loss: torch.Tensor | None = None) -> float:
+    def _clip(self, loss: torch.Tensor | None) -> float:
         """The clip from this rank's shards, read by the host once: the sum of the squares of
         its gradient shards, all-reduced (one scalar), is the global norm. torch's
         clip_grad_norm_ over DTensors all-reduces every parameter's partial norm through
@@ -230,7 +234,7 @@ class FSDP2Backend(_TorchBackend):
         optimizer step could be queued. CPU offload keeps the default (its gradients live in
         host memory, which an NCCL all-reduce cannot read)."""
         if self.cfg.cpu_offload:
-            return super().step(loss)
+            return super()._clip(loss)
         shards = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                   for p in self._params if p.grad is not None]
         # (): this rank's part (on the device even with no gradient here, for the all-reduce)
@@ -241,14 +245,10 @@ class FSDP2Backend(_TorchBackend):
         if loss is not None:  # a non-finite loss skips the update as a non-finite norm does
             total = torch.where(torch.isfinite(loss), total, torch.full_like(total, math.nan))
         norm = float(total)  # the one host sync: the same value on every rank
-        if not math.isfinite(norm):
-            self.skip_step()
-            return norm
         coef = self.clip_grad_norm / (norm + 1e-6)  # clip_grad_norm_'s coefficient and epsilon
-        if coef < 1.0:
+        if math.isfinite(norm) and coef < 1.0:
             torch._foreach_mul_(shards, coef)
-        self.optimizer.step()
-        return self._after_update(norm)
+        return norm
 
     def save_state(self, directory: str | os.PathLike) -> None:
         self._write_sharded_state(directory, *get_state_dict(self._model, self.optimizer))
