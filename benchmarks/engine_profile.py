@@ -206,6 +206,10 @@ def table(timer: SpanTimer, wall: float, tokens: int, idle: str | None = None,
     idle_s = parts["host"] + parts["between"]
     lines.append(f"  {'device idle: the wall less its spans':<44}{idle_s:>9.3f}{100 * idle_s / stamped:>7.1f}%  "
                  "the two waits above")
+    if e.graphs is not None:
+        c = e.prefill_counts
+        lines.append(f"  prefill forwards (CUDA graphs of bucketed shapes): {c['eager']} eager (a shape's first), "
+                     f"{c['captured']} captured (its second), {c['replayed']} replayed; {len(e.prefill_graphs)} graphs")
     if caller is not None:
         lines.append(f"  the caller's turns inside the drain (host clock; on a GPU the device runs meanwhile): "
                      f"{caller[0]:.3f} s for {caller[1]} answers")

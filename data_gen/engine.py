@@ -18,7 +18,11 @@ slot rows and attends over them:
     WIDTH_STEP); `flex` over the blocks of its row that hold its keys, whatever the others hold.
 The decode step (forward, token choice, stop detection, bookkeeping) runs on the device
 without a host sync; on CUDA each width is captured once as a CUDA graph and replayed (flex
-needs one width: the whole row). The host reads the slots every `sync_steps` steps
+needs one width: the whole row). So are the prefill forwards, whose shapes on CUDA are rounded
+up to a few buckets (rows and widths powers of two; a group padded with copies of its first
+row): eager the first time a shape comes, captured the second, replayed after. An eager
+forward of a 24-layer target is about 1,400 operators the host issues one by one, and the
+device waited for them (benchmarks/engine-host-cost-cpu-2026-11-28). The host reads the slots every `sync_steps` steps
 (backend.sync_steps; by default STEPS_PER_SYNC on CUDA), one chunk behind the device.
 
 Nothing is shared between slots: a prompt's answer does not depend on the prompts beside it
@@ -29,8 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
@@ -58,6 +63,10 @@ PREFILL_TOKENS = 16384
 # (query, column) pairs masked per KV head (rows times new tokens times span) a forward.
 KEPT_COLUMNS = 1 << 19
 KEPT_SCORES = 1 << 24
+# With CUDA graphs a prefill forward's rows and widths are rounded up to powers of two, its
+# width to BUCKET_WIDTH at least, a kept group's span to BUCKET_SPAN at least (_Shapes).
+BUCKET_WIDTH = 16
+BUCKET_SPAN = 256
 
 
 @dataclass
@@ -188,7 +197,7 @@ class GenerationEngine:
 
     def __init__(self, target: TargetModel, batch_size: int, max_len: int, sampling: SamplingConfig,
                  stop_ids: list[int], cuda_graphs: bool = True, sync_steps: int | None = None,
-                 attention: str = "auto"):
+                 attention: str = "auto", buckets: bool | None = None):
         if attention not in ENGINE_ATTENTIONS:
             raise ValueError(f"attention={attention!r}: expected one of {list(ENGINE_ATTENTIONS)}")
         if sync_steps is not None and sync_steps < 1:
@@ -203,6 +212,13 @@ class GenerationEngine:
         self.layers = len(decoder_layers(self.model))
         self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if cuda_graphs and self.device.type == "cuda" else None
         self._pool = None
+        # Prefill forwards: their shapes (bucketed with graphs: a few shapes, one graph each),
+        # the graphs by shape with their input buffer, the shapes run once, and how the forwards ran.
+        # (`buckets`: bucketed shapes whether or not there are graphs; tests run them eagerly.)
+        self.shapes = _Shapes(self.graphs is not None if buckets is None else buckets, max_len)
+        self.prefill_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._prefill_seen: set[tuple] = set()
+        self.prefill_counts: Counter = Counter()
         # Off CUDA the host waits for every step anyway: it reads the slots after each.
         default = STEPS_PER_SYNC if self.device.type == "cuda" else 1
         self.sync_steps = default if sync_steps is None else sync_steps
@@ -271,18 +287,21 @@ class GenerationEngine:
         self.pos += live & ~ended  # a finished row never writes past its last token
         self.tokens.copy_(nxt)
 
-    def _capture(self, width: int) -> torch.cuda.CUDAGraph:
-        """The decode step at `width` as a CUDA graph. Called while every slot is idle:
-        the warm-up steps then change nothing that a live row will read."""
+    def _capture(self, run, warmups: int) -> torch.cuda.CUDAGraph:
+        """`run` (device work without a host sync) as a CUDA graph, after `warmups` runs on a
+        side stream (cuBLAS handles and the allocator's blocks, before capture). The warm-ups
+        must change nothing that the rows will read: a decode step is captured while every slot
+        is idle, a prefill forward writes what its replay writes again. Every graph allocates
+        from one pool: they replay one at a time, and none's output outlives its replay."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # cuBLAS handles and the allocator's blocks, before capture
-                self._decode(width)
+            for _ in range(warmups):
+                run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._decode(width)
+            run()
         self._pool = graph.pool()
         return graph
 
@@ -291,7 +310,7 @@ class GenerationEngine:
         if self.attention == "sdpa":
             widths = sorted({min(w, self.max_len) for w in range(WIDTH_STEP, self.max_len + WIDTH_STEP, WIDTH_STEP)})
         for width in widths:
-            self.graphs[width] = self._capture(width)
+            self.graphs[width] = self._capture(functools.partial(self._decode, width), warmups=2)
 
     def _run_steps(self, width: int, steps: int) -> None:
         if self.graphs is None:
@@ -333,28 +352,68 @@ class GenerationEngine:
         if not fresh:
             return
         with self._span("prefill", tokens=sum(len(t) for _, t in fresh)):
-            for width, group in _prefill_groups(fresh):
+            for rows, width, group in _prefill_groups(fresh, self.shapes):
                 # Right padding: a causal row never sees the padding after it.
-                ids = self._to_device([t + [0] * (width - len(t)) for _, t in group])
-                step = _Step(self.cache_k, self.cache_v, rows=self._to_device([slot for slot, _ in group]))
-                positions = torch.arange(width, device=self.device).expand(len(group), width)
-                self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1,
-                           **{STEP_KWARG: step})
+                packed = [t + [0] * (width - len(t)) + [slot] for slot, t in group]
+                self._forward(("fresh", rows, width), _pad_rows(packed, rows), self._fresh_forward)
+
+    def _fresh_forward(self, packed: torch.Tensor) -> None:
+        """One prefill forward of fresh rows, `packed` (rows, width + 1): the tokens, then the slot."""
+        rows, width = packed.shape[0], packed.shape[1] - 1
+        step = _Step(self.cache_k, self.cache_v, rows=packed[:, width])
+        positions = torch.arange(width, device=self.device).expand(rows, width)
+        self.model(input_ids=packed[:, :width], position_ids=positions, use_cache=False, logits_to_keep=1,
+                   **{STEP_KWARG: step})
 
     def _prefill_after(self, todo: list[tuple[int, list[int], int]]) -> None:
         """Prefill of (slot, tokens, start): the row holds tokens[:start] already."""
+        for rows, width, span, group in _kept_groups(todo, self.shapes):
+            packed = [t[start:] + [0] * (width - len(t) + start) + [slot, start, len(t) - start]
+                      for slot, t, start in group]
+            self._forward(("kept", rows, width, span), _pad_rows(packed, rows),
+                          functools.partial(self._kept_forward, span=span))
+
+    def _kept_forward(self, packed: torch.Tensor, span: int) -> None:
+        """One prefill forward after kept prefixes, `packed` (rows, width + 3): the new tokens,
+        then the slot, the tokens its row holds and the new tokens' count; `span` cache columns
+        read (see _after_prefix)."""
         columns = self.cache_k[0].shape[2]
-        for width, span, group in _kept_groups(todo, columns):
-            ids = self._to_device([t[start:] + [0] * (width - len(t) + start) for _, t, start in group])
-            rows = self._to_device([slot for slot, _, _ in group])
-            starts = self._to_device([start for _, _, start in group])
-            new = self._to_device([len(t) - start for _, t, start in group])
-            t = torch.arange(width, device=self.device)
-            positions = starts[:, None] + t  # (n, T)
-            # A padding token writes into the row's last column (see _after_prefix).
-            write = (rows[:, None], slice(None), torch.where(t < new[:, None], positions, columns - 1))
-            step = _Step(self.cache_k, self.cache_v, rows=rows, fed=positions, write=write, span=span, masks={})
-            self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **{STEP_KWARG: step})
+        width = packed.shape[1] - 3
+        rows, starts, new = packed[:, width], packed[:, width + 1], packed[:, width + 2]
+        t = torch.arange(width, device=self.device)
+        positions = starts[:, None] + t  # (n, T)
+        # A padding token writes into the row's last column (see _after_prefix).
+        write = (rows[:, None], slice(None), torch.where(t < new[:, None], positions, columns - 1))
+        step = _Step(self.cache_k, self.cache_v, rows=rows, fed=positions, write=write, span=span, masks={})
+        self.model(input_ids=packed[:, :width], position_ids=positions, use_cache=False, logits_to_keep=1,
+                   **{STEP_KWARG: step})
+
+    def _forward(self, shape: tuple, packed: list[list[int]], forward) -> None:
+        """`forward` of the rows `packed` (one host-to-device copy): eager off CUDA graphs; with
+        them, eager the first time a shape comes (its warm-up), captured the second, replayed
+        from then on. A prefill forward is idempotent (it writes the keys/values of the tokens
+        it feeds, and reads only what it wrote or the rows held before), so the capture's
+        warm-up may run it again."""
+        if self.graphs is None:
+            forward(self._to_device(packed))
+            return
+        graph = self.prefill_graphs.get(shape)
+        if graph is not None:
+            graph, static = graph
+            static.copy_(torch.tensor(packed).pin_memory(), non_blocking=True)
+            graph.replay()
+            self.prefill_counts["replayed"] += 1
+            return
+        buffer = self._to_device(packed)
+        if shape not in self._prefill_seen:
+            self._prefill_seen.add(shape)
+            forward(buffer)
+            self.prefill_counts["eager"] += 1
+            return
+        graph = self._capture(lambda: forward(buffer), warmups=1)
+        self.prefill_graphs[shape] = graph, buffer
+        graph.replay()
+        self.prefill_counts["captured"] += 1
 
     def _admit(self, deadline: float | None) -> None:
         """Queued prompts into the free slots (prefill and slot state, queued on the device);
@@ -486,37 +545,73 @@ class GenerationEngine:
             pending = snapshot
 
 
-def _prefill_groups(todo: list[tuple[int, list[int]]]) -> Iterator[tuple[int, list]]:
-    """(width, rows) of the forwards that prefill fresh rows (slot, tokens): longest first, so a
-    group holds similar lengths and little padding, each at most PREFILL_TOKENS tokens wide in
-    all (one row at least)."""
+def _pow2(n: int) -> int:
+    """The least power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """The shapes of prefill forwards: as their rows need (eager), or with `buckets` (CUDA
+    graphs, one a shape) rounded up to a few: rows and widths powers of two, widths from
+    BUCKET_WIDTH, kept spans powers of two from BUCKET_SPAN; within a row's `columns`."""
+
+    buckets: bool
+    columns: int  # cache columns a row has
+
+    def rows(self, n: int, most: int | None = None) -> int:
+        if not self.buckets:
+            return n
+        return _pow2(n) if most is None else min(_pow2(n), most)
+
+    def width(self, w: int) -> int:
+        return min(self.columns, max(BUCKET_WIDTH, _pow2(w))) if self.buckets else w
+
+    def span(self, s: int) -> int:
+        """Cache columns read by a group of rows holding up to s tokens: a multiple of 16 (the
+        memory-efficient kernel's mask alignment), or a bucket."""
+        return min(self.columns, max(BUCKET_SPAN, _pow2(s)) if self.buckets else -(-s // 16) * 16)
+
+
+def _pad_rows(packed: list[list[int]], rows: int) -> list[list[int]]:
+    """A group's packed rows padded to `rows` with copies of its first: a copy writes what the
+    first writes, so the forward's result is the group's."""
+    return packed + [packed[0]] * (rows - len(packed))
+
+
+def _prefill_groups(todo: list[tuple[int, list[int]]], shapes: _Shapes) -> Iterator[tuple[int, int, list]]:
+    """(rows, width, group) of the forwards that prefill fresh rows (slot, tokens): longest first,
+    so a group holds similar lengths and little padding, each at most PREFILL_TOKENS tokens wide
+    in all (one row at least); `rows` and `width` the forward's shape (`shapes`), at least the
+    group's rows and its longest row."""
     todo = sorted((r for r in todo if r[1]), key=lambda r: len(r[1]))
     while todo:
-        width = len(todo[-1][1])
-        n = max(1, min(len(todo), PREFILL_TOKENS // width))
+        width = shapes.width(len(todo[-1][1]))
+        most = max(1, PREFILL_TOKENS // width)
+        n = min(len(todo), most)
         group, todo = todo[-n:], todo[:-n]
-        yield width, group
+        yield shapes.rows(n, most), width, group
 
 
-def _kept_groups(todo: list[tuple[int, list[int], int]], columns: int) -> Iterator[tuple[int, int, list]]:
-    """(width, span, rows) of the forwards that prefill rows (slot, tokens, start) after the
-    tokens[:start] their cache rows hold: longest rows first, so that a group's rows read
+def _kept_groups(todo: list[tuple[int, list[int], int]], shapes: _Shapes) -> Iterator[tuple[int, int, int, list]]:
+    """(rows, width, span, group) of the forwards that prefill rows (slot, tokens, start) after
+    the tokens[:start] their cache rows hold: longest rows first, so that a group's rows read
     similar spans of cache; a group gathers at most KEPT_COLUMNS cache columns (rows times its
-    span, the longest row's length rounded up to a multiple of 16 within the cache's
-    `columns`: the memory-efficient kernel's mask alignment), feeds at most PREFILL_TOKENS
-    tokens (rows times its width, the most new tokens of a row) and masks at most KEPT_SCORES
-    (query, column) pairs of a KV head (rows times width times span), one row at least."""
+    span, the longest row's length rounded up by `shapes`), feeds at most PREFILL_TOKENS tokens
+    (rows times its width, the most new tokens of a row, rounded up) and masks at most
+    KEPT_SCORES (query, column) pairs of a KV head (rows times width times span), one row at
+    least; `rows` the forward's rows (`shapes`: at least the group's)."""
     todo = sorted((r for r in todo if len(r[1]) > r[2]), key=lambda r: len(r[1]), reverse=True)
     while todo:
-        span = min(columns, -(-len(todo[0][1]) // 16) * 16)
+        span = shapes.span(len(todo[0][1]))
         n = width = 0
         for _, tokens, start in todo:
-            wider = max(width, len(tokens) - start)
-            if n and ((n + 1) * span > KEPT_COLUMNS or (n + 1) * wider > PREFILL_TOKENS
-                      or (n + 1) * wider * span > KEPT_SCORES):
+            wider = shapes.width(max(width, len(tokens) - start))
+            rows = shapes.rows(n + 1)
+            if n and (rows * span > KEPT_COLUMNS or rows * wider > PREFILL_TOKENS or rows * wider * span > KEPT_SCORES):
                 break
             n, width = n + 1, wider
-        yield width, span, todo[:n]
+        yield shapes.rows(n), width, span, todo[:n]
         todo = todo[n:]
 
 
@@ -536,12 +631,13 @@ class EngineGenerator:
     streams = True
 
     def __init__(self, target: TargetModel, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int],
-                 max_prompt_len: int):
+                 max_prompt_len: int, buckets: bool | None = None):
         if target.device.type == "cpu" and cfg.cpu_threads is not None:
             torch.set_num_threads(cfg.cpu_threads)
         self.target = target  # shared with a generator of other sampling settings (magpie)
         self.engine = GenerationEngine(target, cfg.batch_size, max_prompt_len + sampling.max_new_tokens, sampling,
-                                       stop_ids, cfg.cuda_graphs, sync_steps=cfg.sync_steps, attention=cfg.attention)
+                                       stop_ids, cfg.cuda_graphs, sync_steps=cfg.sync_steps, attention=cfg.attention,
+                                       buckets=buckets)
 
     @classmethod
     def load(cls, spec: str, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int],

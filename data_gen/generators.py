@@ -71,16 +71,10 @@ def past(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() >= deadline
 
 
-def slots(cfg: BackendConfig) -> int:
-    """How many prompts the generator answers at once: the engine's and hf's batch, the server
-    requests in flight."""
-    return cfg.max_concurrency if cfg.kind == "openai" else cfg.batch_size
-
-
 def prompts_per_call(cfg: BackendConfig) -> int:
     """How many prompts the pipeline hands one `generate` call: enough to keep the generator
     busy, few enough that a conversation's next turn waits one call at most. (Magpie's chunks
-    of candidates are sized by what they need, at least `slots`.)"""
+    of candidates are sized by what they need.)"""
     if cfg.kind == "engine":
         # The turn scheduler streams the engine (data_gen/turns.py) and calls it only through
         # other schedules (magpie's chunks of candidates). Continuous batching refills a slot

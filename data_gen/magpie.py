@@ -97,11 +97,13 @@ class MagpieWriter:
     what another rank wrote, every chunk it needed exists by then). `budget` (the run's, or
     None) gives the deadline after which no candidate starts, and is saved after each chunk;
     `progress` shows a bar per chunk of candidates. A chunk holds the candidates the prompts
-    still missing need (`_needed`), at least `least` (one batch of the generator: fewer would
-    leave its slots idle) and at most MAX_CHUNK."""
+    still missing need (`_needed`), at most MAX_CHUNK: no more, even when that leaves slots of
+    the generator idle (a chunk's wall time is its longest candidate's, a few candidates'
+    about a full batch's, and the surplus of a full batch was a fifth of the tokens written on
+    issue 39's job)."""
 
     def __init__(self, src: SourceConfig, shaper: ChatShaper, out_dir: Path, seed: int, identity: dict,
-                 generator: Callable[[SamplingConfig, list[int]], object] | None, least: int, budget=None,
+                 generator: Callable[[SamplingConfig, list[int]], object] | None, budget=None,
                  progress: bool = False):
         self.src, self.shaper, self.seed = src, shaper, seed
         self.folder = Path(out_dir) / PROMPTS_DIR / src.name
@@ -109,7 +111,7 @@ class MagpieWriter:
         self.prefix_ids = shaper.tokenizer(self.prefix, add_special_tokens=False)["input_ids"]
         self.stop_ids = user_turn_stop_ids(shaper)
         self.stop_tags = [shaper.tokenizer.decode([i]) for i in self.stop_ids]
-        self.generator, self.least = generator, least
+        self.generator = generator
         self.budget, self.progress = budget, progress
         source = asdict(src)
         for key, default in (("system_prompt", None), ("keep_truncated", False)):
@@ -217,7 +219,7 @@ class MagpieWriter:
 
     def _size(self, start: int, remaining: int) -> int:
         """Candidates the chunk at `start` writes for `remaining` more prompts."""
-        return min(max(self._needed(remaining), self.least), MAX_CHUNK, self.src.max_candidates - start)
+        return min(self._needed(remaining), MAX_CHUNK, self.src.max_candidates - start)
 
     def _needed(self, remaining: int) -> int:
         """Candidates to write for `remaining` more prompts: at the share of the candidates read

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from data_gen.config import DatagenConfig, SamplingConfig
 from data_gen.build import build_generator
-from data_gen.generators import past, prompts_per_call, slots
+from data_gen.generators import past, prompts_per_call
 from data_gen.inputs import check_inputs
 from data_gen.magpie import MagpieWriter
 from data_gen.sampling import SAMPLER
@@ -173,7 +173,6 @@ def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = No
     def magpie(src, skips, remaining):
         build = None if generators is None else lambda sampling, stops: generators.build(sampling, shaper, stops)
         writer = MagpieWriter(src, shaper, Path(cfg.out_dir), cfg.sampling.seed, identity, build,
-                              slots(cfg.backend),
                               None if generators is None else generators.budget, progress)
         writers.append(writer)
         return writer.candidates(remaining, skips)

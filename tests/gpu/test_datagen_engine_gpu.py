@@ -1,7 +1,8 @@
-"""GPU: the engine's CUDA graphs replay what its eager decode steps compute, on every attention
-width, with either decode attention (sdpa; flex, compiled, its BlockMask built inside the
-graph), the two give the same answers, and on SmolLM2 in float32 its answers equal the hf
-generator's (as on CPU).
+"""GPU: the engine's CUDA graphs replay what its eager decode steps and prefill forwards compute
+(the eager engine runs the graphs' bucketed prefill shapes), on every attention width, with
+either decode attention (sdpa; flex, compiled, its BlockMask built inside the graph), the two
+give the same answers, and on SmolLM2 in float32 its answers equal the hf generator's (as on
+CPU).
 
 A decode step that reads a Python value at capture time, syncs with the host, or a buffer
 that moves after capture shows up here as different tokens or a capture error.
@@ -26,7 +27,8 @@ STOP = 3
 
 def _engine(target, graphs: bool, batch_size: int = 4, attention: str = "sdpa", **sampling):
     cfg = BackendConfig(kind="engine", batch_size=batch_size, cuda_graphs=graphs, attention=attention)
-    return EngineGenerator(target, cfg, SamplingConfig(max_new_tokens=MAX_NEW, **sampling), [STOP], MAX_PROMPT)
+    return EngineGenerator(target, cfg, SamplingConfig(max_new_tokens=MAX_NEW, **sampling), [STOP], MAX_PROMPT,
+                           buckets=True)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,43 @@ def test_graphs_replay_the_eager_steps(tiny, prompts, sampling, attention):
     assert "stop" in {c.finish_reason for c in got}, "slots were refilled"
     again = graphs.generate(prompts[::-1], seeds[::-1])  # a second call replays the same graphs
     assert [c.ids for c in again] == [c.ids for c in got][::-1]
+
+
+def test_prefill_graphs_write_what_eager_forwards_write(tiny):
+    """A prefill shape runs eagerly the first time, is captured the second (after a warm-up run:
+    a prefill forward is idempotent) and replayed after; each time the rows hold exactly the
+    keys/values of the eager engine's forwards of the same shapes (3 fresh rows padded to 4
+    with a copy of the first; 2 rows after kept prefixes)."""
+    graphs, eager = _engine(tiny, True).engine, _engine(tiny, False).engine
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 4] * 5, [5, 6, 7, 4], [9, 8, 7, 6, 5]]
+    after = [(1, [5, 6, 7, 8, 9, 10, 11], 3), (2, [9, 8, 7, 6, 5, 4, 5, 6], 4)]
+    held = [39, 7, 8]
+    with torch.inference_mode():
+        for _ in range(3):
+            for e in (graphs, eager):
+                e._prefill(list(enumerate(prompts)), {})
+                e._prefill_after(after)
+            for got, want in zip((*graphs.cache_k, *graphs.cache_v), (*eager.cache_k, *eager.cache_v)):
+                for row, n in enumerate(held):
+                    assert torch.equal(got[row, :, :n], want[row, :, :n])
+    assert dict(graphs.prefill_counts) == {"eager": 2, "captured": 2, "replayed": 2}
+    assert sorted(graphs.prefill_graphs) == [
+        ("fresh", 4, 64), ("kept", 2, 16, 256)]
+    assert not eager.prefill_counts and not eager.prefill_graphs
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_prefill_graphs_in_generation_give_the_eager_answers(tiny, prompts, attention):
+    """Three calls with the same prompts (the later ones partly served by what the rows kept):
+    the eager engine's answers each time, with prefill forwards captured and replayed."""
+    seeds = list(range(len(prompts)))
+    graphs = _engine(tiny, True, attention=attention)
+    want = [c.ids for c in _engine(tiny, False, attention=attention).generate(prompts, seeds)]
+    for _ in range(3):
+        assert [c.ids for c in graphs.generate(prompts, seeds)] == want
+    counts = graphs.engine.prefill_counts
+    assert counts["captured"] == len(graphs.engine.prefill_graphs) >= 1 and counts["replayed"] >= 1, counts
+    assert counts["eager"] >= counts["captured"], counts
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}])

@@ -74,6 +74,18 @@ def test_greedy_answers_equal_hf(smollm2, prompts, attention, once):
     assert smollm2.model.config._attn_implementation == model_attention, "the caller's model keeps its attention"
 
 
+def test_bucketed_prefills_give_the_same_answers(smollm2, prompts, once):
+    """The prefill shapes of CUDA graphs (rows and widths rounded up to powers of two, groups
+    padded with copies of a row; data_gen/engine.py _Shapes), run eagerly: the greedy answers
+    are hf's."""
+    gen = EngineGenerator(smollm2, BackendConfig(kind="engine", batch_size=8, attention="sdpa"),
+                          SamplingConfig(max_new_tokens=MAX_NEW), [IM_END], max_prompt_len=256, buckets=True)
+    assert gen.engine.shapes.buckets
+    answers = gen.generate(prompts, list(range(len(prompts))))
+    hf = once("hf greedy", lambda: generate("hf", smollm2, prompts, batch_size=8))
+    assert [(c.ids, c.finish_reason) for c in answers] == [(c.ids, c.finish_reason) for c in hf]
+
+
 def test_longer_chunks_give_the_same_answers(smollm2, prompts, once):
     """backend.sync_steps=3: the host reads the slots every 3 decode steps (a finished slot idles
     up to 2 steps before its next prompt), and the greedy answers are those of reading after
@@ -126,8 +138,10 @@ def test_multi_turn_run_equals_hf(tmp_path, smollm2, smollm2_tokenizer):
     assert max(data["engine"]["input_ids"][i].count(1) for i in range(3)) >= 5, "a later turn was answered"
 
 
-@pytest.mark.parametrize("conversations, sync_steps", [(3, 1), (4, 1), (3, 3)])
-def test_next_turn_prefills_after_what_its_slot_holds(smollm2, prompts, monkeypatch, conversations, sync_steps):
+@pytest.mark.parametrize("conversations, sync_steps, buckets", [(3, 1, False), (4, 1, False), (3, 3, False),
+                                                                (3, 1, True)])
+def test_next_turn_prefills_after_what_its_slot_holds(smollm2, prompts, monkeypatch, conversations, sync_steps,
+                                                       buckets):
     """Conversations of three turns through 3 slots, each next turn the earlier prompt, its
     answer and new user tokens, queued as its answer comes out: it takes its last answer's
     slot and prefills only what the row does not hold, the new tokens and the answer's last
@@ -135,7 +149,8 @@ def test_next_turn_prefills_after_what_its_slot_holds(smollm2, prompts, monkeypa
     With a fourth conversation queued first, it takes the first slot that frees and that
     conversation's next turn prefills whole elsewhere. Every answer equals a fresh engine's for
     the same prompt, which prefills it whole; so too with the slots read every 3 steps (an ended
-    row goes on writing at the same position until the host sees it)."""
+    row goes on writing at the same position until the host sees it), and with the prefills at
+    the bucketed shapes of CUDA graphs (run eagerly here)."""
     from data_gen.engine import GenerationEngine
 
     after = []
@@ -144,7 +159,8 @@ def test_next_turn_prefills_after_what_its_slot_holds(smollm2, prompts, monkeypa
                         lambda self, todo: (after.extend(len(t) - start for _, t, start in todo),
                                             prefill_after(self, todo))[1])
     sampling = SamplingConfig(max_new_tokens=MAX_NEW)
-    engine = GenerationEngine(smollm2, 3, 256, sampling, [IM_END], cuda_graphs=False, sync_steps=sync_steps)
+    engine = GenerationEngine(smollm2, 3, 256, sampling, [IM_END], cuda_graphs=False, sync_steps=sync_steps,
+                              buckets=buckets)
     user = {k: [[IM_END - 1] + prompts[2 * k + 1][-4 - t:] for t in range(2)] for k in range(conversations)}
     asked, answers = {k: [prompts[2 * k + 1]] for k in range(conversations)}, {}
     for k in range(conversations):

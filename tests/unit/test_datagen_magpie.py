@@ -71,7 +71,7 @@ def test_a_candidate_ends_at_its_user_turn_and_never_holds_another(tmp_path, smo
     tok = smollm2_tokenizer
     cfg = config(tmp_path / "out", 3)
     shaper = ChatShaper(tok, stop_token_ids(tok))
-    writer = MagpieWriter(cfg.sources[0], shaper, Path(cfg.out_dir), 0, target_identity(SMOLLM2), None, 8)
+    writer = MagpieWriter(cfg.sources[0], shaper, Path(cfg.out_dir), 0, target_identity(SMOLLM2), None)
     assert writer.settings["stop_token_ids"] == [2, 1]
     assert tok.decode(WRITTEN[2][0]) == "Why?<|im_start|>user" and 1 not in WRITTEN[2][0]
     records = [writer._record(i, trim_response(ids, writer.stop_ids)) for i, (ids, _) in enumerate(WRITTEN)]
@@ -92,7 +92,7 @@ def store(cfg, tokenizer, chunks: list[list[tuple[str, str]]]):
     candidate i took i + 1 tokens."""
     src = cfg.sources[0]
     writer = MagpieWriter(src, ChatShaper(tokenizer, stop_token_ids(tokenizer)), Path(cfg.out_dir),
-                          cfg.sampling.seed, target_identity(SMOLLM2), None, 8)
+                          cfg.sampling.seed, target_identity(SMOLLM2), None)
     writer.folder.mkdir(parents=True)
     (writer.folder / "settings.json").write_text(json.dumps(writer.settings))
     start = 0
@@ -186,7 +186,7 @@ def test_keep_truncated_is_a_magpie_setting_and_settings_keep_their_old_form(tmp
     shaper = ChatShaper(smollm2_tokenizer, stop_token_ids(smollm2_tokenizer))
     for keep in (False, True):
         cfg = config(tmp_path / "out", 3, sources=[{"kind": "magpie", "num_prompts": 3, "keep_truncated": keep}])
-        writer = MagpieWriter(cfg.sources[0], shaper, Path(cfg.out_dir), 0, target_identity(SMOLLM2), None, 8)
+        writer = MagpieWriter(cfg.sources[0], shaper, Path(cfg.out_dir), 0, target_identity(SMOLLM2), None)
         # the default is not stored: prompts written before the setting existed are read back
         assert ("keep_truncated" in writer.settings["source"]) is keep
 
@@ -199,28 +199,26 @@ def test_a_chunk_is_sized_by_the_share_of_candidates_usable_so_far(tmp_path, smo
     read = [{"finish_reason": "stop" if i < 4 else "length"} for i in range(10)]
     for keep, want in ((False, 275), (True, 110)):
         cfg = config(tmp_path / "out", 3, sources=[{"kind": "magpie", "num_prompts": 3, "keep_truncated": keep}])
-        writer = MagpieWriter(cfg.sources[0], shaper, Path(cfg.out_dir), 0, target_identity(SMOLLM2), None, 8)
+        writer = MagpieWriter(cfg.sources[0], shaper, Path(cfg.out_dir), 0, target_identity(SMOLLM2), None)
         assert writer._needed(100) == 100
         writer.read = read
         assert writer._needed(100) == want
 
 
-def test_a_chunk_writes_what_the_missing_prompts_need_at_least_one_batch(tmp_path, smollm2_tokenizer):
+def test_a_chunk_writes_what_the_missing_prompts_need_and_no_more(tmp_path, smollm2_tokenizer):
     """The chunk's size: the first is as many as the prompts missing, at most MAX_CHUNK; later
-    ones what `_needed` says, never fewer than one batch of the generator (`slots`: 512 engine
-    slots). The arm of 2026-11-27 (keep_truncated, 5,000 prompts, 512 slots) wrote 4,096 + 4,096
-    candidates and used 5,000 of them: the second chunk is now 995."""
-    from data_gen.config import BackendConfig
-    from data_gen.generators import slots
+    ones what `_needed` says, however few. The arm of 2026-11-27 (keep_truncated, 5,000 prompts,
+    512 slots) wrote 4,096 + 4,096 candidates and used 5,000 of them: the second chunk is now
+    995. Issue 39's profile job (2,000 prompts, one duplicate dropped) wrote 2,000 + 512, a batch
+    at least, and 511 unused were 20% of the tokens: the second chunk is now 2."""
     from data_gen.magpie import MAX_CHUNK
 
-    assert slots(BackendConfig(kind="engine", batch_size=512)) == 512
-    assert slots(BackendConfig(kind="openai", max_concurrency=16)) == 16
     shaper = ChatShaper(smollm2_tokenizer, stop_token_ids(smollm2_tokenizer))
     cfg = config(tmp_path / "out", 3, sources=[{"kind": "magpie", "num_prompts": 5000, "keep_truncated": True}])
-    writer = MagpieWriter(cfg.sources[0], shaper, Path(cfg.out_dir), 0, target_identity(SMOLLM2), None, 512)
+    writer = MagpieWriter(cfg.sources[0], shaper, Path(cfg.out_dir), 0, target_identity(SMOLLM2), None)
     assert writer._size(0, 5000) == MAX_CHUNK == 4096
     writer.read = [{"finish_reason": "length"}] * 4096  # cut, and kept: every candidate usable
     assert writer._size(4096, 904) == 995  # 904 * 1.1, rounded up
-    assert writer._size(4096, 10) == 512  # one batch at least
+    assert writer._size(4096, 10) == 11
+    assert writer._size(4096, 1) == 2
     assert writer._size(19_900, 904) == 100  # the source's max_candidates (20,000) caps it

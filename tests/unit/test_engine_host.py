@@ -75,6 +75,24 @@ def test_kept_prefill_writes_what_a_whole_prefill_writes():
         assert cache[2, :, 3:-1].abs().sum() == 0 < cache[2, :, -1].abs().sum(), "padding: the last column"
 
 
+def test_bucketed_prefills_write_what_exact_ones_write():
+    """At the shapes of CUDA graphs (rows and widths rounded up to powers of two, a group
+    padded with copies of its first row, a kept span of BUCKET_SPAN columns), eager on CPU: every
+    row holds the keys/values an exact-shape forward writes, up to its tokens (float32). Three
+    fresh rows make a group of 4 (one copy); two kept rows, a group of 2 of width 16."""
+    exact, bucketed = engine(), engine(buckets=True)
+    assert bucketed.cache_k[0].shape[2] == 64 and exact.shapes.buckets is False and bucketed.shapes.buckets is True
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 2], [5, 6, 7, 2], [3, 4, 5, 6, 2]]
+    with torch.inference_mode():
+        for e in (exact, bucketed):
+            e._prefill(list(enumerate(prompts)), {})
+            e._prefill_after([(1, [5, 6, 7, 8, 9, 10, 11], 3), (2, [3, 4, 5, 6, 7], 4)])
+    for got, want in zip((*bucketed.cache_k, *bucketed.cache_v), (*exact.cache_k, *exact.cache_v)):
+        for row, held in enumerate([7, 7, 5]):
+            torch.testing.assert_close(got[row, :, :held], want[row, :, :held], rtol=1e-5, atol=1e-6)
+    assert bucketed.prefill_counts == exact.prefill_counts == Counter(), "no graphs off CUDA"
+
+
 @pytest.mark.parametrize("sync_steps, chunk", [(None, 1), (1, 1), (3, 3)])
 def test_sync_steps_sets_the_chunk(sync_steps, chunk):
     """None: the engine's default, one step a chunk off CUDA (STEPS_PER_SYNC on a GPU)."""
