@@ -1,7 +1,8 @@
 """Generation speed of dflash-datagen's in-process generators, side by side on the same
 prompts, batch size and answer length: `hf` (model.generate, left-padded batches), `engine`
-(data_gen/engine.py, SDPA decode attention; `engine-flex` with backend.attention=flex;
-`engine-eager` without CUDA graphs) and optionally `hf-static` (generate with transformers'
+(data_gen/engine.py, SDPA decode attention; `engine-flex` with backend.attention=flex,
+`engine-flex-compiled` with its decode step compiled too (backend.compile); `engine-eager`
+without CUDA graphs) and optionally `hf-static` (generate with transformers'
 static cache, which transformers compiles on a GPU). Prints generated tokens/s, the GPU's idle
 share (a second, profiled pass over --idle-prompts first turns: the share of its wall time
 with no kernel or copy running) and how many rows equal those of the first kind listed (on a
@@ -49,7 +50,7 @@ from data_gen.pipeline import Generators, pad_token_id, setup
 from data_gen.turns import generate_shards
 from dflash_train.model.target import load_target, load_tokenizer
 
-KINDS = ("hf", "engine", "engine-flex", "engine-eager", "hf-static")
+KINDS = ("hf", "engine", "engine-flex", "engine-flex-compiled", "engine-eager", "hf-static")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -117,8 +118,9 @@ def load_job(args, target, tokenizer, out_dir: str):
 
 def build(kind: str, target, args, stop_ids: list[int], pad_id: int):
     cfg = BackendConfig(kind=kind.split("-")[0], batch_size=args.batch_size, device=args.device,
-                        cuda_graphs=kind != "engine-eager", attention="flex" if kind == "engine-flex" else "sdpa",
-                        sync_steps=args.sync_steps if kind.startswith("engine") else None)
+                        cuda_graphs=kind != "engine-eager", attention="flex" if "flex" in kind else "sdpa",
+                        sync_steps=args.sync_steps if kind.startswith("engine") else None,
+                        compile=kind == "engine-flex-compiled")
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     if cfg.kind == "engine":
         gen = EngineGenerator(target, cfg, sampling, stop_ids, args.max_prompt_len)

