@@ -65,8 +65,8 @@ def test_prefill_graphs_write_what_eager_forwards_write(tiny):
     keys/values of the eager engine's forwards of the same shapes (3 fresh rows padded to 4
     with a copy of the first; 2 rows after kept prefixes)."""
     graphs, eager = _engine(tiny, True).engine, _engine(tiny, False).engine
-    prompts = [[5, 6, 7, 8, 9, 10, 11, 4] * 5, [5, 6, 7, 4], [9, 8, 7, 6, 5]]
-    after = [(1, [5, 6, 7, 8, 9, 10, 11], 3), (2, [9, 8, 7, 6, 5, 4, 5, 6], 4)]
+    prompts = [[5, 6, 7, 8, 9, 10, 4, 4] * 5, [5, 6, 7, 4], [9, 8, 7, 6, 5]]  # the vocabulary is 11 ids
+    after = [(1, [5, 6, 7, 8, 9, 10, 6], 3), (2, [9, 8, 7, 6, 5, 4, 5, 6], 4)]
     held = [39, 7, 8]
     with torch.inference_mode():
         for _ in range(3):
