@@ -100,6 +100,39 @@ def test_datagen_engine_script_profiles_both_attentions(tmp_path):
 
 @SCRIPTS
 @pytest.mark.slow
+@pytest.mark.distributed
+def test_datagen_two_gpu_script_answers_every_prompt_once_with_the_same_rows(tmp_path):
+    """benchmarks/datagen_two_gpu.sh: the every-turn job with magpie prompts on SmolLM2, one process
+    then two torchrun ranks on gloo (float32: every row equal, else the script fails); the table's
+    rows, its scaling column and the check line; the logs come back under OUT."""
+    out = smoke("benchmarks/datagen_two_gpu.sh", tmp_path, "0", timeout=900)
+    assert re.search(r"^== \d+ s, finished$", out, re.M)
+    rows = table_rows(out, "GPUs", 1)
+    assert sorted(rows) == [("1",), ("2",)]
+    for (gpus,), cells in rows.items():
+        prompts, written, generated, _, answer_s, tokens_s, scaling, wall_scaling = cells
+        assert prompts == "5" and written == "5" and int(generated) > 0, (gpus, cells)  # 3 conversations + 2 magpie
+        assert float(answer_s) > 0 and float(tokens_s) > 0, (gpus, cells)
+        assert (scaling.endswith("%") and wall_scaling.endswith("%")) == (gpus == "2"), (gpus, cells)
+    assert rows[("1",)][2] == rows[("2",)][2], "the same tokens generated on one and two processes"
+    assert "shards by rank: rank 0 2, rank 1 1" in out, "both ranks answered"
+    assert ("check: every prompt id exactly once: 1 GPU(s) yes (5 distinct of 5 ids in the shards, 5 prompts), "
+            "2 GPU(s) yes (5 distinct of 5 ids in the shards, 5 prompts); rows equal to the 1-GPU run's: 5 of 5") in out
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "datagen-two-gpu-gpus-1.log", "datagen-two-gpu-gpus-2.log", "datagen-two-gpu-job.log"]
+
+
+@pytest.mark.parametrize("args", [("soon",), ("0", "2k"), ("0", "1", "2", "3"), ()])
+def test_datagen_two_gpu_script_refuses_bad_arguments(tmp_path, args):
+    done = subprocess.run(["bash", "benchmarks/datagen_two_gpu.sh", *args], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "CPU_SMOKE": "1", "R": str(tmp_path)})
+    assert done.returncode == 2 and done.stdout.startswith("datagen_two_gpu: ") and done.stdout.count("\n") == 1
+    assert "usage: datagen_two_gpu.sh WAIT_S [CONVERSATIONS] [MAGPIE]" in done.stdout
+    assert not list(tmp_path.iterdir()), "nothing ran"
+
+
+@SCRIPTS
+@pytest.mark.slow
 def test_side_by_side_script_runs_a_quality_run_into_its_table(tmp_path):
     """benchmarks/modelopt-side-by-side/run.sh, dflash-train's side (Model-Optimizer is no
     dependency of the tests): dflash-quality with the side-by-side settings for a 1-minute
