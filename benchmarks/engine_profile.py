@@ -32,6 +32,7 @@ PARTS = {  # table rows, in order
     "decode": "decode steps",
     "prefill": "prefill (fresh rows)",
     "prefill-kept": "prefill after a kept prefix",
+    "prefill-first": "prefill, a shape's first two (once)",
     "copies": "slot copies (admission, snapshots)",
     "host": "host scheduling (device waits, in a drain)",
     "between": "between drains (the caller's calls)",
@@ -195,12 +196,14 @@ def table(timer: SpanTimer, wall: float, tokens: int, idle: str | None = None,
     notes = {"decode": f"{steps} steps in {counts['decode']} chunks, {tokens / max(1, steps):.1f} of "
                        f"{e.batch_size} slots live a step",
              "copies": f"{counts['copies']} spans"}
-    for part in ("prefill", "prefill-kept"):
+    for part in ("prefill", "prefill-kept", "prefill-first"):
         notes[part] = (f"{counts[part]} spans, {timer.tokens[part]} tokens: "
                        f"{timer.tokens[part] / max(parts[part], 1e-9):,.0f} tokens/s")
     lines = [f"profile ({e.attention} attention), {clock}",
              f"  {'part':<44}{'seconds':>9}{'share':>8}"]
     for key, name in PARTS.items():
+        if key == "prefill-first" and e.graphs is None:  # only with prefill graphs
+            continue
         lines.append(f"  {name:<44}{parts[key]:>9.3f}{100 * parts[key] / stamped:>7.1f}%  {notes.get(key, '')}")
     lines.append(f"  {'sum of the parts':<44}{stamped:>9.3f}{'':>8}  wall by the host's clock {wall:.3f} s")
     idle_s = parts["host"] + parts["between"]

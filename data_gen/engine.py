@@ -366,16 +366,13 @@ class GenerationEngine:
         `kept` (slot -> tokens its row holds already) gets those after them."""
         after = [(slot, p[:-1], kept[slot]) for slot, p in admitted if slot in kept]
         if after:
-            with self._span("prefill-kept", tokens=sum(len(t) - start for _, t, start in after)):
-                self._prefill_after(after)
+            self._prefill_after(after)
         fresh = [(slot, p[:-1]) for slot, p in admitted if slot not in kept]
-        if not fresh:
-            return
-        with self._span("prefill", tokens=sum(len(t) for _, t in fresh)):
-            for rows, width, group in _prefill_groups(fresh, self.shapes):
-                # Right padding: a causal row never sees the padding after it.
-                packed = [t + [0] * (width - len(t)) + [slot] for slot, t in group]
-                self._forward(("fresh", rows, width), _pad_rows(packed, rows), self._fresh_forward)
+        for rows, width, group in _prefill_groups(fresh, self.shapes):
+            # Right padding: a causal row never sees the padding after it.
+            packed = [t + [0] * (width - len(t)) + [slot] for slot, t in group]
+            self._forward("prefill", ("fresh", rows, width), _pad_rows(packed, rows), self._fresh_forward,
+                          sum(len(t) for _, t in group))
 
     def _fresh_forward(self, packed: torch.Tensor) -> None:
         """One prefill forward of fresh rows, `packed` (rows, width + 1): the tokens, then the slot."""
@@ -390,8 +387,8 @@ class GenerationEngine:
         for rows, width, span, group in _kept_groups(todo, self.shapes):
             packed = [t[start:] + [0] * (width - len(t) + start) + [slot, start, len(t) - start]
                       for slot, t, start in group]
-            self._forward(("kept", rows, width, span), _pad_rows(packed, rows),
-                          functools.partial(self._kept_forward, span=span))
+            self._forward("prefill-kept", ("kept", rows, width, span), _pad_rows(packed, rows),
+                          functools.partial(self._kept_forward, span=span), sum(len(t) - start for _, t, start in group))
 
     def _kept_forward(self, packed: torch.Tensor, span: int) -> None:
         """One prefill forward after kept prefixes, `packed` (rows, width + 3): the new tokens,
@@ -408,32 +405,32 @@ class GenerationEngine:
         self.model(input_ids=packed[:, :width], position_ids=positions, use_cache=False, logits_to_keep=1,
                    **{STEP_KWARG: step})
 
-    def _forward(self, shape: tuple, packed: list[list[int]], forward) -> None:
-        """`forward` of the rows `packed` (one host-to-device copy): eager off CUDA graphs; with
-        them, eager the first time a shape comes (its warm-up), captured the second, replayed
-        from then on. A prefill forward is idempotent (it writes the keys/values of the tokens
-        it feeds, and reads only what it wrote or the rows held before), so the capture's
-        warm-up may run it again."""
-        if self.graphs is None:
-            forward(self._to_device(packed))
-            return
-        graph = self.prefill_graphs.get(shape)
-        if graph is not None:
-            graph, static = graph
-            static.copy_(torch.tensor(packed).pin_memory(), non_blocking=True)
-            graph.replay()
-            self.prefill_counts["replayed"] += 1
-            return
-        buffer = self._to_device(packed)
-        if shape not in self._prefill_seen:
-            self._prefill_seen.add(shape)
-            forward(buffer)
-            self.prefill_counts["eager"] += 1
-            return
-        graph = self._capture(lambda: forward(buffer), warmups=1)
-        self.prefill_graphs[shape] = graph, buffer
-        graph.replay()
-        self.prefill_counts["captured"] += 1
+    def _forward(self, part: str, shape: tuple, packed: list[list[int]], forward, tokens: int) -> None:
+        """`forward` of the rows `packed` (one host-to-device copy), timed as `part` (`tokens`
+        fed): eager off CUDA graphs; with them, eager the first time a shape comes (its warm-up),
+        captured the second, replayed from then on, the first two timed as "prefill-first"
+        (once a shape a process; a capture waits for the device). A prefill forward is
+        idempotent (it writes the keys/values of the tokens it feeds, and reads only what it
+        wrote or the rows held before), so the capture's warm-up may run it again."""
+        graph = None if self.graphs is None else self.prefill_graphs.get(shape)
+        with self._span(part if self.graphs is None or graph is not None else "prefill-first", tokens=tokens):
+            buffer = self._to_device(packed)
+            if graph is not None:
+                graph, static = graph
+                static.copy_(buffer)
+                graph.replay()
+                self.prefill_counts["replayed"] += 1
+            elif self.graphs is None:
+                forward(buffer)
+            elif shape not in self._prefill_seen:
+                self._prefill_seen.add(shape)
+                forward(buffer)
+                self.prefill_counts["eager"] += 1
+            else:
+                graph = self._capture(lambda: forward(buffer), warmups=1)
+                self.prefill_graphs[shape] = graph, buffer
+                graph.replay()
+                self.prefill_counts["captured"] += 1
 
     def _admit(self, deadline: float | None) -> None:
         """Queued prompts into the free slots (prefill and slot state, queued on the device);

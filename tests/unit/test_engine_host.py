@@ -4,6 +4,7 @@ transformers builds no attention mask for the engine's attention, a prefill afte
 prefixes builds its positions and write indices once a forward rather than once a layer, and
 the chunk length between reads of the slots (`sync_steps`) is checked."""
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -91,6 +92,55 @@ def test_bucketed_prefills_write_what_exact_ones_write():
         for row, held in enumerate([7, 7, 5]):
             torch.testing.assert_close(got[row, :, :held], want[row, :, :held], rtol=1e-5, atol=1e-6)
     assert bucketed.prefill_counts == exact.prefill_counts == Counter(), "no graphs off CUDA"
+
+
+class Replayable:
+    """A stand-in for a captured CUDA graph on CPU: its replay runs what was captured, so it
+    reads the input buffer as the graph would."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def replay(self):
+        self.run()
+
+
+class Spans:
+    def __init__(self):
+        self.parts = []
+
+    @contextlib.contextmanager
+    def span(self, part, tokens=0, **info):
+        yield
+        self.parts.append((part, tokens))
+
+
+def test_prefill_graph_path_runs_eager_then_captures_then_replays(monkeypatch):
+    """The prefill's graph path (CUDA in use, simulated: `_capture` runs its warm-up and returns a
+    replayable stand-in): a shape's first forward eager, its second captured, its third replayed
+    from the captured buffer refilled with the new rows; the first two timed as prefill-first.
+    Every round's rows hold what the exact-shape engine writes; the third round feeds other tokens
+    through the same shapes."""
+    graphs, exact = engine(buckets=True), engine()
+    graphs.graphs = {}  # as on CUDA
+    monkeypatch.setattr(graphs, "_capture", lambda run, warmups: (run(), Replayable(run))[1])
+    graphs.timer = Spans()
+    rounds = [([[5, 6, 7, 8, 9, 10, 11, 2], [5, 6, 7, 2], [3, 4, 5, 6, 2]],
+               [(1, [5, 6, 7, 8, 9, 10, 11], 3), (2, [3, 4, 5, 6, 7], 4)])] * 2
+    rounds.append(([[9, 9, 8, 8, 7, 7, 6, 2], [1, 2, 3, 2], [4, 4, 4, 4, 2]],
+                   [(1, [1, 2, 3, 5, 5, 5, 5], 3), (2, [4, 4, 4, 4, 9], 4)]))
+    with torch.inference_mode():
+        for prompts, after in rounds:
+            for e in (graphs, exact):
+                e._prefill(list(enumerate(prompts)), {})
+                e._prefill_after(after)
+            for got, want in zip((*graphs.cache_k, *graphs.cache_v), (*exact.cache_k, *exact.cache_v)):
+                for row, held in enumerate([7, 7, 5]):
+                    torch.testing.assert_close(got[row, :, :held], want[row, :, :held], rtol=1e-5, atol=1e-6)
+    assert graphs.prefill_counts == Counter(eager=2, captured=2, replayed=2)
+    assert sorted(graphs.prefill_graphs) == [("fresh", 4, 16), ("kept", 2, 16, 64)]
+    assert [part for part, _ in graphs.timer.parts] == ["prefill-first"] * 4 + ["prefill", "prefill-kept"]
+    assert {tokens for part, tokens in graphs.timer.parts if part == "prefill-kept"} == {5}  # 4 + 1 fed
 
 
 @pytest.mark.parametrize("sync_steps, chunk", [(None, 1), (1, 1), (3, 3)])
