@@ -223,6 +223,7 @@ class GenerationEngine:
         self.layers = len(decoder_layers(self.model))
         self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if cuda_graphs and self.device.type == "cuda" else None
         self._pool = None
+        self._streams = None  # (warm-up, capture) streams, made at the first capture
         # Prefill forwards: their shapes (bucketed with graphs: a few shapes, one graph each),
         # the graphs by shape with their input buffer, the shapes run once, and how the forwards ran.
         # (`buckets`: bucketed shapes whether or not there are graphs; tests run them eagerly.)
@@ -298,21 +299,37 @@ class GenerationEngine:
         self.pos += live & ~ended  # a finished row never writes past its last token
         self.tokens.copy_(nxt)
 
-    def _capture(self, run, warmups: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, run, warmups: int, mid_run: bool = False) -> torch.cuda.CUDAGraph:
         """`run` (device work without a host sync) as a CUDA graph, after `warmups` runs on a
         side stream (cuBLAS handles and the allocator's blocks, before capture). The warm-ups
         must change nothing that the rows will read: a decode step is captured while every slot
         is idle, a prefill forward writes what its replay writes again. Every graph allocates
-        from one pool: they replay one at a time, and none's output outlives its replay."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        from one pool: they replay one at a time, and none's output outlives its replay.
+        `mid_run` (a prefill shape's capture, behind queued decode steps): captured on the
+        engine's capture stream without torch.cuda.graph's preamble, which waits for the device
+        and empties the device and pinned host caches (for memory; here the next forwards would
+        allocate all of it again). Capturing runs nothing, and the replay is queued behind what
+        was queued before, so no wait is needed."""
+        if self._streams is None:  # one warm-up and one capture stream an engine (cuBLAS keeps a workspace a stream)
+            self._streams = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        side, capture = self._streams
+        current = torch.cuda.current_stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
             for _ in range(warmups):
                 run()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            run()
+        if mid_run:
+            with torch.cuda.stream(capture):
+                graph.capture_begin(*(() if self._pool is None else (self._pool,)), capture_error_mode="thread_local")
+                try:
+                    run()
+                finally:
+                    graph.capture_end()
+        else:
+            with torch.cuda.graph(graph, pool=self._pool):
+                run()
         self._pool = graph.pool()
         return graph
 
@@ -427,7 +444,7 @@ class GenerationEngine:
                 forward(buffer)
                 self.prefill_counts["eager"] += 1
             else:
-                graph = self._capture(lambda: forward(buffer), warmups=1)
+                graph = self._capture(lambda: forward(buffer), warmups=1, mid_run=True)
                 self.prefill_graphs[shape] = graph, buffer
                 graph.replay()
                 self.prefill_counts["captured"] += 1

@@ -123,7 +123,9 @@ def test_prefill_graph_path_runs_eager_then_captures_then_replays(monkeypatch):
     through the same shapes."""
     graphs, exact = engine(buckets=True), engine()
     graphs.graphs = {}  # as on CUDA
-    monkeypatch.setattr(graphs, "_capture", lambda run, warmups: (run(), Replayable(run))[1])
+    captured = []
+    monkeypatch.setattr(graphs, "_capture", lambda run, warmups, mid_run=False: (
+        captured.append((warmups, mid_run)), run(), Replayable(run))[2])
     graphs.timer = Spans()
     rounds = [([[5, 6, 7, 8, 9, 10, 11, 2], [5, 6, 7, 2], [3, 4, 5, 6, 2]],
                [(1, [5, 6, 7, 8, 9, 10, 11], 3), (2, [3, 4, 5, 6, 7], 4)])] * 2
@@ -138,6 +140,7 @@ def test_prefill_graph_path_runs_eager_then_captures_then_replays(monkeypatch):
                 for row, held in enumerate([7, 7, 5]):
                     torch.testing.assert_close(got[row, :, :held], want[row, :, :held], rtol=1e-5, atol=1e-6)
     assert graphs.prefill_counts == Counter(eager=2, captured=2, replayed=2)
+    assert captured == [(1, True)] * 2, "one warm-up each, captured mid-run (no wait for the device)"
     assert sorted(graphs.prefill_graphs) == [("fresh", 4, 16), ("kept", 2, 16, 64)]
     assert [part for part, _ in graphs.timer.parts] == ["prefill-first"] * 4 + ["prefill", "prefill-kept"]
     assert {tokens for part, tokens in graphs.timer.parts if part == "prefill-kept"} == {5}  # 4 + 1 fed
