@@ -29,6 +29,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 # KV columns per block of the flex BlockMask: a row reads its blocks whole, so on average
 # half a block more than it holds. flex's decoding kernel tiles a block by up to 64 columns.
 DECODE_BLOCK = 128
+# flex's decoding kernel options (BLOCK_N, SPLIT_KV, num_warps, num_stages: empty, inductor's
+# defaults); `python -m benchmarks.flex_decode_sweep` times candidates on the engine's shapes.
+DECODE_KERNEL_OPTIONS: dict = {}
 
 
 def visible(pos: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
@@ -55,11 +58,12 @@ def kv_blocks(pos: torch.Tensor, live: torch.Tensor, length: int, window: int | 
     return count, indices
 
 
-def block_mask(pos: torch.Tensor, live: torch.Tensor, length: int, groups: int, window: int | None) -> BlockMask:
+def block_mask(pos: torch.Tensor, live: torch.Tensor, length: int, groups: int, window: int | None,
+               block: int = DECODE_BLOCK) -> BlockMask:
     """The flex BlockMask of one decode step over `length` cache columns, `groups` query
-    rows (the folded query heads) per KV head; within a block, mask_mod cuts the columns
-    the row does not see."""
-    count, indices = kv_blocks(pos, live, length, window)
+    rows (the folded query heads) per KV head, `block` columns a block; within a block,
+    mask_mod cuts the columns the row does not see."""
+    count, indices = kv_blocks(pos, live, length, window, block)
 
     def mask_mod(b, h, q, kv):
         seen = kv <= pos[b]
@@ -68,7 +72,7 @@ def block_mask(pos: torch.Tensor, live: torch.Tensor, length: int, groups: int, 
         return seen
 
     # compute_q_blocks=False: the transposed (query-side) indices serve the backward only.
-    return BlockMask.from_kv_blocks(count.int()[:, None, None], indices.int()[:, None, None], BLOCK_SIZE=DECODE_BLOCK,
+    return BlockMask.from_kv_blocks(count.int()[:, None, None], indices.int()[:, None, None], BLOCK_SIZE=block,
                                     mask_mod=mask_mod, seq_lengths=(groups, length), compute_q_blocks=False)
 
 
@@ -90,7 +94,7 @@ def decode_attention(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         mask = masks.get(window)
         if mask is None:
             mask = masks[window] = block_mask(pos, live, k.shape[2], q.shape[2], window)
-        return compiled_flex()(q, k, v, block_mask=mask, scale=scale)
+        return compiled_flex()(q, k, v, block_mask=mask, scale=scale, kernel_options=DECODE_KERNEL_OPTIONS or None)
     mask = masks.get(window)
     if mask is None:
         mask = masks[window] = visible(pos, width, window)[:, None, None, :]  # (B, 1, 1, width)

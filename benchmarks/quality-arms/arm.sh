@@ -21,6 +21,7 @@
 # datagen-profile: issue 39's engine profile (datagen_engine_gpu.sh's job) on the queue's GPU;
 # datagen-profile-sN the same with N decode steps a chunk between the host's reads (--sync-steps N);
 # datagen-profile-compiled (or -sN-compiled): flex and flex with the decode step compiled (backend.compile).
+# flex-sweep: issue 39's decode attention under other mask blocks and kernel options (benchmarks/flex_decode_sweep.py).
 # serving-profile: issue 41's profile of the Qwen3-8B geometry's plain step and verify (benchmarks/serving_step.py
 # --profile, batch 1 and 8, k = 15, both GQA paths; benchmarks/serving-step-h100-2026-11-27/README.md).
 # kinds-gaps: issue 38's DFlash and DFlash2 steps through benchmarks/profile_step.py: device time by kernel kind, then
@@ -119,9 +120,10 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
       local sync=${BASH_REMATCH[2]} kinds=""
       [ -n "${BASH_REMATCH[3]}" ] && kinds="KINDS=engine-flex,engine-flex-compiled"
       echo "date +%s > /tmp/arm-$arm.t0; $kinds OUT=/tmp/arm-$arm bash benchmarks/datagen_engine_gpu.sh 3600 2000 2000 $sync > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
-    elif [[ $arm = kinds-step || $arm = sampler ]]; then  # issue 38's step per kind, issue 39's sampler (one table each)
+    elif [[ $arm = kinds-step || $arm = sampler || $arm = flex-sweep ]]; then  # issue 38's step per kind, issue 39's sampler and decode attention (one table each)
       local c="bash benchmarks/kinds_step.sh /tmp/arm-$arm \"dflash dspark dflash2\" +experiment=qwen25_coder_05b_1xh100 target.name=/tmp/qwen25coder05b.gguf bench.random_target=true data.path=/tmp/data/sharegpt-qwen25-coder-05b"
       [ $arm = sampler ] && c="python3 -m benchmarks.sampler_speed --device cuda --slots 512"
+      [ $arm = flex-sweep ] && c="python3 -m benchmarks.flex_decode_sweep --json /tmp/arm-$arm/rows.json"
       echo "date +%s > /tmp/arm-$arm.t0; mkdir -p /tmp/arm-$arm; { echo \"$c\"; $c; echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
     elif [ $arm = kinds-gaps ]; then  # issue 38: DFlash's and DFlash2's step by kernel kind, then the device's idle gaps
       local k g c=""

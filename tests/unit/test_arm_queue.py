@@ -78,3 +78,10 @@ def test_datagen_profile_compiled_items_name_the_kinds():
             "benchmarks/datagen_engine_gpu.sh 3600 2000 2000  >") in compiled
     assert ("KINDS=engine-flex,engine-flex-compiled OUT=/tmp/arm-datagen-profile-s16-compiled bash "
             "benchmarks/datagen_engine_gpu.sh 3600 2000 2000 16 >") in both
+
+
+def test_flex_sweep_item_runs_the_sweep_into_its_folder():
+    [line] = queue_lines("flex-sweep")
+    assert "mkdir -p /tmp/arm-flex-sweep" in line
+    assert "python3 -m benchmarks.flex_decode_sweep --json /tmp/arm-flex-sweep/rows.json" in line
+    assert line.endswith("date +%s > /tmp/arm-flex-sweep.t1")
