@@ -26,6 +26,7 @@ from collections import Counter
 
 import torch
 
+from benchmarks.cuda_timing import step_seconds
 from data_gen.engine_attention import DECODE_BLOCK, decode_attention, kv_blocks
 
 PARTS = {  # table rows, in order
@@ -142,7 +143,7 @@ def attention_replay(engine, busy: list[int], width: int, reps: int = 20) -> dic
                              window, d**-0.5, masks)
 
     with torch.inference_mode():
-        seconds = _time_cuda(step, reps, dev) if dev.type == "cuda" else _time_host(step, reps)
+        seconds = step_seconds(step, dev, reps)
     per_token = hkv * d * 2 * k0.element_size()  # K and V of one column of one layer
     read = held = 0
     for window in windows:
@@ -150,37 +151,6 @@ def attention_replay(engine, busy: list[int], width: int, reps: int = 20) -> dic
         read, held = read + r * per_token, held + h * per_token
     return {"seconds": seconds, "read_bytes": read, "held_bytes": held, "rows": len(busy),
             "mean_pos": sum(busy) / max(1, len(busy)), "width": width, "layers": len(windows)}
-
-
-def _time_host(step, reps: int) -> float:
-    step()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[reps // 2]
-
-
-def _time_cuda(step, reps: int, device) -> float:
-    """Median seconds of a CUDA graph of `step`: device time, no launch gaps between layers."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[reps // 2]
 
 
 def table(timer: SpanTimer, wall: float, tokens: int, idle: str | None = None,

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
+from benchmarks.cuda_timing import step_seconds
 from data_gen.engine_attention import DECODE_BLOCK, DECODE_KERNEL_OPTIONS, block_mask, kv_blocks, visible
 
 # name: (mask block, kernel options); flex's decoding kernel takes SPLIT_KV (programs a row and
@@ -63,30 +63,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def step_time(step, device: torch.device, runs: int) -> float:
-    """Median seconds of `step`: replayed as a CUDA graph on a GPU, called on a CPU."""
-    step()  # compiles
-    if device.type != "cuda":
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[runs // 2]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[runs // 2]
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -120,7 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
             with torch.inference_mode():
                 diff = (step()[0].float() - reference).abs().max().item()
-                seconds = step_time(step, device, args.runs)
+                seconds = step_seconds(step, device, args.runs)
         except Exception as e:  # an option this kernel or machine refuses: its row says why
             print(f"{name:<16}{block:>6}  {json.dumps(options):<34}  failed: {type(e).__name__}: {str(e)[:120]}")
             rows.append({"candidate": name, "block": block, "options": options, "error": f"{type(e).__name__}: {e}"})

@@ -22,8 +22,9 @@ needs one width: the whole row). So are the prefill forwards, whose shapes on CU
 up to a few buckets (rows and widths powers of two; a group padded with copies of its first
 row): eager the first time a shape comes, captured the second, replayed after. An eager
 forward of a 24-layer target is about 1,400 operators the host issues one by one, and the
-device waited for them (benchmarks/engine-host-cost-cpu-2026-11-28). The host reads the slots every `sync_steps` steps
-(backend.sync_steps; by default STEPS_PER_SYNC on CUDA), one chunk behind the device.
+device waited for them (benchmarks/engine-host-cost-cpu-2026-11-28). The host reads the
+slots every `sync_steps` steps (backend.sync_steps; by default STEPS_PER_SYNC on CUDA), one
+chunk behind the device.
 
 Nothing is shared between slots: a prompt's answer does not depend on the prompts beside it
 (up to floating-point rounding of the attention over a wider padded range).
