@@ -11,7 +11,9 @@
 # benchmarks/gpu/setup.sh). The first call with all of them starts the two runs, one after the
 # other, in their own session (from the lease's frozen copy of the checkout); every call follows them
 # for up to WAIT_S seconds, prints the table so far and brings back the logs ($OUT/datagen-two-gpu-*.log).
-# The defaults (2,000 conversations, 2,000 magpie prompts) are datagen_engine_gpu.sh's; not yet run.
+# The defaults (5,000 conversations, 5,000 magpie prompts) are issue 39's job: at 2,000 + 2,000 (the
+# first run, 2026-11-28, one H200 54 s of answering) each process's compile and first shapes were
+# a third of a rank's time and magpie writing was rank 0's alone (now every rank writes a slice).
 # CPU_SMOKE=1: the same commands on the quickstart's SmolLM2 GGUF in float32 on CPU (3 conversations,
 # 2 magpie prompts of at most 24 tokens, 3 slots, 8 new tokens, shards of 2 prompts so that both
 # ranks get some), the two ranks CPU processes on gloo, in the foreground, into a temporary folder
@@ -30,7 +32,7 @@ if [ "${CPU_SMOKE:-0}" = 1 ]; then
   SIZES=(backend.batch_size=3 sampling.max_new_tokens=8 shard_size=2 backend.cpu_threads=1)
 else
   source benchmarks/gpu/setup.sh || exit 1
-  CONVS=${2:-2000} MAGPIE=${3:-2000}
+  CONVS=${2:-5000} MAGPIE=${3:-5000}
   PY=python3 R=/tmp/datagen-two-gpu-$CONVS-$MAGPIE TARGET=/tmp/qwen25coder05b.gguf TARGET_ARGS=(target=qwen25_coder_05b)
   MAGPIE_TOKENS=256 EXACT= SIZES=(backend.batch_size=512 sampling.max_new_tokens=512)
 fi

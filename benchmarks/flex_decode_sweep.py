@@ -27,6 +27,7 @@ from data_gen.engine_attention import DECODE_BLOCK, DECODE_KERNEL_OPTIONS, block
 # head: 1 when slots x heads fill the GPU), BLOCK_N (columns a tile), num_warps and num_stages.
 CANDIDATES = {
     "default": (DECODE_BLOCK, DECODE_KERNEL_OPTIONS),
+    "inductor": (DECODE_BLOCK, {}),
     "block64": (64, {}),
     "block256": (256, {}),
     "split2": (DECODE_BLOCK, {"SPLIT_KV": 2}),
@@ -38,6 +39,10 @@ CANDIDATES = {
     "stages1": (DECODE_BLOCK, {"num_stages": 1}),
     "stages3": (DECODE_BLOCK, {"num_stages": 3}),
     "split2-stages3": (DECODE_BLOCK, {"SPLIT_KV": 2, "num_stages": 3}),
+    "split4-stages3": (DECODE_BLOCK, {"SPLIT_KV": 4, "num_stages": 3}),
+    "split2-stages4": (DECODE_BLOCK, {"SPLIT_KV": 2, "num_stages": 4}),
+    "n128-stages3": (DECODE_BLOCK, {"BLOCK_N": 128, "num_stages": 3}),
+    "block64-split2-stages3": (64, {"SPLIT_KV": 2, "num_stages": 3}),
 }
 
 
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             def step():
                 mask = block_mask(pos, live, length, groups, None, block)
                 return [compiled(q, ks[i % len(ks)], vs[i % len(vs)], block_mask=mask, scale=d**-0.5,
-                                 kernel_options=options or None) for i in range(args.layers)]
+                                 kernel_options=(options or None) if q.is_cuda else None) for i in range(args.layers)]
 
             with torch.inference_mode():
                 diff = (step()[0].float() - reference).abs().max().item()

@@ -29,9 +29,12 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 # KV columns per block of the flex BlockMask: a row reads its blocks whole, so on average
 # half a block more than it holds. flex's decoding kernel tiles a block by up to 64 columns.
 DECODE_BLOCK = 128
-# flex's decoding kernel options (BLOCK_N, SPLIT_KV, num_warps, num_stages: empty, inductor's
-# defaults); `python -m benchmarks.flex_decode_sweep` times candidates on the engine's shapes.
-DECODE_KERNEL_OPTIONS: dict = {}
+# flex's decoding kernel options on CUDA (BLOCK_N, SPLIT_KV, num_warps, num_stages; CPU takes
+# inductor's defaults). `python -m benchmarks.flex_decode_sweep` times candidates on issue 39's
+# shapes: on an H200 (2026-11-28, benchmarks/quality-arms/README.md) two programs a row and head
+# and three pipeline stages took a step's 24 layers from 1.70 ms (inductor's defaults) to 1.21 ms,
+# reading the cache at 3.1 TB/s instead of 2.2, as close to SDPA as the defaults.
+DECODE_KERNEL_OPTIONS: dict = {"SPLIT_KV": 2, "num_stages": 3}
 
 
 def visible(pos: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
@@ -94,7 +97,7 @@ def decode_attention(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         mask = masks.get(window)
         if mask is None:
             mask = masks[window] = block_mask(pos, live, k.shape[2], q.shape[2], window)
-        return compiled_flex()(q, k, v, block_mask=mask, scale=scale, kernel_options=DECODE_KERNEL_OPTIONS or None)
+        return compiled_flex()(q, k, v, block_mask=mask, scale=scale, kernel_options=DECODE_KERNEL_OPTIONS if q.is_cuda else None)
     mask = masks.get(window)
     if mask is None:
         mask = masks[window] = visible(pos, width, window)[:, None, None, :]  # (B, 1, 1, width)

@@ -104,8 +104,14 @@ class MagpieWriter:
 
     def __init__(self, src: SourceConfig, shaper: ChatShaper, out_dir: Path, seed: int, identity: dict,
                  generator: Callable[[SamplingConfig, list[int]], object] | None, budget=None,
-                 progress: bool = False):
+                 progress: bool = False, ranks: tuple[int, int] = (0, 1), barrier: Callable[[], None] | None = None):
         self.src, self.shaper, self.seed = src, shaper, seed
+        # (rank, world size) of ranks that write every chunk together, each a slice of it, meeting
+        # at `barrier` (an unbudgeted run on several ranks); (0, 1): this process writes alone.
+        self.rank, self.world = ranks
+        self.barrier = barrier
+        if self.world > 1 and (barrier is None or budget is not None):
+            raise ValueError("magpie: ranks share the writing only without a budget, and need a barrier")
         self.folder = Path(out_dir) / PROMPTS_DIR / src.name
         self.prefix = user_prefix(shaper, src.system_prompt)
         self.prefix_ids = shaper.tokenizer(self.prefix, add_special_tokens=False)["input_ids"]
@@ -136,9 +142,11 @@ class MagpieWriter:
         elif self.generator is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, json.dumps(self.settings, indent=2, sort_keys=True))
-        if self.generator is not None:  # half-written chunks of a killed run
-            for tmp in self.folder.glob(".candidates-*.tmp-*"):
+        if self.generator is not None and self.rank == 0:  # half-written chunks of a killed run
+            for tmp in [*self.folder.glob(".candidates-*.tmp-*"), *self.folder.glob(".candidates-*.part-*")]:
                 tmp.unlink(missing_ok=True)
+        if self.world > 1:  # no rank writes before rank 0 has cleared the folder
+            self.barrier()
 
     def _chunk_path(self, start: int) -> Path:
         return self.folder / f"candidates-{start:09d}.jsonl"
@@ -205,6 +213,8 @@ class MagpieWriter:
             self._close(start)
             return None
         size = self._size(start, remaining)
+        if self.world > 1:
+            return self._shared_chunk(start, size, self.src.num_prompts - remaining)
         records = self._sample(start, size, self.src.num_prompts - remaining)
         if self.budget is not None:  # first: a kill between the two then counts the seconds
             self.budget.save()
@@ -213,6 +223,25 @@ class MagpieWriter:
         if len(records) < size:
             self._close(start + len(records))
         return records or None
+
+    def _shared_chunk(self, start: int, size: int, kept: int) -> list[dict]:
+        """The chunk at `start` written by every rank: rank r samples the r-th slice of its
+        candidates into a part file, rank 0 joins the parts into the chunk file, every rank
+        reads it back. Each candidate has its own seed, so the chunk holds what one process
+        would write; no budget here, so every candidate is written."""
+        path, per = self._chunk_path(start), -(-size // self.world)
+        lo = start + self.rank * per
+        mine = self._sample(lo, min(per, start + size - lo), kept) if lo < start + size else []
+        part = self.folder / f".candidates-{start:09d}.part-{self.rank}"
+        atomic_write_text(part, "".join(json.dumps({**r, "rank": self.rank}) + "\n" for r in mine))
+        self.barrier()
+        if self.rank == 0:
+            parts = [self.folder / f".candidates-{start:09d}.part-{r}" for r in range(self.world)]
+            atomic_write_text(path, "".join(p.read_text(encoding="utf-8") for p in parts))
+            for p in parts:
+                p.unlink()
+        self.barrier()
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
     def _usable(self, r: dict) -> bool:
         return r["finish_reason"] == "stop" or self.src.keep_truncated

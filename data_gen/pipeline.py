@@ -5,7 +5,8 @@ belongs to rank k % world_size. A shard's content depends only on its prompts an
 settings (each prompt samples from its own seed, derived from (seed, prompt id, turn)), so a
 restart, or a run with a different number of ranks, writes the same rows. data_gen/turns.py
 schedules the turns of a rank's conversations; magpie sources (prompts written by the
-target, data_gen/magpie.py) are sampled by rank 0 before the prompts are numbered.
+target, data_gen/magpie.py) are written before the prompts are numbered, a slice of each chunk
+by every rank (by rank 0 alone under a time budget).
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class RunResult:
     # The budget ran out first: the dataset holds the shards begun (manifest "budget").
     budget_reached: bool = False
     unstarted: int = 0  # prompts never answered because of the budget
+    # This rank's seconds from the start of run() to its prompts (sources read, magpie prompts
+    # written) and, of elapsed_s, to its answering generator built (target loaded, engine set up)
+    prompts_s: float = 0.0
+    build_s: float = 0.0
 
 
 class Budget:
@@ -143,12 +148,15 @@ class Generators:
         return gen
 
 
-def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = None, progress: bool = False):
+def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = None, progress: bool = False,
+          ranks: tuple[int, int] = (0, 1)):
     """Tokenizer, chat shaper and the usable prompts (with load-time skips counted, and the
     magpie sources' reports in ``skips.reports``).
 
     Magpie sources sample their prompts with `generators` (within its budget, if any);
-    without it they only read the prompts an earlier run or rank 0 wrote into out_dir."""
+    without it they only read the prompts an earlier run or rank 0 wrote into out_dir.
+    `ranks` (rank, world size) with a world of several: every rank calls this at once, and
+    they write each chunk of candidates together (an unbudgeted run)."""
     tokenizer = tokenizer or load_tokenizer(cfg.target.name, cfg.cache_dir)
     identity = target_identity(cfg.target.name, cfg.cache_dir)
     # Before any template override: the target's own tokenizer.
@@ -173,7 +181,8 @@ def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = No
     def magpie(src, skips, remaining):
         build = None if generators is None else lambda sampling, stops: generators.build(sampling, shaper, stops)
         writer = MagpieWriter(src, shaper, Path(cfg.out_dir), cfg.sampling.seed, identity, build,
-                              None if generators is None else generators.budget, progress)
+                              None if generators is None else generators.budget, progress, ranks,
+                              lambda: _barrier(ranks[1]))
         writers.append(writer)
         return writer.candidates(remaining, skips)
 
@@ -242,6 +251,7 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
     """Generate (or finish generating) the dataset of `cfg` into cfg.out_dir.
 
     `target` and `tokenizer` reuse an already loaded target (tests, notebooks)."""
+    began = time.perf_counter()
     rank, world, local_rank = _dist()
     out = Path(cfg.out_dir)
     check_inputs(cfg)  # before the target loads: a user's folder or a missing file fails now
@@ -251,16 +261,20 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
     generators = Generators(cfg, tokenizer, local_rank, target)
     if budgeted and rank == 0:
         generators.budget = Budget(out, cfg.budget_min, rank)
-    # Rank 0 first: it samples the magpie prompts (within the budget), which the other ranks
-    # then read; a finished run only reads them.
-    if rank == 0:
+    # Magpie prompts: without a budget every rank writes a slice of each chunk of candidates
+    # (and loads its target meanwhile); with one, rank 0 writes them within it first and the
+    # other ranks then read them. A finished run only reads them.
+    together = world > 1 and not budgeted and not finished
+    if rank == 0 or together:
         tokenizer, identity, tok_ident, shaper, prompts, load_skips = setup(
-            cfg, tokenizer, None if finished else generators, progress)
+            cfg, tokenizer, None if finished else generators, progress and rank == 0,
+            (rank, world) if together else (0, 1))
     _barrier(world)
-    if rank != 0:
+    if rank != 0 and not together:
         tokenizer, identity, tok_ident, shaper, prompts, load_skips = setup(cfg, tokenizer)
         if budgeted:  # read after rank 0 wrote the seconds its magpie prompts took
             generators.budget = Budget(out, cfg.budget_min, rank)
+    prompts_s = time.perf_counter() - began
     if not prompts:
         raise ValueError(f"no usable prompts in sources {[s.name for s in cfg.sources]}: "
                          f"skipped {dict(load_skips.counts)}")
@@ -280,9 +294,9 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
             if not finished and data_format.read_shard_meta(out, k) is None}
     budget = generators.budget
     _barrier(world)  # every rank has read budget.json before rank 0 writes it again
-    started, generated = time.perf_counter(), 0
+    started, generated, build_s = time.perf_counter(), 0, 0.0
     if mine and (budget is None or not past(budget.deadline)):
-        generated = _generate(cfg, shaper, generators, mine, out, rank, budget, progress)
+        generated, build_s = _generate(cfg, shaper, generators, mine, out, rank, budget, progress)
     elapsed = time.perf_counter() - started
     _barrier(world)
     metas = [data_format.read_shard_meta(out, k) for k in range(num_shards)]
@@ -309,13 +323,14 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
         reached, unstarted = recorded.get("reached", False), recorded.get("prompts_unstarted", 0)
     _barrier(world)
     return RunResult(str(out), counts, generated / elapsed if elapsed > 0 else 0.0, generated, elapsed, complete,
-                     reached, unstarted if reached else 0)
+                     reached, unstarted if reached else 0, prompts_s, build_s)
 
 
 def _generate(cfg: DatagenConfig, shaper: ChatShaper, generators: Generators, mine: dict, out: Path, rank: int,
               budget: Budget | None, progress: bool) -> int:
     """Answer this rank's shards, committing each as it completes (or as the budget ends
-    it); the generated token count."""
+    it); the generated token count and the seconds building the generator took."""
+    began = time.perf_counter()
     generator = generators.build(cfg.sampling, shaper)  # starts the budget, unless magpie writing did
     started, generated = time.perf_counter(), 0
     bar = tqdm(total=sum(map(len, mine.values())), unit="prompt", disable=not progress or rank != 0,
@@ -333,7 +348,7 @@ def _generate(cfg: DatagenConfig, shaper: ChatShaper, generators: Generators, mi
         bar.close()  # ends the bar's line, so an error message starts on its own
         if budget is not None:
             budget.save()
-    return generated
+    return generated, started - began
 
 
 def _backend_settings(cfg: DatagenConfig) -> dict:

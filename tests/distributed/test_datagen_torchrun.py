@@ -1,6 +1,8 @@
 """Data parallel dflash-datagen: two torchrun ranks (gloo, CPU) write disjoint shards whose
 union is exactly the single-process result; prompts the target writes (a magpie source) are
-sampled by rank 0 and read by rank 1."""
+written by both ranks, a slice of each chunk each, and are those one process writes."""
+
+import json
 
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import torch
 
 from data_gen.pipeline import run
 from dflash_train.data.format import load_generated, read_shard_meta
+from data_gen.magpie import PROMPTS_DIR
 from tests.datagen_helpers import compose_config, overrides, write_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -46,3 +49,12 @@ def test_two_ranks_equal_one_process(tmp_path, smollm2, smollm2_tokenizer):
         torch.set_num_threads(threads)
     ddp = load_generated(tmp_path / "ddp")
     assert ddp[:] == load_generated(tmp_path / "single")[:] and ddp["source"].count("magpie") == MAGPIE
+
+    def chunks(out_dir):  # each chunk file's candidates
+        return [[json.loads(line) for line in chunk.read_text().splitlines()]
+                for chunk in sorted((out_dir / PROMPTS_DIR / "magpie").glob("*.jsonl"))]
+
+    shared, alone = chunks(tmp_path / "ddp"), chunks(tmp_path / "single")
+    # each rank wrote its slice of every chunk: rank 0 the first half (the larger), rank 1 the rest
+    assert [[r.pop("rank") for r in c] for c in shared] == [[0] * -(-len(c) // 2) + [1] * (len(c) // 2) for c in alone]
+    assert shared == alone and not list((tmp_path / "ddp" / PROMPTS_DIR / "magpie").glob(".*"))

@@ -5,9 +5,17 @@ fails."""
 from pathlib import Path
 
 from benchmarks.datagen_scaling import main, table
+from data_gen.cli import format_summary
+from data_gen.pipeline import RunResult
 from dflash_train.data import format as data_format
 
-SUMMARY = "  generated this run {tokens:>10}  ({rate:.1f} tok/s over {seconds:.1f} s)\n"
+COUNTS = {"prompts": 4, "rows": 4, "tokens": 8, "response_tokens": 4, "retokenized": 0, "finish_reasons": {},
+          "ended_early": {}, "skipped": {}, "skipped_examples": {}}
+
+
+def summary(seconds: float, prompts_s: float = 0.0, build_s: float = 0.0) -> str:
+    """A rank's summary as dflash-datagen prints it."""
+    return format_summary(RunResult("out", COUNTS, 1.0, 1, seconds, True, prompts_s=prompts_s, build_s=build_s)) + "\n"
 
 
 def row(prompt_id: str, ids: list[int]) -> dict:
@@ -16,7 +24,7 @@ def row(prompt_id: str, ids: list[int]) -> dict:
 
 
 def write_run(root: Path, gpus: int, shards: list[list[tuple[str, list[int]]]], rank_s: list[float],
-              wall: tuple[int, int], generated_per_shard: int = 100) -> None:
+              wall: tuple[int, int], generated_per_shard: int = 100, phases=None) -> None:
     """A finished run on ``gpus`` GPUs: shard k (of prompts and their input_ids) written by rank
     k % gpus, its manifest, its log with one summary line a rank and its wall-clock marks."""
     out = root / f"gpus-{gpus}"
@@ -30,7 +38,8 @@ def write_run(root: Path, gpus: int, shards: list[list[tuple[str, list[int]]]], 
     data_format.consolidate(out, range(len(shards)), {"format_version": data_format.FORMAT_VERSION,
                                                       "num_shards": len(shards),
                                                       "counts": {"prompts": len(ids), "rows": rows}})
-    (root / f"gpus-{gpus}.log").write_text("".join(SUMMARY.format(tokens=1, rate=1.0, seconds=s) for s in rank_s))
+    phases = phases or [(0.0, 0.0)] * len(rank_s)
+    (root / f"gpus-{gpus}.log").write_text("".join(summary(s, *p) for s, p in zip(rank_s, phases)))
     (root / f"gpus-{gpus}.t0").write_text(f"{wall[0]}\n")
     (root / f"gpus-{gpus}.t1").write_text(f"{wall[1]}\n")
 
@@ -45,12 +54,13 @@ def cells(lines: list[str], gpus: int) -> list[str]:
 def test_two_gpus_against_one_scaling_and_equal_rows(tmp_path, capsys):
     write_run(tmp_path, 1, SHARDS, [20.0], (100, 150))
     changed = [SHARDS[0], [("c", [5, 6]), ("d", [7, 9])]]  # one row differs (bf16 on a GPU)
-    write_run(tmp_path, 2, changed, [9.0, 10.0], (200, 230))
+    write_run(tmp_path, 2, changed, [9.0, 10.0], (200, 230), phases=[(14.2, 0.4), (3.5, 6.25)])
     lines, once, equal = table(tmp_path)
     # 200 tokens over 20 s against over the slower rank's 10 s: 2x, all of two GPUs' share
     assert cells(lines, 1) == ["1", "4", "4", "200", "50", "20.0", "10.0", "", ""]
     assert cells(lines, 2) == ["2", "4", "4", "200", "30", "10.0", "20.0", "100.0%", "83.3%"]
-    assert "2 GPU(s): ranks' answer seconds 9.0, 10.0; shards by rank: rank 0 1, rank 1 1" in lines
+    assert ("2 GPU(s): ranks' answer seconds 9.0, 10.0; shards by rank: rank 0 1, rank 1 1; by process: prompts "
+            "ready after 14.2 s, generator built in 0.4 s; prompts ready after 3.5 s, generator built in 6.2 s") in lines
     assert "2 GPUs: 2.00x one GPU's tokens/s (target 1.9x: met)" in lines
     assert lines[-1].endswith("2 GPU(s) yes (4 distinct of 4 ids in the shards, 4 prompts); "
                               "rows equal to the 1-GPU run's: 3 of 4")
