@@ -328,8 +328,8 @@ class GenerationEngine:
                     run()
                 finally:
                     graph.capture_end()
-        else:
-            with torch.cuda.graph(graph, pool=self._pool):
+        else:  # on the engine's own capture stream: torch.cuda.graph's default one is the current device's
+            with torch.cuda.graph(graph, pool=self._pool, stream=capture):
                 run()
         self._pool = graph.pool()
         return graph

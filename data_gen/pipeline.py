@@ -108,6 +108,13 @@ def _dist():
 
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
+        import torch
+
+        # The rank's GPU the current device: what runs on the current device without naming one
+        # (pinned buffers' context, streams, torch.cuda.graph's capture stream and synchronize)
+        # would otherwise go to GPU 0, beside rank 0's work.
+        if torch.cuda.is_available() and env.local_rank < torch.cuda.device_count():
+            torch.cuda.set_device(env.local_rank)
     return env.rank, env.world_size, env.local_rank
 
 
