@@ -153,9 +153,25 @@ def speculative_ms(drafter, target, args, rows: int, k: int, gqa: str,
     return times, rt
 
 
+def weight_reads(target, drafter) -> tuple[int, int]:
+    """Parameters a step reads, (target, draft): the target's all but its input embedding (a
+    lookup reads a few rows), the drafter's all and the target's LM head, which the draft's
+    logits use."""
+    target_n = sum(p.numel() for n, p in target.named_parameters() if "embed_tokens" not in n)
+    return target_n, sum(p.numel() for p in drafter.parameters()) + target.lm_head.weight.numel()
+
+
+def bound_line(target, drafter) -> str:
+    t, d = weight_reads(target, drafter)
+    return (f"weights a step reads: the target {t / 1e6:.3f}M parameters (its embedding aside), the draft "
+            f"{d / 1e6:.3f}M (the drafter and the target's LM head): where both are bound by reading weights, "
+            f"a whole step is at least the verify + {d / t:.3f} plain steps")
+
+
 def measure(args) -> list[dict]:
     device = torch.device(args.device)
     target, drafter = build(args, device)
+    print(bound_line(target, drafter), flush=True)
     rows = []
     with torch.inference_mode():
         for gqa in args.gqa:

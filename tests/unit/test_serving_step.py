@@ -96,3 +96,17 @@ def test_repeat_copies_kv_and_packed_does_not(profiled):
     comparison = files["profile-b1-k3.txt"].split("plain step vs verify k=3")[1]
     assert re.search(r"^K/V repeat for GQA\s+\d+\.\d+\s+\d+\.\d+\s+[+-]\d+\.\d+\s+\d+\s+8$", comparison, re.MULTILINE)
     assert re.search(r"^timed step\s+\d+\.\d+\s+\d+\.\d+", comparison, re.MULTILINE)
+
+
+def test_weights_a_step_reads():
+    # The tiny geometry's layer: q 128x128, k and v 128x64, o 128x128, MLP 3 x 128x256, norms
+    # 128 + 128 + 32 + 32: 147,776. Target: 4 layers, the final norm, the LM head 1024x128 (its
+    # embedding aside): 722,304. Draft: 5 layers, fc (5 x 128) x 128, two norms of 128, and the
+    # target's LM head: 952,128.
+    import torch
+
+    from benchmarks.serving_step import bound_line, build, parse_args, weight_reads
+
+    target, drafter = build(parse_args(ARGS), torch.device("cpu"))
+    assert weight_reads(target, drafter) == (4 * 147_776 + 128 + 131_072, 5 * 147_776 + 81_920 + 256 + 131_072)
+    assert bound_line(target, drafter).endswith("at least the verify + 1.318 plain steps")
