@@ -16,7 +16,9 @@ arguments, then profiles three more steps and prints
 Under torchrun (any backend but single) every rank profiles the same steps; rank 0 prints
 its own tables, then what each rank's steps held (``rank_line``: step time, device busy and
 idle, time inside collectives and the part of it no computation overlapped, host syncs) and
-the collectives of a step by kind (calls, elements and megabytes, device time), and with
+the collectives of a step by kind (calls, elements and megabytes, device time), each profiled
+step's batch on every rank (tokens, rows, the milliseconds building it took) with the host's
+milliseconds in the step (issue 40's straggler: whose host is late, and with what batch), and with
 ``--gaps`` where its host read tensors' values (each a sync on a GPU). NCCL (and
 gloo) collectives are a kind of kernel of their own. ``--out`` and ``--trace`` are rank 0's;
 rank N's report (its own tables, gaps and collectives) and trace are written beside them as
@@ -298,6 +300,62 @@ def rank_line(rank: int, s: dict) -> str:
             f"host syncs {s['host_syncs']:.0f} per step")
 
 
+class StepLog:
+    """What the host did a step while ``trainer`` runs: each step's batches (tokens, rows, the
+    milliseconds building them took, on whichever thread built them) and each ``train_step``
+    call's host milliseconds (issuing its work, and waiting where it reads a value)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.batches, self.steps = trainer, {}, {}
+
+    def __enter__(self):
+        t = self.trainer
+        build, train = t.host_batches, t.train_step
+
+        def host_batches(step):
+            start = time.perf_counter()
+            batches = build(step)
+            self.batches[step] = (sum(b.stats.tokens for b in batches), sum(b.stats.rows for b in batches),
+                                  1e3 * (time.perf_counter() - start))
+            return batches
+
+        def train_step(step, *args, **kwargs):
+            start = time.perf_counter()
+            out = train(step, *args, **kwargs)
+            self.steps[step] = 1e3 * (time.perf_counter() - start)
+            return out
+
+        t.host_batches, t.train_step = host_batches, train_step
+        return self
+
+    def __exit__(self, *exc):
+        del self.trainer.host_batches, self.trainer.train_step  # the class's methods again
+
+    def rows(self) -> dict[int, tuple]:
+        """step -> (tokens, rows, build ms, step host ms) for the steps that ran; the first three
+        None where the step's batch was built (prefetched) before the log began."""
+        return {s: (*self.batches.get(s, (None, None, None)), ms) for s, ms in sorted(self.steps.items())}
+
+
+def step_table(by_rank: list[dict[int, tuple]]) -> str:
+    """Each profiled step on every rank: its batch's tokens and rows, the milliseconds building
+    it took and the host's milliseconds in the step. A straggler rank's host is slow where its
+    batches are heavier (its own data) or its build thread took the interpreter from it."""
+    lines = ["per step and rank (host): tokens, rows, batch built in ms, train_step host ms"]
+    for step in sorted(set().union(*by_rank)):
+        cells = []
+        for r, rows in enumerate(by_rank):
+            t = rows.get(step)
+            if t is None:
+                cells.append(f"rank {r}: -")
+            elif t[0] is None:
+                cells.append(f"rank {r}: batch built before the profile, {t[3]:7.1f} ms")
+            else:
+                cells.append(f"rank {r}: {t[0]:6d} tok {t[1]:3d} rows {t[2]:7.1f} ms {t[3]:7.1f} ms")
+        lines.append(f"  step {step:4d}  " + "  |  ".join(cells))
+    return "\n".join(lines)
+
+
 def _take(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
     """The value after ``flag`` and the arguments without the two."""
     if flag not in argv:
@@ -327,7 +385,8 @@ def main(argv: list[str]) -> None:
         options = dict(with_stack=True, record_shapes=dist.is_initialized()) if gaps else \
             dict(record_shapes=True, with_flops=True)
         start = time.perf_counter()
-        prof = throughput.profile_steps(trainer, step, STEPS, **options)
+        with StepLog(trainer) as log:
+            prof = throughput.profile_steps(trainer, step, STEPS, **options)
         seconds = time.perf_counter() - start
         events = trace_events(prof, trace)
         report["text"] = gap_table(events) if gaps else kernel_tables(prof, events)
@@ -336,6 +395,9 @@ def main(argv: list[str]) -> None:
             dist.all_gather_object(summaries, rank_summary(events, seconds))
             report["text"] += "\n" + "\n".join(rank_line(r, s) for r, s in enumerate(summaries))
             report["text"] += "\n" + collective_table(events, dist.get_world_size(), rank)
+            steps = [None] * dist.get_world_size()
+            dist.all_gather_object(steps, log.rows())
+            report["text"] += "\n" + step_table(steps)
             if gaps:
                 report["text"] += "\n" + sync_table(events, rank)
         return report["text"]

@@ -1,6 +1,7 @@
 """benchmarks/profile_step.py under torchrun: 2 gloo processes profile the same steps of the tiny
 target's dflash-bench, and rank 0 prints the kernel tables with collectives as a kind of their
-own, one line per rank and the collectives of a step; one process prints its tables as before."""
+own, one line per rank, the collectives of a step and each step's batch and host time on every
+rank; one process prints its tables as before."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def kinds(out: str) -> dict[str, float]:
 
 
 def collectives(out: str) -> dict[str, list[float]]:
-    table = out.split("collectives per step (rank 0):", 1)[1].splitlines()[1:]
+    table = out.split("collectives per step (rank 0):", 1)[1].split("per step and rank", 1)[0].splitlines()[1:]
     return {cells[-1]: [float(c) for c in cells[:-1]] for cells in (line.split() for line in table) if cells}
 
 
@@ -79,6 +80,13 @@ def test_two_ranks_print_collectives_and_a_line_each(backend, tiny, tmp_path):
         assert sorted(calls) == ["all_gather", "all_reduce"]
         assert calls["all_gather"][0] == 3 and calls["all_reduce"][0] == 5
         assert calls["all_gather"][2] > 0  # megabytes, from gloo's float32 shapes
+    # each profiled step's batch on each rank (one row of the tiny data), as its host built and ran it
+    steps = re.findall(r"^  step +(\d+)  rank 0: +(\d+) tok +(\d+) rows +([\d.]+) ms +([\d.]+) ms  \|  "
+                       r"rank 1: +(\d+) tok +(\d+) rows +([\d.]+) ms +([\d.]+) ms$", out, re.M)
+    assert len(steps) == 3 and [int(s[0]) for s in steps] == list(range(int(steps[0][0]), int(steps[0][0]) + 3))
+    for s in steps:
+        assert s[2] == s[6] == "1" and int(s[1]) > 0 and int(s[5]) > 0
+        assert all(float(ms) > 0 for ms in (s[3], s[4], s[7], s[8]))
     report = (tmp_path / "report.txt").read_text()
     assert "rank 1:" in report and "collectives per step (rank 0)" in report
     other = (tmp_path / "rank1-report.txt").read_text()  # rank 1's own tables, for the slow rank of a pair
