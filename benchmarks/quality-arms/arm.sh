@@ -40,14 +40,17 @@ CODE_SOURCES="sources=[{kind: sharegpt, num_prompts: 5000}, {kind: magpie, num_p
 arm_args() {  # the dflash-quality arguments of arm $1 (run folder /tmp/arm-$1)
   # ARM-sN: the arm with seed N for training (seed=N) and generation (sampling.seed=N: the magpie
   # prompts written and, above temperature 0, the answers); no suffix: seed 0
-  local name=$1 seed=""
+  # ARM-nN (before any -sN): the arm's training on N GPUs (nproc=N, DDP): its queue's GPUs are
+  # GPUS' entry for it, e.g. GPUS="0,1" arm.sh 540 k-dflash-n2 (issue 40's 2-GPU quality run)
+  local name=$1 seed="" nproc=()
   if [[ $1 =~ ^(.+)-s([0-9]+)$ ]]; then name=${BASH_REMATCH[1]}; seed=${BASH_REMATCH[2]}; fi
+  if [[ $name =~ ^(.+)-n([0-9]+)$ ]]; then name=${BASH_REMATCH[1]}; nproc=(nproc=${BASH_REMATCH[2]}); fi
   # Step time the plan counts: 0.195 s on one H100 with the target running; with the feature cache,
   # 0.195 s in the first epoch and 0.173 s after it (cache_speed.sh), 0.176 s over (f)'s 8-9 epochs
   # The kinds' arms (k-KIND) leave the plan to dflash-quality's probe: each kind's own step time.
   local sps=0.195; [ $name = f-cache-wsd ] && sps=0.176
   local P=(seconds_per_step=$sps startup_s=70); [[ $name = k-* ]] && P=()
-  local C=(target=qwen25_coder_05b target.name=/tmp/qwen25coder05b.gguf run_dir=/tmp/arm-$1
+  local C=(target=qwen25_coder_05b target.name=/tmp/qwen25coder05b.gguf run_dir=/tmp/arm-$1 "${nproc[@]}"
     budget_min=${TRAIN_MIN:-14} "${P[@]}" 'eval=["batch_size=120"]'
     "datasets=[mtbench,humaneval,benchmarks/quality-h100-2026-11-24/sharegpt-heldout.jsonl]")
   local Q=(--config-name quality_generate "${C[@]}" "${GEN[@]}")

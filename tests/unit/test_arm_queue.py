@@ -85,3 +85,23 @@ def test_flex_sweep_item_runs_the_sweep_into_its_folder():
     assert "mkdir -p /tmp/arm-flex-sweep" in line
     assert "python3 -m benchmarks.flex_decode_sweep --json /tmp/arm-flex-sweep/rows.json" in line
     assert line.endswith("date +%s > /tmp/arm-flex-sweep.t1")
+
+
+def arm_arguments(arm: str) -> list[str]:
+    """The dflash-quality arguments arm.sh gives `arm` (its arm_args function)."""
+    text = ARM.read_text()
+    functions = text[text.index("WAIT=$1"):text.index("ARMS=$(")]
+    done = subprocess.run(["bash", "-c", f"set -- 0\n{functions}\narm_args {arm!r}; printf '%s\\n' \"${{ARGS[@]}}\""],
+                          capture_output=True, text=True, timeout=60, cwd=ARM.parents[2])
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_an_arm_on_two_gpus_trains_with_nproc_2_and_keeps_its_seed():
+    two = arm_arguments("k-dflash-n2")
+    assert "nproc=2" in two and "run_dir=/tmp/arm-k-dflash-n2" in two
+    assert any("drafter.kind=dflash" in a for a in two)
+    seeded = arm_arguments("k-dflash-n2-s1")
+    assert "nproc=2" in seeded and "run_dir=/tmp/arm-k-dflash-n2-s1" in seeded
+    assert any('"seed=1"' in a for a in seeded)
+    assert not any("nproc" in a for a in arm_arguments("k-dflash"))
