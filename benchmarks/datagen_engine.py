@@ -2,7 +2,8 @@
 prompts, batch size and answer length: `hf` (model.generate, left-padded batches), `engine`
 (data_gen/engine.py, SDPA decode attention; `engine-flex` with backend.attention=flex,
 `engine-flex-compiled` with its decode step compiled too (backend.compile); `engine-eager`
-without CUDA graphs) and optionally `hf-static` (generate with transformers'
+without CUDA graphs; a kind ending in `-packed` with the fresh prompts packed in rows,
+backend.prefill=packed) and optionally `hf-static` (generate with transformers'
 static cache, which transformers compiles on a GPU). Prints generated tokens/s, the GPU's idle
 share (a second, profiled pass over --idle-prompts first turns: the share of its wall time
 with no kernel or copy running) and how many rows equal those of the first kind listed (on a
@@ -38,6 +39,7 @@ import gc
 import sys
 import tempfile
 import time
+from collections import Counter
 
 import torch
 
@@ -50,7 +52,8 @@ from data_gen.pipeline import Generators, pad_token_id, setup
 from data_gen.turns import generate_shards
 from dflash_train.model.target import load_target, load_tokenizer
 
-KINDS = ("hf", "engine", "engine-flex", "engine-flex-compiled", "engine-eager", "hf-static")
+KINDS = ("hf", "engine", "engine-flex", "engine-flex-compiled", "engine-eager", "hf-static", "engine-packed",
+         "engine-flex-packed", "engine-flex-compiled-packed")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -120,7 +123,8 @@ def build(kind: str, target, args, stop_ids: list[int], pad_id: int):
     cfg = BackendConfig(kind=kind.split("-")[0], batch_size=args.batch_size, device=args.device,
                         cuda_graphs=kind != "engine-eager", attention="flex" if "flex" in kind else "sdpa",
                         sync_steps=args.sync_steps if kind.startswith("engine") else None,
-                        compile=kind == "engine-flex-compiled")
+                        compile=kind.startswith("engine-flex-compiled"),
+                        prefill="packed" if kind.endswith("-packed") else "padded")
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     if cfg.kind == "engine":
         gen = EngineGenerator(target, cfg, sampling, stop_ids, args.max_prompt_len)
@@ -190,21 +194,41 @@ def timed(fn, device):
     return out, time.perf_counter() - start
 
 
-def idle_share(gen, prompts, seeds, device) -> str:
-    """The GPU's idle share over a profiled pass: 1 - (union of kernel and copy intervals) / wall."""
+def idle_share(gen, prompts, seeds, device) -> tuple[str, list[str]]:
+    """The GPU's idle share over a profiled pass: 1 - (union of kernel and copy intervals) / wall,
+    and the pass's kernels by device time (kernel_table)."""
     if device.type != "cuda":
-        return "n/a"
+        return "n/a", []
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _, wall = timed(lambda: gen.generate(prompts, seeds), device)
-    spans = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in prof.profiler.kineto_results.events()
-                   if e.device_type() == torch.autograd.DeviceType.CUDA)
+    events = [(e.name(), e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()
+              if e.device_type() == torch.autograd.DeviceType.CUDA]
     busy, end = 0, 0
-    for start, stop in spans:
-        busy += max(0, stop - max(start, end))
-        end = max(end, stop)
-    return f"{100 * (1 - busy / 1e9 / wall):.1f}% ({len(spans)} kernels)"
+    for _, start, length in sorted(events, key=lambda e: e[1]):
+        busy += max(0, start + length - max(start, end))
+        end = max(end, start + length)
+    return f"{100 * (1 - busy / 1e9 / wall):.1f}% ({len(events)} kernels)", kernel_table(events, wall)
+
+
+def kernel_table(events: list[tuple[str, int, int]], wall: float, top: int = 14) -> list[str]:
+    """The profiled pass's kernels (name, start ns, duration ns) summed by name, the `top`
+    longest: device seconds, share of the pass's wall, launches, mean microseconds a launch
+    (a name cut at 70 characters; templated kernels differ past there only in their arguments)."""
+    total, count = Counter(), Counter()
+    for name, _, length in events:
+        total[name[:70]] += length
+        count[name[:70]] += 1
+    lines = [f"  kernels of the profiled pass, by device time (wall {wall:.2f} s)",
+             f"  {'kernel':<72}{'seconds':>8}{'share':>7}{'launches':>10}{'us each':>9}"]
+    for name, ns in total.most_common(top):
+        lines.append(f"  {name:<72}{ns / 1e9:>8.3f}{100 * ns / 1e9 / wall:>6.1f}%{count[name]:>10}"
+                     f"{ns / 1e3 / count[name]:>9.1f}")
+    rest = sum(total.values()) - sum(ns for _, ns in total.most_common(top))
+    lines.append(f"  {'the other ' + str(max(0, len(total) - top)) + ' kernels':<72}{rest / 1e9:>8.3f}"
+                 f"{100 * rest / 1e9 / wall:>6.1f}%")
+    return lines
 
 
 def run_kind(kind, target, args, job, first_turns, pad_id, answers) -> list[str]:
@@ -223,14 +247,14 @@ def run_kind(kind, target, args, job, first_turns, pad_id, answers) -> list[str]
         gen.engine.timer = None  # the idle pass below runs untimed
     first = answers.setdefault("first", rows)  # the first kind's rows: the others are compared with them
     n = args.idle_prompts or 4 * args.batch_size
-    idle = "skipped" if args.no_idle else idle_share(gen, first_turns[:n], seeds[:n], target.device)
+    idle, kernels = ("skipped", []) if args.no_idle else idle_share(gen, first_turns[:n], seeds[:n], target.device)
     same = f"{sum(rows.get(k) == v for k, v in first.items())}/{len(first)}"
     lines = [f"{kind:<13}{tokens:>9}{tokens / max(1, asked):>7.1f}{wall:>9.2f}{tokens / wall:>10.1f}{warm:>11.2f}  "
              f"{idle:<22}{same:>11}{asked:>8}{answered:>10}{len(rows):>6}"]
     if timer is not None:
         lines += table(timer, wall, tokens, None if args.no_idle else idle,
                        (counting.caller_s, counting.answered) if counting.streams else None)
-    return lines
+    return lines + kernels
 
 
 def main(argv: list[str]) -> None:

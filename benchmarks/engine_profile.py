@@ -50,6 +50,7 @@ class SpanTimer:
         self.busy: list[list[int]] = []  # per decode span: the busy rows' positions (the host's view)
         self.widths: list[int] = []  # per decode span: the width it ran at
         self.tokens: Counter = Counter()  # prompt tokens prefilled, by part
+        self.fed: Counter = Counter()  # and the positions their forwards fed (rows x width: padding included)
         self.start = self.stop = None
         self._first = False
 
@@ -75,8 +76,9 @@ class SpanTimer:
         self._first = True
 
     @contextlib.contextmanager
-    def span(self, part: str, width: int = 0, tokens: int = 0):
+    def span(self, part: str, width: int = 0, tokens: int = 0, fed: int = 0):
         self.tokens[part] += tokens
+        self.fed[part] += fed
         if part == "decode":
             e = self.engine
             self.busy.append([p for p, key in zip(e.slot_pos, e.slot_key) if key is not None])
@@ -168,7 +170,8 @@ def table(timer: SpanTimer, wall: float, tokens: int, idle: str | None = None,
              "copies": f"{counts['copies']} spans"}
     for part in ("prefill", "prefill-kept", "prefill-first"):
         notes[part] = (f"{counts[part]} spans, {timer.tokens[part]} tokens: "
-                       f"{timer.tokens[part] / max(parts[part], 1e-9):,.0f} tokens/s")
+                       f"{timer.tokens[part] / max(parts[part], 1e-9):,.0f} tokens/s; fed "
+                       f"{timer.fed[part]} with padding ({timer.fed[part] / max(parts[part], 1e-9):,.0f}/s)")
     lines = [f"profile ({e.attention} attention), {clock}",
              f"  {'part':<44}{'seconds':>9}{'share':>8}"]
     for key, name in PARTS.items():

@@ -18,7 +18,8 @@ from dflash_train.recipe import HINT, MIN, to_config
 
 SOURCE_KINDS = ("sharegpt", "jsonl", "hf", "magpie")
 BACKEND_KINDS = ("auto", "engine", "hf", "openai")
-ENGINE_ATTENTIONS = ("auto", "sdpa", "flex")  # data_gen/engine_attention.py; auto: flex on a GPU
+ENGINE_ATTENTIONS = ("auto", "sdpa", "flex")
+ENGINE_PREFILLS = ("padded", "packed")  # backend.prefill (data_gen/engine.py)  # data_gen/engine_attention.py; auto: flex on a GPU
 
 
 def engine_attention_for(device_type: str) -> str:
@@ -152,6 +153,11 @@ class BackendConfig:
     # one H200: 36.5K tokens/s against 29.2K), eager where the step does not compile (a warning
     # says so); true needs flex.
     compile: bool | None = None
+    # engine: how fresh prompts are prefilled. padded: groups of similar lengths, a row each,
+    # right-padded (on a GPU rows and widths rounded up to powers of two); packed: one row of
+    # several prompts, each attending to itself alone (on a GPU in bf16/fp16 flash attention's
+    # variable-length kernel, the row's length rounded up to a few buckets), no other padding.
+    prefill: str = "padded"
     # hf on CPU: torch intra-op threads (None: torch's default). 1 is much faster on a
     # machine shared with other jobs, where spinning thread pools stall each other.
     cpu_threads: int | None = field(default=None, metadata={MIN: 1})
@@ -170,6 +176,8 @@ class BackendConfig:
             raise ValueError(f"backend.kind={self.kind!r}: expected one of {list(BACKEND_KINDS)}")
         if self.attention not in ENGINE_ATTENTIONS:
             raise ValueError(f"backend.attention={self.attention!r}: expected one of {list(ENGINE_ATTENTIONS)}")
+        if self.prefill not in ENGINE_PREFILLS:
+            raise ValueError(f"backend.prefill={self.prefill!r}: expected one of {list(ENGINE_PREFILLS)}")
         if self.sync_steps is not None and (type(self.sync_steps) is not int or self.sync_steps < 1):
             raise ValueError(f"backend.sync_steps={self.sync_steps!r}: expected an integer >= 1, or null for the "
                              "engine's default")
@@ -195,6 +203,8 @@ class BackendConfig:
             raise ValueError(f"backend.attention={self.attention!r} is the engine's; backend.kind is {self.kind!r}")
         if self.sync_steps is not None and self.kind != "engine":
             raise ValueError(f"backend.sync_steps={self.sync_steps} is the engine's; backend.kind is {self.kind!r}")
+        if self.prefill != "padded" and self.kind != "engine":
+            raise ValueError(f"backend.prefill={self.prefill!r} is the engine's; backend.kind is {self.kind!r}")
         if self.compile and self.kind != "engine":
             raise ValueError(f"backend.compile=true is the engine's; backend.kind is {self.kind!r}")
         if self.compile and self.attention == "sdpa":

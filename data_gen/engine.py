@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data_gen.config import ENGINE_ATTENTIONS, BackendConfig, SamplingConfig, engine_attention_for
-from data_gen.engine_attention import decode_attention
+from data_gen.config import ENGINE_ATTENTIONS, ENGINE_PREFILLS, BackendConfig, SamplingConfig, engine_attention_for
+from data_gen.engine_attention import decode_attention, packed_attention, packed_bounds, packed_flash
 from data_gen.generators import Completion, Progress, past
 from data_gen.sampling import sample_tokens, uniform_stream
 from dflash_train.model.target import TargetModel, decoder_layers
@@ -69,6 +69,12 @@ KEPT_SCORES = 1 << 24
 # width to BUCKET_WIDTH at least, a kept group's span to BUCKET_SPAN at least (_Shapes).
 BUCKET_WIDTH = 16
 BUCKET_SPAN = 256
+# A packed prefill's tokens a forward: PREFILL_TOKENS with flash attention (half precision on a
+# GPU), else at most PACKED_DENSE_TOKENS (SDPA under a dense mask of every (query, key) pair);
+# with buckets its length a power of two from PACKED_MIN up to PACKED_STEP, then a multiple of it.
+PACKED_DENSE_TOKENS = 2048
+PACKED_MIN = 128
+PACKED_STEP = 2048
 
 
 @dataclass
@@ -89,6 +95,9 @@ class _Step:
     width: int = 0  # decode: cache columns attended (sdpa)
     attention: str = "sdpa"  # decode: backend.attention
     masks: dict | None = None  # decode and kept-prefix prefill: the step's masks by sliding window (None: full)
+    # packed prefill: each token's slot, cache column and the index its prompt starts at in the row, (T,)
+    # each, and where the prompts begin (packed_bounds)
+    packed: tuple | None = None
 
 
 def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -102,6 +111,12 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     k_cache, v_cache = step.cache_k[module.layer_idx], step.cache_v[module.layer_idx]
     if step.fed is not None:
         return _after_prefix(module, query, key, value, k_cache, v_cache, step, scaling, sliding_window), None
+    if step.packed is not None:
+        slots, columns, starts, bounds = step.packed
+        k_cache[slots, :, columns] = key[0].transpose(0, 1)  # (T, Hkv, D) into the (slot, :, column) entries
+        v_cache[slots, :, columns] = value[0].transpose(0, 1)
+        out = packed_attention(query, key, value, starts, bounds, sliding_window, scaling, step.masks)
+        return out.transpose(1, 2).contiguous(), None
     if step.rows is not None:
         length = query.shape[2]
         k_cache[step.rows, :, :length] = key
@@ -201,9 +216,13 @@ class GenerationEngine:
 
     def __init__(self, target: TargetModel, batch_size: int, max_len: int, sampling: SamplingConfig,
                  stop_ids: list[int], cuda_graphs: bool = True, sync_steps: int | None = None,
-                 attention: str = "auto", buckets: bool | None = None, compile: bool | None = None):
+                 attention: str = "auto", buckets: bool | None = None, compile: bool | None = None,
+                 prefill: str = "padded"):
         if attention not in ENGINE_ATTENTIONS:
             raise ValueError(f"attention={attention!r}: expected one of {list(ENGINE_ATTENTIONS)}")
+        if prefill not in ENGINE_PREFILLS:
+            raise ValueError(f"prefill={prefill!r}: expected one of {list(ENGINE_PREFILLS)}")
+        self.prefill = prefill
         if sync_steps is not None and sync_steps < 1:
             raise ValueError(f"sync_steps={sync_steps}: expected an integer >= 1, or None for the default")
         _register_attention()
@@ -228,7 +247,9 @@ class GenerationEngine:
         # Prefill forwards: their shapes (bucketed with graphs: a few shapes, one graph each),
         # the graphs by shape with their input buffer, the shapes run once, and how the forwards ran.
         # (`buckets`: bucketed shapes whether or not there are graphs; tests run them eagerly.)
-        self.shapes = _Shapes(self.graphs is not None if buckets is None else buckets, max_len)
+        flash = packed_flash(torch.empty(0, dtype=target.model.dtype, device=self.device))
+        self.shapes = _Shapes(self.graphs is not None if buckets is None else buckets, max_len,
+                              PREFILL_TOKENS if flash else PACKED_DENSE_TOKENS)
         self.prefill_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_seen: set[tuple] = set()
         self.prefill_counts: Counter = Counter()
@@ -386,6 +407,11 @@ class GenerationEngine:
         if after:
             self._prefill_after(after)
         fresh = [(slot, p[:-1]) for slot, p in admitted if slot not in kept]
+        if self.prefill == "packed":
+            for length, group in _packed_groups(fresh, self.shapes):
+                self._forward("prefill", ("packed", 1, length), _pack(group, length, self.max_len), self._packed_forward,
+                              sum(len(t) for _, t in group))
+            return
         for rows, width, group in _prefill_groups(fresh, self.shapes):
             # Right padding: a causal row never sees the padding after it.
             packed = [t + [0] * (width - len(t)) + [slot] for slot, t in group]
@@ -398,6 +424,15 @@ class GenerationEngine:
         step = _Step(self.cache_k, self.cache_v, rows=packed[:, width])
         positions = torch.arange(width, device=self.device).expand(rows, width)
         self.model(input_ids=packed[:, :width], position_ids=positions, use_cache=False, logits_to_keep=1,
+                   **{STEP_KWARG: step})
+
+    def _packed_forward(self, packed: torch.Tensor) -> None:
+        """One prefill forward of fresh prompts packed in one row, `packed` (5, T) (_pack): the
+        tokens, their positions, slots, cache columns, and where their prompts start in the row."""
+        tokens, positions, slots, columns, starts = packed
+        bounds = packed_bounds(starts, self.batch_size + 1)  # at most a prompt a slot, and the padding
+        step = _Step(self.cache_k, self.cache_v, packed=(slots, columns, starts, bounds), masks={})
+        self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False, logits_to_keep=1,
                    **{STEP_KWARG: step})
 
     def _prefill_after(self, todo: list[tuple[int, list[int], int]]) -> None:
@@ -431,7 +466,8 @@ class GenerationEngine:
         idempotent (it writes the keys/values of the tokens it feeds, and reads only what it
         wrote or the rows held before), so the capture's warm-up may run it again."""
         graph = None if self.graphs is None else self.prefill_graphs.get(shape)
-        with self._span(part if self.graphs is None or graph is not None else "prefill-first", tokens=tokens):
+        with self._span(part if self.graphs is None or graph is not None else "prefill-first", tokens=tokens,
+                        fed=shape[1] * shape[2]):
             buffer = self._to_device(packed)
             if graph is not None:
                 graph, static = graph
@@ -593,6 +629,7 @@ class _Shapes:
 
     buckets: bool
     columns: int  # cache columns a row has
+    packed_most: int = PREFILL_TOKENS  # the longest packed forward but for a longer prompt alone
 
     def rows(self, n: int, most: int | None = None) -> int:
         if not self.buckets:
@@ -601,6 +638,13 @@ class _Shapes:
 
     def width(self, w: int) -> int:
         return min(self.columns, max(BUCKET_WIDTH, _pow2(w))) if self.buckets else w
+
+    def packed(self, n: int) -> int:
+        """The length of a packed forward of n tokens: n, or with buckets a power of two of
+        PACKED_MIN tokens at least up to PACKED_STEP, then a multiple of PACKED_STEP."""
+        if not self.buckets:
+            return n
+        return max(PACKED_MIN, _pow2(n)) if n <= PACKED_STEP else -(-n // PACKED_STEP) * PACKED_STEP
 
     def span(self, s: int) -> int:
         """Cache columns read by a group of rows holding up to s tokens: a multiple of 16 (the
@@ -626,6 +670,41 @@ def _prefill_groups(todo: list[tuple[int, list[int]]], shapes: _Shapes) -> Itera
         n = min(len(todo), most)
         group, todo = todo[-n:], todo[:-n]
         yield shapes.rows(n, most), width, group
+
+
+def _packed_groups(todo: list[tuple[int, list[int]]], shapes: _Shapes) -> Iterator[tuple[int, list]]:
+    """(length, group) of the packed forwards that prefill fresh rows (slot, tokens): longest
+    first, each group as many prompts as fit in `shapes.packed_most` tokens (a longer prompt
+    alone), `length` its bucketed length (shapes.packed)."""
+    todo = sorted((r for r in todo if r[1]), key=lambda r: -len(r[1]))
+    while todo:
+        group, total = [todo[0]], len(todo[0][1])
+        rest = []
+        for r in todo[1:]:  # first fit, longest first
+            if total + len(r[1]) <= shapes.packed_most:
+                group.append(r)
+                total += len(r[1])
+            else:
+                rest.append(r)
+        todo = rest
+        yield shapes.packed(total), group
+
+
+def _pack(group: list[tuple[int, list[int]]], length: int, columns: int) -> list[list[int]]:
+    """The (5, length) rows of a packed forward (_packed_forward): tokens, positions, slots,
+    cache columns, and where each token's prompt starts in the row. The padding after the
+    prompts is a prompt of its own, whose keys/values go to the last cache column of the
+    group's first slot (no fed token is ever there: see _after_prefix)."""
+    tokens, positions, slots, starts = [], [], [], []
+    for slot, t in group:
+        starts += [len(tokens)] * len(t)
+        tokens += t
+        positions += range(len(t))
+        slots += [slot] * len(t)
+    pad = length - len(tokens)
+    starts += [len(tokens)] * pad
+    return [tokens + [0] * pad, positions + [0] * pad, slots + [group[0][0]] * pad, positions + [columns - 1] * pad,
+            starts]
 
 
 def _kept_groups(todo: list[tuple[int, list[int], int]], shapes: _Shapes) -> Iterator[tuple[int, int, int, list]]:
@@ -672,7 +751,7 @@ class EngineGenerator:
         self.target = target  # shared with a generator of other sampling settings (magpie)
         self.engine = GenerationEngine(target, cfg.batch_size, max_prompt_len + sampling.max_new_tokens, sampling,
                                        stop_ids, cfg.cuda_graphs, sync_steps=cfg.sync_steps, attention=cfg.attention,
-                                       buckets=buckets, compile=cfg.compile)
+                                       buckets=buckets, compile=cfg.compile, prefill=cfg.prefill)
 
     @classmethod
     def load(cls, spec: str, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int],

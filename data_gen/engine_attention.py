@@ -87,6 +87,50 @@ def compiled_flex():
     return torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
 
+def packed_bounds(starts: torch.Tensor, sequences: int) -> torch.Tensor:
+    """(sequences + 1,) int32: where each prompt of a packed row begins, then the row's length
+    (flash attention's cumulative sequence lengths), from `starts` (T,), where each token's
+    prompt starts (the padding after the prompts a prompt of its own). A row of fewer prompts
+    ends in empty ones (the bound repeated): the shape is the same for every row, so a captured
+    forward serves any number of prompts. Plain tensor ops, no host sync."""
+    first = starts == torch.arange(len(starts), device=starts.device)  # a prompt's first token
+    index = first.cumsum(0) - 1  # each token's prompt, 0, 1, ... in order
+    return torch.searchsorted(index, torch.arange(sequences + 1, device=starts.device)).int()
+
+
+def packed_mask(starts: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(T, T) bool: query t sees the keys of its own prompt up to itself (within `window`)."""
+    t = torch.arange(len(starts), device=starts.device)
+    seen = (starts[:, None] == starts[None, :]) & (t[None, :] <= t[:, None])
+    return seen & (t[None, :] > t[:, None] - window) if window is not None else seen
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, bounds: torch.Tensor,
+                     window: int | None, scale: float | None, masks: dict) -> torch.Tensor:
+    """q (1, Hq, T, D), k/v (1, Hkv, T, D) of a packed prefill: several prompts in one row, each
+    attending to itself alone (`starts` (T,) and `bounds` (packed_bounds) say where they are);
+    returns (1, Hq, T, D). In half precision on a GPU flash attention's variable-length kernel
+    (causal within each prompt, grouped-query heads as they are, padding-free but the row's
+    end); otherwise SDPA under the dense (T, T) mask (packed_mask, built once a forward:
+    `masks` by window), which only short rows can afford (data_gen/engine.py PACKED_DENSE_TOKENS)."""
+    length = q.shape[2]
+    if packed_flash(q):
+        left = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+        out = torch.ops.aten._flash_attention_forward(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                                      bounds, bounds, length, length, 0.0, True, False, scale=scale,
+                                                      **left)[0]  # (T, Hq, D)
+        return out.transpose(0, 1)[None]
+    mask = masks.get(window)
+    if mask is None:
+        mask = masks[window] = packed_mask(starts, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def packed_flash(x: torch.Tensor) -> bool:
+    """Whether a packed prefill of tensors like x takes flash attention (packed_attention)."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
 def decode_attention(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                      live: torch.Tensor, width: int, window: int | None, scale: float | None,
                      masks: dict) -> torch.Tensor:

@@ -117,11 +117,14 @@ queue_cmd() {  # the shell lines that run queue $1 (comma-separated arms) one af
       local c="python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_kinds_step_parts.py tests/unit/test_dspark_loss.py tests/unit/test_dspark_loss_equivalence.py tests/unit/test_dflash2_topk.py tests/unit/test_topk_kernel.py tests/unit/test_train_loss.py"
       [ $arm = gpu-tests-datagen ] && c="python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_datagen_engine_gpu.py"
       echo "date +%s > /tmp/arm-$arm.t0; { echo \"$c\"; $c; echo EXIT \$?; } > /tmp/arm-$arm.log 2>&1; date +%s > /tmp/arm-$arm.t1"
-    elif [[ $arm =~ ^datagen-profile(-s([0-9]+))?(-compiled)?$ ]]; then  # issue 39's profile: datagen_engine_gpu.sh's job, followed to its end
+    elif [[ $arm =~ ^datagen-profile(-s([0-9]+))?(-compiled)?(-packed)?$ ]]; then  # issue 39's profile: datagen_engine_gpu.sh's job, followed to its end
       # datagen-profile-sN: N decode steps a chunk (the engine's backend.sync_steps) instead of its default;
-      # -compiled: flex against flex with the decode step compiled (backend.compile) instead of sdpa and flex
+      # -compiled: flex against flex with the decode step compiled (backend.compile) instead of sdpa and flex;
+      # -compiled-packed: the compiled flex step with padded against packed prefills (backend.prefill)
       local sync=${BASH_REMATCH[2]} kinds=""
       [ -n "${BASH_REMATCH[3]}" ] && kinds="KINDS=engine-flex,engine-flex-compiled"
+      [ -n "${BASH_REMATCH[4]}" ] && kinds="KINDS=${BASH_REMATCH[3]:+engine-flex-compiled,engine-flex-compiled-packed}"
+      [ "$kinds" = KINDS= ] && kinds="KINDS=engine-flex,engine-flex-packed"
       echo "date +%s > /tmp/arm-$arm.t0; $kinds OUT=/tmp/arm-$arm bash benchmarks/datagen_engine_gpu.sh 3600 2000 2000 $sync > /tmp/arm-$arm.log 2>&1; echo EXIT \$? >> /tmp/arm-$arm.log; date +%s > /tmp/arm-$arm.t1"
     elif [[ $arm = kinds-step || $arm = sampler || $arm = flex-sweep ]]; then  # issue 38's step per kind, issue 39's sampler and decode attention (one table each)
       local c="bash benchmarks/kinds_step.sh /tmp/arm-$arm \"dflash dspark dflash2\" +experiment=qwen25_coder_05b_1xh100 target.name=/tmp/qwen25coder05b.gguf bench.random_target=true data.path=/tmp/data/sharegpt-qwen25-coder-05b"

@@ -25,8 +25,10 @@ MAX_NEW, MAX_PROMPT = 40, 2 * WIDTH_STEP
 STOP = 3
 
 
-def _engine(target, graphs: bool, batch_size: int = 4, attention: str = "sdpa", compile: bool = False, **sampling):
-    cfg = BackendConfig(kind="engine", batch_size=batch_size, cuda_graphs=graphs, attention=attention, compile=compile)
+def _engine(target, graphs: bool, batch_size: int = 4, attention: str = "sdpa", compile: bool = False,
+            prefill: str = "padded", **sampling):
+    cfg = BackendConfig(kind="engine", batch_size=batch_size, cuda_graphs=graphs, attention=attention, compile=compile,
+                        prefill=prefill)
     return EngineGenerator(target, cfg, SamplingConfig(max_new_tokens=MAX_NEW, **sampling), [STOP], MAX_PROMPT,
                            buckets=True)
 
@@ -105,6 +107,70 @@ def test_compiled_steps_in_graphs_give_the_eager_answers(tiny, prompts, sampling
     eager = _engine(tiny, False, attention="flex", **sampling)
     assert [c.ids for c in compiled.generate(prompts, seeds)] == [c.ids for c in eager.generate(prompts, seeds)]
     assert sorted(compiled.engine.graphs) == [MAX_PROMPT + MAX_NEW]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_packed_prefills_in_graphs_give_the_padded_answers(tiny, prompts, compile):
+    """backend.prefill=packed in float32 (SDPA under the dense mask: flash attention is half
+    precision's): each admission's fresh prompts in one row of a bucketed length, the forwards
+    captured and replayed: three calls give the eager padded engine's answers."""
+    seeds = list(range(len(prompts)))
+    packed = _engine(tiny, True, attention="flex", compile=compile, prefill="packed")
+    want = [c.ids for c in _engine(tiny, False, attention="flex").generate(prompts, seeds)]
+    for _ in range(3):
+        assert [c.ids for c in packed.generate(prompts, seeds)] == want
+    e = packed.engine
+    fresh = [shape for shape in e.prefill_graphs if shape[0] != "kept"]
+    assert fresh and all(shape[0] == "packed" and shape[1] == 1 and shape[2] % 128 == 0 for shape in fresh), fresh
+    assert e.prefill_counts["replayed"] >= 1, e.prefill_counts
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_flash_packed_attention_equals_each_prompt_alone(window):
+    """bf16 on a GPU: flash attention's variable-length kernel over a packed row (prompts of 1
+    to 300 tokens, the padding a prompt of its own, the bounds ending in empty prompts) gives
+    each prompt's causal attention run alone (SDPA), to bf16's rounding."""
+    from data_gen.engine_attention import packed_attention, packed_bounds, packed_flash
+
+    torch.manual_seed(0)
+    lengths, total = [1, 127, 2, 128, 300, 7, 45], 640
+    starts = torch.tensor([sum(lengths[:i]) for i, n in enumerate(lengths) for _ in range(n)]
+                          + [sum(lengths)] * (total - sum(lengths)), device="cuda")
+    q = torch.randn(1, 14, total, 64, device="cuda", dtype=torch.bfloat16)  # 7 query heads a KV head
+    k, v = (torch.randn(1, 2, total, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert packed_flash(q)
+    out = packed_attention(q, k, v, starts, packed_bounds(starts, 12), window, 0.125, {})
+    at = 0
+    for n in lengths + [total - sum(lengths)]:
+        s = slice(at, at + n)
+        t = torch.arange(n, device="cuda")
+        causal = (t[None] <= t[:, None]) & ((t[None] > t[:, None] - window) if window else True)
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, s].float(), k[:, :, s].float().repeat_interleave(7, 1), v[:, :, s].float().repeat_interleave(7, 1),
+            attn_mask=causal, scale=0.125)
+        assert torch.allclose(out[:, :, s].float(), alone, atol=2e-2), n
+        at += n
+
+
+def test_flash_packed_prefill_in_graphs_writes_the_padded_caches():
+    """bf16: a packed prefill (flash attention) captured and replayed writes what the eager
+    packed forward writes, exactly, and what the padded prefill writes, to bf16's rounding."""
+    target = TargetModel(make_tiny_target("qwen2", vocab=11, layers=3).cuda().to(torch.bfloat16))
+    graphs, eager = _engine(target, True, prefill="packed").engine, _engine(target, False, prefill="packed").engine
+    padded = _engine(target, False).engine
+    prompts = [[5, 6, 7, 8, 9, 10, 4, 4] * 30, [5, 6, 7, 4], [9, 8, 7, 6, 5] * 9]
+    held = [239, 3, 44]
+    with torch.inference_mode():
+        for _ in range(3):
+            for e in (graphs, eager, padded):
+                e._prefill(list(enumerate(prompts)), {})
+            for got, want, near in zip((*graphs.cache_k, *graphs.cache_v), (*eager.cache_k, *eager.cache_v),
+                                       (*padded.cache_k, *padded.cache_v)):
+                for row, n in enumerate(held):
+                    assert torch.equal(got[row, :, :n], want[row, :, :n])
+                    assert torch.allclose(got[row, :, :n].float(), near[row, :, :n].float(), atol=5e-2)
+    assert dict(graphs.prefill_counts) == {"eager": 1, "captured": 1, "replayed": 1}
+    assert sorted(graphs.prefill_graphs) == [("packed", 1, 512)]
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}])

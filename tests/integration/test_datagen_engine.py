@@ -86,6 +86,20 @@ def test_bucketed_prefills_give_the_same_answers(smollm2, prompts, once):
     assert [(c.ids, c.finish_reason) for c in answers] == [(c.ids, c.finish_reason) for c in hf]
 
 
+@pytest.mark.parametrize("buckets", [False, True])
+def test_packed_prefills_give_the_same_answers(smollm2, prompts, once, buckets):
+    """backend.prefill=packed: the fresh prompts of an admission in one row, each attending to
+    itself alone (flex under a block mask; data_gen/engine_attention.py packed_block_mask), the
+    row exactly as long as its prompts or (buckets) rounded up with padding of its own; the
+    greedy answers are hf's."""
+    gen = EngineGenerator(smollm2, BackendConfig(kind="engine", batch_size=8, attention="sdpa", prefill="packed"),
+                          SamplingConfig(max_new_tokens=MAX_NEW), [IM_END], max_prompt_len=256, buckets=buckets)
+    assert gen.engine.prefill == "packed" and gen.engine.shapes.buckets == buckets
+    answers = gen.generate(prompts, list(range(len(prompts))))
+    hf = once("hf greedy", lambda: generate("hf", smollm2, prompts, batch_size=8))
+    assert [(c.ids, c.finish_reason) for c in answers] == [(c.ids, c.finish_reason) for c in hf]
+
+
 def test_longer_chunks_give_the_same_answers(smollm2, prompts, once):
     """backend.sync_steps=3: the host reads the slots every 3 decode steps (a finished slot idles
     up to 2 steps before its next prompt), and the greedy answers are those of reading after
@@ -118,8 +132,10 @@ def test_prompt_longer_than_the_cache_is_refused(smollm2):
         gen.generate([[5] * 9], [0])
 
 
-def test_multi_turn_run_equals_hf(tmp_path, smollm2, smollm2_tokenizer):
-    """Through the pipeline: every turn answered on the engine's own earlier answers."""
+@pytest.mark.parametrize("prefill", ["padded", "packed"])
+def test_multi_turn_run_equals_hf(tmp_path, smollm2, smollm2_tokenizer, prefill):
+    """Through the pipeline: every turn answered on the engine's own earlier answers (the later
+    turns prefilled after what their rows kept, the fresh prompts padded or packed)."""
     conversations = [["What is 2+2? Answer with one number.", "Add 3 to it. Answer with one number."],
                      ["Name a color. One word only."],
                      ["Is the sky blue? Answer yes or no.", "Is grass green? Answer yes or no.", "Why?"]]
@@ -131,7 +147,8 @@ def test_multi_turn_run_equals_hf(tmp_path, smollm2, smollm2_tokenizer):
         cfg = to_datagen_config({"target": {"name": SMOLLM2}, "out_dir": str(tmp_path / kind), "exclude_eval": [],
                                  "sources": [{"kind": "jsonl", "path": str(src)}], "shard_size": 2,
                                  "template": {"max_turns": None}, "sampling": {"max_new_tokens": MAX_NEW},
-                                 "backend": {"kind": kind, "batch_size": 2}})
+                                 "backend": {"kind": kind, "batch_size": 2,
+                                             **({"prefill": prefill} if kind == "engine" else {})}})
         assert run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False).complete
         data[kind] = load_generated(cfg.out_dir)
     assert data["engine"][:] == data["hf"][:]
@@ -225,6 +242,22 @@ def test_benchmark_table_on_cpu(tmp_path, capsys):
     assert all(float(r[4]) > 0 and r[6] == "n/a" and r[7] == "4/4" for r in rows), rows
 
 
+def test_kernel_table_sums_each_kernel_name():
+    """The profiled pass's kernel table: device seconds summed by name (cut at 70 characters:
+    two templated names that differ past there are one row), its share of the wall, launches,
+    microseconds a launch, the longest first, and what the top rows leave out in the last row."""
+    long = "void flash_fwd_kernel<" + "x" * 60
+    events = [("gemm", 0, 3_000_000), ("gemm", 5, 1_000_000), (long + "A", 9, 500_000), (long + "B", 9, 500_000),
+              ("copy", 1, 250_000), ("norm", 2, 125_000)]
+    lines = _benchmark()["kernel_table"](events, wall=0.01, top=2)
+    assert lines[0] == "  kernels of the profiled pass, by device time (wall 0.01 s)"
+    rows = [line.split() for line in lines[2:]]
+    assert rows[0] == ["gemm", "0.004", "40.0%", "2", "2000.0"]
+    assert lines[3][2:74].rstrip() == long[:70] and lines[3][74:].split() == ["0.001", "10.0%", "2", "500.0"]
+    assert lines[-1].split() == ["the", "other", "2", "kernels", "0.000", "3.8%"], "copy and norm: 0.375 ms"
+    assert len(lines) == 5
+
+
 def _benchmark():
     import runpy
     from pathlib import Path
@@ -271,6 +304,11 @@ def test_profile_of_an_every_turn_job_with_magpie_on_cpu(tmp_path, capsys):
                                                       profile, re.M)}
         assert sorted(fed) == ["prefill (fresh rows)", "prefill after a kept prefix"], profile
         assert fed["prefill after a kept prefix"] > 0 and parts["prefill after a kept prefix"] > 0, fed
+        # What the forwards fed, padding included: at least the prompt tokens (CPU: no buckets, and a
+        # group's rows right-padded to its longest; the 3 slots' prompts differ in length).
+        padded = {part: int(n) for part, n in re.findall(r"^  (prefill.*?) +\d+\.\d+ .*; fed (\d+) with padding",
+                                                          profile, re.M)}
+        assert sorted(padded) == sorted(fed) and all(padded[p] >= fed[p] for p in fed), (padded, fed)
         steps = int(re.search(r"(\d+) steps in \1 chunks", profile).group(1))  # one step a chunk on CPU
         assert steps >= tokens / 3, "3 slots make at most 3 tokens a step"
         summed = float(re.search(r"sum of the parts +(\d+\.\d+)", profile).group(1))

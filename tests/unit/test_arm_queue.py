@@ -80,6 +80,16 @@ def test_datagen_profile_compiled_items_name_the_kinds():
             "benchmarks/datagen_engine_gpu.sh 3600 2000 2000 16 >") in both
 
 
+def test_datagen_profile_packed_items_set_padded_against_packed_prefills():
+    """-packed profiles the padded prefill against the packed one (backend.prefill), with the
+    compiled decode step under -compiled-packed, flex's otherwise."""
+    compiled, plain = queue_lines("datagen-profile-s16-compiled-packed,datagen-profile-packed")
+    assert ("KINDS=engine-flex-compiled,engine-flex-compiled-packed OUT=/tmp/arm-datagen-profile-s16-compiled-packed "
+            "bash benchmarks/datagen_engine_gpu.sh 3600 2000 2000 16 >") in compiled
+    assert ("KINDS=engine-flex,engine-flex-packed OUT=/tmp/arm-datagen-profile-packed bash "
+            "benchmarks/datagen_engine_gpu.sh 3600 2000 2000  >") in plain
+
+
 def test_flex_sweep_item_runs_the_sweep_into_its_folder():
     [line] = queue_lines("flex-sweep")
     assert "mkdir -p /tmp/arm-flex-sweep" in line

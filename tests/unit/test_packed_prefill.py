@@ -1,0 +1,105 @@
+"""The engine's packed prefill (backend.prefill=packed; data_gen/engine.py _packed_groups and
+_pack, data_gen/engine_attention.py packed_bounds, packed_mask, packed_attention): several
+fresh prompts in one row, each attending to itself alone. The bounds are where each prompt
+begins, then the row's end repeated (a fixed shape for a captured forward); the dense mask
+is a loop's over every (query, key) pair; the attention of a packed row equals each prompt's
+causal attention run alone within 1e-5, full and sliding-window; every prompt is packed
+exactly once, within the token budget, longest first; the packed rows hold each prompt's
+tokens at their positions and cache columns, the padding a prompt of its own written to the
+last cache column. (On a GPU in half precision the row takes flash attention's
+variable-length kernel: tests/gpu/test_datagen_engine_gpu.py.)"""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data_gen.config import BackendConfig
+from data_gen.engine import PACKED_MIN, PACKED_STEP, _pack, _packed_groups, _Shapes
+from data_gen.engine_attention import packed_attention, packed_bounds, packed_mask
+
+
+def starts_of(lengths: list[int], total: int) -> torch.Tensor:
+    """Where each token's prompt starts, for prompts of `lengths` packed then padded to `total`."""
+    assert total >= sum(lengths)
+    out, at = [], 0
+    for n in lengths:
+        out += [at] * n
+        at += n
+    return torch.tensor(out + [at] * (total - at))
+
+
+# one-token prompts, prompts on and beside powers of two, a long one
+LENGTHS = [1, 127, 2, 128, 300, 7, 45]
+
+
+@pytest.mark.parametrize("total", [sum(LENGTHS), 640])
+def test_bounds_are_where_each_prompt_begins_then_the_end(total):
+    bounds = packed_bounds(starts_of(LENGTHS, total), sequences=12)
+    begins = [sum(LENGTHS[:i]) for i in range(len(LENGTHS))] + ([sum(LENGTHS)] if total > sum(LENGTHS) else [])
+    assert bounds.dtype == torch.int32 and bounds.tolist() == begins + [total] * (13 - len(begins))
+
+
+@pytest.mark.parametrize("window", [None, 1, 50, 1000])
+def test_mask_is_each_prompt_causal_alone(window):
+    starts = starts_of(LENGTHS, 640)
+    mask = packed_mask(starts, window)
+    want = torch.tensor([[int(starts[q]) == int(starts[k]) and k <= q and (window is None or k > q - window)
+                          for k in range(640)] for q in range(640)])
+    assert torch.equal(mask, want)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_packed_attention_equals_each_prompt_alone(window):
+    torch.manual_seed(0)
+    starts = starts_of(LENGTHS, 640)
+    q = torch.randn(1, 6, 640, 16)  # 3 query heads a KV head
+    k, v = torch.randn(1, 2, 640, 16), torch.randn(1, 2, 640, 16)
+    out = packed_attention(q, k, v, starts, packed_bounds(starts, 9), window, 0.25, {})
+    at = 0
+    for n in LENGTHS + [640 - sum(LENGTHS)]:
+        s = slice(at, at + n)
+        t = torch.arange(n)
+        causal = (t[None] <= t[:, None]) & ((t[None] > t[:, None] - window) if window else True)
+        alone = F.scaled_dot_product_attention(q[:, :, s], k[:, :, s].repeat_interleave(3, 1),
+                                               v[:, :, s].repeat_interleave(3, 1), attn_mask=causal, scale=0.25)
+        assert torch.allclose(out[:, :, s], alone, atol=1e-5), n
+        at += n
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_groups_pack_every_prompt_once_within_the_budget(buckets, seed):
+    rng = random.Random(seed)
+    shapes = _Shapes(buckets, 8192, packed_most=4096)
+    todo = [(slot, [slot] * rng.randint(0, 3000)) for slot in range(60)] + [(60, [1] * 5000)]  # one over the budget
+    groups = list(_packed_groups(todo, shapes))
+    packed = [slot for _, group in groups for slot, _ in group]
+    assert sorted(packed) == sorted(slot for slot, t in todo if t), "every non-empty prompt once"
+    assert groups[0][1] == [(60, [1] * 5000)], "the longest first, alone over the budget"
+    for length, group in groups:
+        n = sum(len(t) for _, t in group)
+        assert n <= 4096 or len(group) == 1
+        assert length == (n if not buckets else max(PACKED_MIN, 1 << (n - 1).bit_length()) if n <= PACKED_STEP
+                          else -(-n // PACKED_STEP) * PACKED_STEP)
+        assert [len(t) for _, t in group] == sorted((len(t) for _, t in group), reverse=True)
+    assert len(groups) <= sum(len(t) for _, t in todo) // 4096 + 3, "first fit: few forwards"
+
+
+def test_pack_lays_out_tokens_positions_slots_columns_and_starts():
+    rows = _pack([(3, [11, 12, 13]), (0, [21, 22])], length=8, columns=100)
+    assert rows == [[11, 12, 13, 21, 22, 0, 0, 0],
+                    [0, 1, 2, 0, 1, 0, 0, 0],
+                    [3, 3, 3, 0, 0, 3, 3, 3],
+                    [0, 1, 2, 0, 1, 99, 99, 99],
+                    [0, 0, 0, 3, 3, 5, 5, 5]]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"kind": "engine", "prefill": "ragged"}, r"^backend.prefill='ragged': expected one of \['padded', 'packed'\]$"),
+    ({"kind": "hf", "prefill": "packed"}, r"^backend.prefill='packed' is the engine's; backend.kind is 'hf'$"),
+])
+def test_bad_prefill_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BackendConfig(**kwargs).check()
