@@ -217,12 +217,11 @@ class GenerationEngine:
     def __init__(self, target: TargetModel, batch_size: int, max_len: int, sampling: SamplingConfig,
                  stop_ids: list[int], cuda_graphs: bool = True, sync_steps: int | None = None,
                  attention: str = "auto", buckets: bool | None = None, compile: bool | None = None,
-                 prefill: str = "padded"):
+                 prefill: str = "auto"):
         if attention not in ENGINE_ATTENTIONS:
             raise ValueError(f"attention={attention!r}: expected one of {list(ENGINE_ATTENTIONS)}")
         if prefill not in ENGINE_PREFILLS:
             raise ValueError(f"prefill={prefill!r}: expected one of {list(ENGINE_PREFILLS)}")
-        self.prefill = prefill
         if sync_steps is not None and sync_steps < 1:
             raise ValueError(f"sync_steps={sync_steps}: expected an integer >= 1, or None for the default")
         _register_attention()
@@ -248,6 +247,8 @@ class GenerationEngine:
         # the graphs by shape with their input buffer, the shapes run once, and how the forwards ran.
         # (`buckets`: bucketed shapes whether or not there are graphs; tests run them eagerly.)
         flash = packed_flash(torch.empty(0, dtype=target.model.dtype, device=self.device))
+        # auto: packed where flash attention takes the packed rows (backend.prefill)
+        self.prefill = ("packed" if flash else "padded") if prefill == "auto" else prefill
         self.shapes = _Shapes(self.graphs is not None if buckets is None else buckets, max_len,
                               PREFILL_TOKENS if flash else PACKED_DENSE_TOKENS)
         self.prefill_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

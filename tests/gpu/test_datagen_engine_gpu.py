@@ -171,6 +171,12 @@ def test_flash_packed_prefill_in_graphs_writes_the_padded_caches():
                     assert torch.allclose(got[row, :, :n].float(), near[row, :, :n].float(), atol=5e-2)
     assert dict(graphs.prefill_counts) == {"eager": 1, "captured": 1, "replayed": 1}
     assert sorted(graphs.prefill_graphs) == [("packed", 1, 512)]
+    assert _engine(target, True, prefill="auto").engine.prefill == "packed", "auto: packed in bf16 on a GPU"
+    assert _engine(tiny_float32(), True, prefill="auto").engine.prefill == "padded", "auto: padded in float32"
+
+
+def tiny_float32():
+    return TargetModel(make_tiny_target("qwen2", vocab=11, layers=1).cuda())
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}])

@@ -97,9 +97,23 @@ def test_pack_lays_out_tokens_positions_slots_columns_and_starts():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"kind": "engine", "prefill": "ragged"}, r"^backend.prefill='ragged': expected one of \['padded', 'packed'\]$"),
+    ({"kind": "engine", "prefill": "ragged"},
+     r"^backend.prefill='ragged': expected one of \['auto', 'padded', 'packed'\]$"),
     ({"kind": "hf", "prefill": "packed"}, r"^backend.prefill='packed' is the engine's; backend.kind is 'hf'$"),
 ])
 def test_bad_prefill_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BackendConfig(**kwargs).check()
+
+
+@pytest.mark.parametrize("prefill, want", [("auto", "padded"), ("padded", "padded"), ("packed", "packed")])
+def test_auto_prefill_is_padded_where_flash_attention_is_not(smollm2, prefill, want):
+    """backend.prefill=auto (the default) packs only where flash attention takes the rows (half
+    precision on a GPU; tests/gpu/test_datagen_engine_gpu.py): on CPU it pads."""
+    from data_gen.config import SamplingConfig
+    from data_gen.engine import EngineGenerator
+
+    assert BackendConfig().prefill == "auto"
+    gen = EngineGenerator(smollm2, BackendConfig(kind="engine", batch_size=2, prefill=prefill),
+                          SamplingConfig(max_new_tokens=2), [2], max_prompt_len=16)
+    assert gen.engine.prefill == want
