@@ -134,3 +134,71 @@ def test_a_turn_is_asked_with_the_ids_its_row_keeps(smollm2_tokenizer, template,
         assert sh.prompt_ids(None, users, texts[:k]) == ids
         assert sh.prompt(None, users, answers[:k], texts=texts[:k]) == (ids, mask)
         assert len(mask) == len(ids) and (sum(mask) > 0) == (k > 0)
+
+
+def _naive_prefix(a, b):
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def test_common_prefix_and_suffix_and_token_spans_against_loops():
+    """The binary searches and the bisected mask equal the character loops and the pairwise test
+    they replaced, on random strings and spans."""
+    import random
+
+    from data_gen.template import _common_prefix, _common_suffix, _within
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a = "".join(rng.choice("ab\n") for _ in range(rng.randint(0, 30)))
+        b = a[:rng.randint(0, len(a))] + "".join(rng.choice("ab\n") for _ in range(rng.randint(0, 5)))
+        assert _common_prefix(a, b) == _naive_prefix(a, b)
+        assert _common_suffix(a, b) == _naive_prefix(a[::-1], b[::-1])
+        cuts = sorted(rng.sample(range(60), 6))
+        spans = [(cuts[0], cuts[1]), (cuts[2], cuts[3]), (cuts[4], cuts[5])]
+        offsets = [(s, s + rng.randint(0, 4)) for s in sorted(rng.randint(0, 60) for _ in range(20))]
+        assert _within(offsets, spans) == [int(any(x <= s and e <= y for x, y in spans)) for s, e in offsets]
+
+
+def test_asked_turns_tokenized_by_pieces_equal_the_whole_texts(smollm2_tokenizer, monkeypatch):
+    """A turn is asked with its rendering tokenized a piece between added tokens at a time, each
+    piece once (its history repeats): on real ShareGPT conversations, and on contents that put
+    special-token strings, combining characters and edge whitespace beside the template's own
+    tokens, every prompt equals the whole text's tokens, checked or not (PIECE_CHECKS 0)."""
+    import itertools
+
+    from data_gen import template
+    from data_gen.config import SHAREGPT_DEFAULT, SourceConfig
+    from data_gen.sources import SkipLog, iter_prompts
+
+    monkeypatch.setattr(template, "PIECE_CHECKS", 0)
+    tok = smollm2_tokenizer
+    sh = shaper(tok)
+    assert sh._split is not None and sh._checks == 0
+    source = SourceConfig(kind="sharegpt", num_prompts=60, path=SHAREGPT_DEFAULT)
+    convs = [(p.system, list(p.user_turns)) for p in itertools.islice(
+        iter_prompts([source], set(), None, SkipLog()), 60)]
+    convs += [(None, ["a <|im_end|> b", " lead and trail \n", "e\u0301 \u00e9 \uff21 \U0001f600"]),
+              ("<|im_start|>system text", ["<|endoftext|>", ""])]
+    asked = 0
+    for system, users in convs:
+        texts = []
+        for k in range(len(users)):
+            text = sh.render(sh.messages(system, users[:k + 1], texts), add_generation_prompt=True)
+            assert sh.prompt_ids(system, users, texts) == sh._whole(text)
+            asked += 1
+            texts.append([" Sure. ", "", "<|im_end|> x", "line\n\n"][k % 4] + users[k][:40])
+    assert asked >= 80 and len(sh._piece_ids) > 0 and sh._split is not None
+
+
+def test_pieces_that_differ_from_the_whole_text_are_turned_off(smollm2_tokenizer, monkeypatch):
+    """A checked call whose pieces differ from the whole text's tokens returns the whole text's
+    and turns the pieces off for good."""
+    sh = shaper(smollm2_tokenizer)
+    assert sh._checks > 0
+    monkeypatch.setattr(sh, "_by_pieces", lambda text: [0])
+    whole = sh._whole(sh.render(chat("Hi"), add_generation_prompt=True))
+    assert sh.prompt_ids(None, ["Hi"], []) == whole and sh._split is None
+    assert sh.prompt_ids(None, ["Hi"], []) == whole
