@@ -202,3 +202,16 @@ def test_pieces_that_differ_from_the_whole_text_are_turned_off(smollm2_tokenizer
     whole = sh._whole(sh.render(chat("Hi"), add_generation_prompt=True))
     assert sh.prompt_ids(None, ["Hi"], []) == whole and sh._split is None
     assert sh.prompt_ids(None, ["Hi"], []) == whole
+
+
+def test_turn_host_cost_benchmark_asks_the_same_prompts_both_ways(capsys):
+    """benchmarks/turn_host_cost.py on a few ShareGPT conversations: a row each way, and every
+    prompt asked by pieces is the whole text's."""
+    from benchmarks.turn_host_cost import main
+
+    main(["--conversations", "6", "--answer-tokens", "20"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("6 conversations, ") and "answers of 21 tokens" in out[0]
+    assert [line.split()[0] for line in out[2:4]] == ["whole", "pieces"]
+    asked = int(out[4].split()[-1].split("/")[1])
+    assert out[4] == f"prompts the same both ways: {asked}/{asked}" and asked >= 6
