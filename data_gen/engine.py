@@ -7,11 +7,13 @@ next sync, so long answers never hold a batch. The model is the target's own HF 
 called with per-row `position_ids` and an attention function registered under
 ATTENTION_NAME (transformers' AttentionInterface), which writes the new keys/values into the
 slot rows and attends over them:
-  * prefill: the new prompts, right padded, causal attention over the prompts themselves
-    (transformers' SDPA function); all but each prompt's last token, whose logits come from
-    the first decode step, so the prefill needs no logits. A conversation's next turn takes
-    its last answer's slot when free and prefills only what follows the tokens the row still
-    holds, its queries attending over the row's cache;
+  * prefill: the new prompts, causal attention over the prompts themselves, right padded
+    (transformers' SDPA function) or packed end to end in one row (backend.prefill; flash
+    attention's variable-length kernel on a GPU); all but each prompt's last token, whose
+    logits come from the first decode step, so the prefill needs no logits. A conversation's
+    next turn takes its last answer's slot when free and prefills only what follows the tokens
+    the row still holds, its queries attending over the row's cache (packed too: each row's
+    new tokens over its gathered cache entries);
   * decode: one token per slot, attending over its own cache row (data_gen/engine_attention.py,
     by `backend.attention`): `sdpa` over the first `width` cache columns of every row with a
     per-row visibility mask, `width` covering every busy row (on CUDA a multiple of
@@ -46,7 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from data_gen.config import ENGINE_ATTENTIONS, ENGINE_PREFILLS, BackendConfig, SamplingConfig, engine_attention_for
-from data_gen.engine_attention import decode_attention, packed_attention, packed_bounds, packed_flash
+from data_gen.engine_attention import (decode_attention, packed_attention, packed_bounds, packed_flash,
+                                       packed_kept_attention)
 from data_gen.generators import Completion, Progress, past
 from data_gen.sampling import sample_tokens, uniform_stream
 from dflash_train.model.target import TargetModel, decoder_layers
@@ -75,6 +78,10 @@ BUCKET_SPAN = 256
 PACKED_DENSE_TOKENS = 2048
 PACKED_MIN = 128
 PACKED_STEP = 2048
+# Next turns packed (after what their rows hold): the cache entries a forward gathers with flash
+# attention, and without it the (query, key) pairs of its dense mask.
+PACKED_KEYS = 1 << 16
+PACKED_DENSE_PAIRS = 1 << 22
 
 
 @dataclass
@@ -98,6 +105,9 @@ class _Step:
     # packed prefill: each token's slot, cache column and the index its prompt starts at in the row, (T,)
     # each, and where the prompts begin (packed_bounds)
     packed: tuple | None = None
+    # next turns packed: the new tokens' slots, positions and conversations (T,) each, the keys'
+    # slots, columns and conversations (Tk,) each, and how many conversations the bounds count
+    kept_packed: tuple | None = None
 
 
 def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -111,6 +121,14 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     k_cache, v_cache = step.cache_k[module.layer_idx], step.cache_v[module.layer_idx]
     if step.fed is not None:
         return _after_prefix(module, query, key, value, k_cache, v_cache, step, scaling, sliding_window), None
+    if step.kept_packed is not None:
+        slots, pos, seq, key_slots, key_cols, key_seq, sequences = step.kept_packed
+        k_cache[slots, :, pos] = key[0].transpose(0, 1)  # the new tokens' entries, then every key read
+        v_cache[slots, :, pos] = value[0].transpose(0, 1)
+        keys, values = k_cache[key_slots, :, key_cols], v_cache[key_slots, :, key_cols]  # (Tk, Hkv, D)
+        out = packed_kept_attention(query, keys, values, seq, key_seq, pos, key_cols, sequences, sliding_window,
+                                    scaling, step.masks)
+        return out.transpose(1, 2).contiguous(), None
     if step.packed is not None:
         slots, columns, starts, bounds = step.packed
         k_cache[slots, :, columns] = key[0].transpose(0, 1)  # (T, Hkv, D) into the (slot, :, column) entries
@@ -247,6 +265,7 @@ class GenerationEngine:
         # the graphs by shape with their input buffer, the shapes run once, and how the forwards ran.
         # (`buckets`: bucketed shapes whether or not there are graphs; tests run them eagerly.)
         flash = packed_flash(torch.empty(0, dtype=target.model.dtype, device=self.device))
+        self._flash = flash
         # auto: packed where flash attention takes the packed rows (backend.prefill)
         self.prefill = ("packed" if flash else "padded") if prefill == "auto" else prefill
         self.shapes = _Shapes(self.graphs is not None if buckets is None else buckets, max_len,
@@ -405,7 +424,9 @@ class GenerationEngine:
         """Keys/values of every prompt token but the last into the admitted slots; a slot in
         `kept` (slot -> tokens its row holds already) gets those after them."""
         after = [(slot, p[:-1], kept[slot]) for slot, p in admitted if slot in kept]
-        if after:
+        if after and self.prefill == "packed":
+            self._prefill_after_packed(after)
+        elif after:
             self._prefill_after(after)
         fresh = [(slot, p[:-1]) for slot, p in admitted if slot not in kept]
         if self.prefill == "packed":
@@ -433,6 +454,27 @@ class GenerationEngine:
         tokens, positions, slots, columns, starts = packed
         bounds = packed_bounds(starts, self.batch_size + 1)  # at most a prompt a slot, and the padding
         step = _Step(self.cache_k, self.cache_v, packed=(slots, columns, starts, bounds), masks={})
+        self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False, logits_to_keep=1,
+                   **{STEP_KWARG: step})
+
+    def _prefill_after_packed(self, todo: list[tuple[int, list[int], int]]) -> None:
+        """Prefill of next turns (slot, tokens, start), packed: each row's new tokens end to end
+        in one row, each attending to its own cache row (_packed_kept_forward)."""
+        for q_len, k_len, group in _packed_kept_groups(todo, self.shapes, PACKED_KEYS,
+                                                       None if self._flash else PACKED_DENSE_PAIRS):
+            flat = _pack_kept(group, q_len, k_len, self.max_len)
+            self._forward("prefill-kept", ("packed-kept", 1, q_len, k_len), flat,
+                          functools.partial(self._packed_kept_forward, q_len=q_len, k_len=k_len),
+                          sum(len(t) - start for _, t, start in group))
+
+    def _packed_kept_forward(self, flat: torch.Tensor, q_len: int, k_len: int) -> None:
+        """One prefill forward of next turns packed in one row, `flat` (_pack_kept): the new
+        tokens, their positions, slots and conversations (q_len each), then the keys' slots,
+        columns and conversations (k_len each)."""
+        q, k = flat[:4 * q_len].view(4, q_len), flat[4 * q_len:].view(3, k_len)
+        tokens, positions, slots, seq = q
+        step = _Step(self.cache_k, self.cache_v, kept_packed=(slots, positions, seq, k[0], k[1], k[2],
+                                                              self.batch_size + 1), masks={})
         self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False, logits_to_keep=1,
                    **{STEP_KWARG: step})
 
@@ -706,6 +748,50 @@ def _pack(group: list[tuple[int, list[int]]], length: int, columns: int) -> list
     starts += [len(tokens)] * pad
     return [tokens + [0] * pad, positions + [0] * pad, slots + [group[0][0]] * pad, positions + [columns - 1] * pad,
             starts]
+
+
+def _packed_kept_groups(todo: list[tuple[int, list[int], int]], shapes: _Shapes, most_keys: int,
+                        most_pairs: int | None) -> Iterator[tuple[int, int, list]]:
+    """(new tokens' length, keys' length, group) of the packed forwards that prefill next turns
+    (slot, tokens, start: the row holds tokens[:start]): the longest rows first, first fit, a
+    group's new tokens at most `shapes.packed_most`, the cache entries it reads (each row's
+    tokens) at most `most_keys` and, when given, their product at most `most_pairs` (one row at
+    least); the lengths bucketed (shapes.packed), the keys' at least the new tokens' padding
+    longer than theirs (a padding query always sees a padding key)."""
+    todo = sorted((r for r in todo if len(r[1]) > r[2]), key=lambda r: -len(r[1]))
+    while todo:
+        group, q, k, rest = [todo[0]], len(todo[0][1]) - todo[0][2], len(todo[0][1]), []
+        for r in todo[1:]:
+            q2, k2 = q + len(r[1]) - r[2], k + len(r[1])
+            if q2 <= shapes.packed_most and k2 <= most_keys and (most_pairs is None or q2 * k2 <= most_pairs):
+                group.append(r)
+                q, k = q2, k2
+            else:
+                rest.append(r)
+        todo = rest
+        q_len = shapes.packed(q)
+        yield q_len, shapes.packed(k + q_len - q), group
+
+
+def _pack_kept(group: list[tuple[int, list[int], int]], q_len: int, k_len: int, columns: int) -> list[int]:
+    """The flat buffer of a packed next-turn forward (_packed_kept_forward): for the new tokens
+    their ids, positions, slots and conversation (0, 1, ...), q_len each; for the keys (each
+    row's columns up to its last new token) their slots, columns and conversation, k_len each.
+    The padding of each side is one more conversation, in the last column of the group's
+    first slot (no fed token is ever there: see _after_prefix)."""
+    tokens, positions, slots, seq, key_slots, key_cols, key_seq = [], [], [], [], [], [], []
+    for i, (slot, t, start) in enumerate(group):
+        tokens += t[start:]
+        positions += range(start, len(t))
+        slots += [slot] * (len(t) - start)
+        seq += [i] * (len(t) - start)
+        key_slots += [slot] * len(t)
+        key_cols += range(len(t))
+        key_seq += [i] * len(t)
+    pad_q, pad_k, last, n = q_len - len(tokens), k_len - len(key_slots), columns - 1, len(group)
+    first = group[0][0]
+    return (tokens + [0] * pad_q + positions + [last] * pad_q + slots + [first] * pad_q + seq + [n] * pad_q
+            + key_slots + [first] * pad_k + key_cols + [last] * pad_k + key_seq + [n] * pad_k)
 
 
 def _kept_groups(todo: list[tuple[int, list[int], int]], shapes: _Shapes) -> Iterator[tuple[int, int, int, list]]:

@@ -126,6 +126,41 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+def sequence_bounds(seq: torch.Tensor, sequences: int) -> torch.Tensor:
+    """(sequences + 1,) int32: where each sequence of a packed row begins, then the row's
+    length, from `seq` (T,), each token's sequence (0, 1, ... in order): packed_bounds's, for
+    rows whose sequences are numbered."""
+    return torch.searchsorted(seq, torch.arange(sequences + 1, device=seq.device)).int()
+
+
+def packed_kept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor,
+                          k_seq: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, sequences: int,
+                          window: int | None, scale: float | None, masks: dict) -> torch.Tensor:
+    """The next turns of several conversations in one row: q (1, Hq, T, D) their new tokens, k/v
+    (Tk, Hkv, D) each conversation's cache entries up to its last new token, gathered in the
+    same order; `q_seq`/`k_seq` each token's and key's conversation (0, 1, ... in order, at most
+    `sequences`), `q_pos`/`k_pos` their positions. Query t sees the keys of its own
+    conversation at positions up to its own (within `window`); returns (1, Hq, T, D). Flash
+    attention's variable-length kernel in half precision on a GPU (causal from the bottom right:
+    a conversation's last query sees its last key, as its keys end at its last new token), SDPA
+    under the dense mask of those pairs otherwise (built once a forward: `masks` by window)."""
+    if packed_flash(q):
+        left = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+        q_bounds, k_bounds = masks.get("bounds") or masks.setdefault(
+            "bounds", (sequence_bounds(q_seq, sequences), sequence_bounds(k_seq, sequences)))
+        out = torch.ops.aten._flash_attention_forward(q[0].transpose(0, 1), k, v, q_bounds, k_bounds, q.shape[2],
+                                                      k.shape[0], 0.0, True, False, scale=scale, **left)[0]
+        return out.transpose(0, 1)[None]
+    mask = masks.get(window)
+    if mask is None:
+        mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        masks[window] = mask
+    return F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+                                          scale=scale, enable_gqa=True)
+
+
 def packed_flash(x: torch.Tensor) -> bool:
     """Whether a packed prefill of tensors like x takes flash attention (packed_attention)."""
     return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)

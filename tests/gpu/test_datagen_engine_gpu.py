@@ -175,6 +175,59 @@ def test_flash_packed_prefill_in_graphs_writes_the_padded_caches():
     assert _engine(tiny_float32(), True, prefill="auto").engine.prefill == "padded", "auto: padded in float32"
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_flash_kept_attention_equals_each_conversation_alone(window):
+    """bf16: next turns packed (3 and 2 new tokens after 5 and 2 held, then padding) through flash
+    attention's variable-length kernel, causal from the bottom right: each new token's attention
+    over its own conversation's keys up to its position, to bf16's rounding."""
+    from data_gen.engine_attention import packed_kept_attention
+
+    torch.manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    q_seq = torch.tensor([0] * 3 + [1] * 2 + [2] * 2, device=dev)
+    q_pos = torch.tensor([5, 6, 7, 2, 3, 49, 49], device=dev)
+    k_seq = torch.tensor([0] * 8 + [1] * 4 + [2] * 3, device=dev)
+    k_pos = torch.tensor(list(range(8)) + list(range(4)) + [49] * 3, device=dev)
+    q = torch.randn(1, 14, 7, 64, device=dev, dtype=bf)
+    k, v = (torch.randn(15, 2, 64, device=dev, dtype=bf) for _ in range(2))
+    out = packed_kept_attention(q, k, v, q_seq, k_seq, q_pos, k_pos, 4, window, 0.125, {})
+    for t in range(5):
+        seen = (k_seq == q_seq[t]) & (k_pos <= q_pos[t])
+        if window is not None:
+            seen &= k_pos > q_pos[t] - window
+        keys = k[seen].float().transpose(0, 1).repeat_interleave(7, 0)
+        vals = v[seen].float().transpose(0, 1).repeat_interleave(7, 0)
+        alone = torch.nn.functional.scaled_dot_product_attention(q[0, :, t:t + 1].float(), keys, vals, scale=0.125)
+        assert torch.allclose(out[0, :, t:t + 1].float(), alone, atol=2e-2), t
+
+
+def test_flash_packed_next_turns_in_graphs_write_the_padded_caches():
+    """bf16: next turns prefilled packed after what their rows hold (flash attention over each
+    row's gathered cache), captured and replayed, write exactly what the eager packed forward
+    writes, and what the padded engine's prefill after kept prefixes writes, to bf16's rounding."""
+    target = TargetModel(make_tiny_target("qwen2", vocab=11, layers=3).cuda().to(torch.bfloat16))
+    engines = [_engine(target, True, prefill="packed").engine, _engine(target, False, prefill="packed").engine,
+               _engine(target, False).engine]
+    prompts = [[5, 6, 7, 8, 9, 10, 4, 4] * 30, [5, 6, 7, 4], [9, 8, 7, 6, 5] * 9]
+    # the rows hold each prompt but its last token; the next turns feed from there
+    after = [(0, prompts[0][:-1] + [6, 7, 8, 9] * 5, 239), (2, prompts[2][:-1] + [4, 5], 44)]
+    held = [259, 3, 46]
+    with torch.inference_mode():
+        for e in engines:
+            e._prefill(list(enumerate(prompts)), {})
+        for _ in range(3):
+            for e in engines:
+                (e._prefill_after_packed if e.prefill == "packed" else e._prefill_after)(after)
+            graphs, eager, padded = engines
+            for got, want, near in zip((*graphs.cache_k, *graphs.cache_v), (*eager.cache_k, *eager.cache_v),
+                                       (*padded.cache_k, *padded.cache_v)):
+                for row, n in enumerate(held):
+                    assert torch.equal(got[row, :, :n], want[row, :, :n])
+                    assert torch.allclose(got[row, :, :n].float(), near[row, :, :n].float(), atol=5e-2)
+    kept = [shape for shape in engines[0].prefill_graphs if shape[0] == "packed-kept"]
+    assert kept == [("packed-kept", 1, 128, 512)], kept
+
+
 def tiny_float32():
     return TargetModel(make_tiny_target("qwen2", vocab=11, layers=1).cuda())
 

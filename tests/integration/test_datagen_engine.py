@@ -155,10 +155,11 @@ def test_multi_turn_run_equals_hf(tmp_path, smollm2, smollm2_tokenizer, prefill)
     assert max(data["engine"]["input_ids"][i].count(1) for i in range(3)) >= 5, "a later turn was answered"
 
 
-@pytest.mark.parametrize("conversations, sync_steps, buckets", [(3, 1, False), (4, 1, False), (3, 3, False),
-                                                                (3, 1, True)])
+@pytest.mark.parametrize("conversations, sync_steps, buckets, prefill", [
+    (3, 1, False, "padded"), (4, 1, False, "padded"), (3, 3, False, "padded"), (3, 1, True, "padded"),
+    (3, 1, True, "packed")])
 def test_next_turn_prefills_after_what_its_slot_holds(smollm2, prompts, monkeypatch, conversations, sync_steps,
-                                                       buckets):
+                                                       buckets, prefill):
     """Conversations of three turns through 3 slots, each next turn the earlier prompt, its
     answer and new user tokens, queued as its answer comes out: it takes its last answer's
     slot and prefills only what the row does not hold, the new tokens and the answer's last
@@ -167,17 +168,19 @@ def test_next_turn_prefills_after_what_its_slot_holds(smollm2, prompts, monkeypa
     conversation's next turn prefills whole elsewhere. Every answer equals a fresh engine's for
     the same prompt, which prefills it whole; so too with the slots read every 3 steps (an ended
     row goes on writing at the same position until the host sees it), and with the prefills at
-    the bucketed shapes of CUDA graphs (run eagerly here)."""
+    the bucketed shapes of CUDA graphs (run eagerly here); and with the next turns packed in one
+    row (backend.prefill=packed), each attending to its own cache row."""
     from data_gen.engine import GenerationEngine
 
     after = []
-    prefill_after = GenerationEngine._prefill_after
-    monkeypatch.setattr(GenerationEngine, "_prefill_after",
+    method = "_prefill_after_packed" if prefill == "packed" else "_prefill_after"
+    prefill_after = getattr(GenerationEngine, method)
+    monkeypatch.setattr(GenerationEngine, method,
                         lambda self, todo: (after.extend(len(t) - start for _, t, start in todo),
                                             prefill_after(self, todo))[1])
     sampling = SamplingConfig(max_new_tokens=MAX_NEW)
     engine = GenerationEngine(smollm2, 3, 256, sampling, [IM_END], cuda_graphs=False, sync_steps=sync_steps,
-                              buckets=buckets)
+                              buckets=buckets, prefill=prefill)
     user = {k: [[IM_END - 1] + prompts[2 * k + 1][-4 - t:] for t in range(2)] for k in range(conversations)}
     asked, answers = {k: [prompts[2 * k + 1]] for k in range(conversations)}, {}
     for k in range(conversations):
@@ -193,7 +196,7 @@ def test_next_turn_prefills_after_what_its_slot_holds(smollm2, prompts, monkeypa
         assert sorted(after) == expected, "every later turn prefilled only what its row did not hold"
     else:
         assert 0 < len(after) < len(expected) and all(n in expected for n in after), after
-    fresh = GenerationEngine(smollm2, 1, 256, sampling, [IM_END], cuda_graphs=False)
+    fresh = GenerationEngine(smollm2, 1, 256, sampling, [IM_END], cuda_graphs=False, prefill="padded")
     for k in range(conversations):
         for turn, prompt in enumerate(asked[k]):
             fresh.submit((k, turn), prompt)

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from data_gen.config import BackendConfig
-from data_gen.engine import PACKED_MIN, PACKED_STEP, _pack, _packed_groups, _Shapes
-from data_gen.engine_attention import packed_attention, packed_bounds, packed_mask
+from data_gen.engine import PACKED_MIN, PACKED_STEP, _pack, _pack_kept, _packed_groups, _packed_kept_groups, _Shapes
+from data_gen.engine_attention import (packed_attention, packed_bounds, packed_kept_attention, packed_mask,
+                                       sequence_bounds)
 
 
 def starts_of(lengths: list[int], total: int) -> torch.Tensor:
@@ -117,3 +118,51 @@ def test_auto_prefill_is_padded_where_flash_attention_is_not(smollm2, prefill, w
     gen = EngineGenerator(smollm2, BackendConfig(kind="engine", batch_size=2, prefill=prefill),
                           SamplingConfig(max_new_tokens=2), [2], max_prompt_len=16)
     assert gen.engine.prefill == want
+
+
+def test_kept_groups_pack_every_next_turn_once_within_the_budgets():
+    """Next turns (slot, tokens, start) packed: every row once, the longest first, new tokens and
+    keys (each row's tokens) within their budgets and their product within the dense budget, a
+    row over them alone; the keys' bucket leaves at least the new tokens' padding for padding."""
+    rng = random.Random(0)
+    shapes = _Shapes(True, 8192, packed_most=2048)
+    todo = [(slot, [1] * n, n - rng.randint(1, 300)) for slot, n in enumerate(rng.randint(301, 3000) for _ in range(40))]
+    todo.append((40, [1] * 10, 10))  # nothing new: no forward
+    groups = list(_packed_kept_groups(todo, shapes, 1 << 14, 1 << 22))
+    assert sorted(slot for _, _, g in groups for slot, _, _ in g) == list(range(40))
+    for q_len, k_len, group in groups:
+        q = sum(len(t) - start for _, t, start in group)
+        k = sum(len(t) for _, t, _ in group)
+        assert len(group) == 1 or (q <= 2048 and k <= 1 << 14 and q * k <= 1 << 22)
+        assert q_len == shapes.packed(q) and k_len == shapes.packed(k + q_len - q) and k_len - k >= q_len - q
+        assert [len(t) for _, t, _ in group] == sorted((len(t) for _, t, _ in group), reverse=True)
+
+
+def test_pack_kept_lays_out_new_tokens_then_keys():
+    flat = _pack_kept([(2, [7, 8, 9, 10], 2), (0, [5, 6, 4], 1)], q_len=6, k_len=9, columns=50)
+    assert flat == ([9, 10, 6, 4, 0, 0] + [2, 3, 1, 2, 49, 49] + [2, 2, 0, 0, 2, 2] + [0, 0, 1, 1, 2, 2]
+                    + [2, 2, 2, 2, 0, 0, 0, 2, 2] + [0, 1, 2, 3, 0, 1, 2, 49, 49] + [0, 0, 0, 0, 1, 1, 1, 2, 2])
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_kept_attention_equals_each_conversation_alone(window):
+    """Two conversations holding 5 and 2 tokens with 3 and 2 new ones, then padding: each new
+    token's attention over its own conversation's keys up to its position (SDPA, one at a
+    time), within 1e-5; the bounds of the numbered sequences."""
+    torch.manual_seed(0)
+    q_seq = torch.tensor([0] * 3 + [1] * 2 + [2] * 2)
+    q_pos = torch.tensor([5, 6, 7, 2, 3, 49, 49])
+    k_seq = torch.tensor([0] * 8 + [1] * 4 + [2] * 3)
+    k_pos = torch.tensor(list(range(8)) + list(range(4)) + [49] * 3)
+    q = torch.randn(1, 6, 7, 16)
+    k, v = torch.randn(15, 2, 16), torch.randn(15, 2, 16)
+    out = packed_kept_attention(q, k, v, q_seq, k_seq, q_pos, k_pos, 4, window, 0.25, {})
+    for t in range(5):
+        seen = (k_seq == q_seq[t]) & (k_pos <= q_pos[t])
+        if window is not None:
+            seen &= k_pos > q_pos[t] - window
+        keys, vals = k[seen].transpose(0, 1).repeat_interleave(3, 0), v[seen].transpose(0, 1).repeat_interleave(3, 0)
+        alone = F.scaled_dot_product_attention(q[0, :, t:t + 1], keys, vals, scale=0.25)
+        assert torch.allclose(out[0, :, t:t + 1], alone, atol=1e-5), t
+    assert sequence_bounds(q_seq, 4).tolist() == [0, 3, 5, 7, 7]
+    assert sequence_bounds(k_seq, 4).tolist() == [0, 8, 12, 15, 15]
