@@ -247,7 +247,7 @@ def test_a_budget_ends_the_stream_and_a_rerun_adds_nothing(tmp_path, smollm2, sm
 def test_kill_9_then_rerun_finishes_every_conversation_once(tmp_path, smollm2, smollm2_tokenizer):
     """Every turn streamed through 2 slots over shards of 2: the kill lands with some shards
     committed and the others not; the rerun finishes those, and the whole equals hf's run."""
-    num = 16
+    num = 10  # 5 shards of 2: the kill lands with 3 committed (measured), 2 left for the rerun
     src = tmp_path / "conversations.jsonl"
     write_conversations(src, num)
     args = overrides(tmp_path / "killed", src, shard_size=2, batch_size=2, max_new_tokens=MAX_NEW)
