@@ -49,7 +49,7 @@ from torch import nn
 
 from data_gen.config import ENGINE_ATTENTIONS, ENGINE_PREFILLS, BackendConfig, SamplingConfig, engine_attention_for
 from data_gen.engine_attention import (decode_attention, packed_attention, packed_bounds, packed_flash,
-                                       packed_kept_attention)
+                                       packed_kept_attention, sequence_bounds)
 from data_gen.generators import Completion, Progress, past
 from data_gen.sampling import sample_tokens, uniform_stream
 from dflash_train.model.target import TargetModel, decoder_layers
@@ -106,7 +106,7 @@ class _Step:
     # each, and where the prompts begin (packed_bounds)
     packed: tuple | None = None
     # next turns packed: the new tokens' slots, positions and conversations (T,) each, the keys'
-    # slots, columns and conversations (Tk,) each, and how many conversations the bounds count
+    # slots, columns and conversations (Tk,) each, and the two sides' sequence_bounds
     kept_packed: tuple | None = None
 
 
@@ -122,11 +122,11 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if step.fed is not None:
         return _after_prefix(module, query, key, value, k_cache, v_cache, step, scaling, sliding_window), None
     if step.kept_packed is not None:
-        slots, pos, seq, key_slots, key_cols, key_seq, sequences = step.kept_packed
+        slots, pos, seq, key_slots, key_cols, key_seq, bounds = step.kept_packed
         k_cache[slots, :, pos] = key[0].transpose(0, 1)  # the new tokens' entries, then every key read
         v_cache[slots, :, pos] = value[0].transpose(0, 1)
         keys, values = k_cache[key_slots, :, key_cols], v_cache[key_slots, :, key_cols]  # (Tk, Hkv, D)
-        out = packed_kept_attention(query, keys, values, seq, key_seq, pos, key_cols, sequences, sliding_window,
+        out = packed_kept_attention(query, keys, values, seq, key_seq, pos, key_cols, bounds, sliding_window,
                                     scaling, step.masks)
         return out.transpose(1, 2).contiguous(), None
     if step.packed is not None:
@@ -473,8 +473,10 @@ class GenerationEngine:
         columns and conversations (k_len each)."""
         q, k = flat[:4 * q_len].view(4, q_len), flat[4 * q_len:].view(3, k_len)
         tokens, positions, slots, seq = q
-        step = _Step(self.cache_k, self.cache_v, kept_packed=(slots, positions, seq, k[0], k[1], k[2],
-                                                              self.batch_size + 1), masks={})
+        # at most a conversation a slot, and the padding: once a forward, as _packed_forward's
+        bounds = sequence_bounds(seq, self.batch_size + 1), sequence_bounds(k[2], self.batch_size + 1)
+        step = _Step(self.cache_k, self.cache_v, kept_packed=(slots, positions, seq, k[0], k[1], k[2], bounds),
+                     masks={})
         self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False, logits_to_keep=1,
                    **{STEP_KWARG: step})
 

@@ -94,8 +94,7 @@ def packed_bounds(starts: torch.Tensor, sequences: int) -> torch.Tensor:
     ends in empty ones (the bound repeated): the shape is the same for every row, so a captured
     forward serves any number of prompts. Plain tensor ops, no host sync."""
     first = starts == torch.arange(len(starts), device=starts.device)  # a prompt's first token
-    index = first.cumsum(0) - 1  # each token's prompt, 0, 1, ... in order
-    return torch.searchsorted(index, torch.arange(sequences + 1, device=starts.device)).int()
+    return sequence_bounds(first.cumsum(0) - 1, sequences)  # each token's prompt, 0, 1, ... in order
 
 
 def packed_mask(starts: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -134,20 +133,19 @@ def sequence_bounds(seq: torch.Tensor, sequences: int) -> torch.Tensor:
 
 
 def packed_kept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor,
-                          k_seq: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, sequences: int,
+                          k_seq: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, bounds: tuple,
                           window: int | None, scale: float | None, masks: dict) -> torch.Tensor:
     """The next turns of several conversations in one row: q (1, Hq, T, D) their new tokens, k/v
     (Tk, Hkv, D) each conversation's cache entries up to its last new token, gathered in the
-    same order; `q_seq`/`k_seq` each token's and key's conversation (0, 1, ... in order, at most
-    `sequences`), `q_pos`/`k_pos` their positions. Query t sees the keys of its own
+    same order; `q_seq`/`k_seq` each token's and key's conversation (0, 1, ... in order),
+    `bounds` their sequence_bounds, `q_pos`/`k_pos` their positions. Query t sees the keys of its own
     conversation at positions up to its own (within `window`); returns (1, Hq, T, D). Flash
     attention's variable-length kernel in half precision on a GPU (causal from the bottom right:
     a conversation's last query sees its last key, as its keys end at its last new token), SDPA
     under the dense mask of those pairs otherwise (built once a forward: `masks` by window)."""
     if packed_flash(q):
         left = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
-        q_bounds, k_bounds = masks.get("bounds") or masks.setdefault(
-            "bounds", (sequence_bounds(q_seq, sequences), sequence_bounds(k_seq, sequences)))
+        q_bounds, k_bounds = bounds
         out = torch.ops.aten._flash_attention_forward(q[0].transpose(0, 1), k, v, q_bounds, k_bounds, q.shape[2],
                                                       k.shape[0], 0.0, True, False, scale=scale, **left)[0]
         return out.transpose(0, 1)[None]

@@ -49,14 +49,7 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 def _common_suffix(a: str, b: str) -> int:
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[len(a) - mid:] == b[len(b) - mid:]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return _common_prefix(a[::-1], b[::-1])
 
 
 def _within(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:

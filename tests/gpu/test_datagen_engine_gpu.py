@@ -180,7 +180,7 @@ def test_flash_kept_attention_equals_each_conversation_alone(window):
     """bf16: next turns packed (3 and 2 new tokens after 5 and 2 held, then padding) through flash
     attention's variable-length kernel, causal from the bottom right: each new token's attention
     over its own conversation's keys up to its position, to bf16's rounding."""
-    from data_gen.engine_attention import packed_kept_attention
+    from data_gen.engine_attention import packed_kept_attention, sequence_bounds
 
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
@@ -190,7 +190,8 @@ def test_flash_kept_attention_equals_each_conversation_alone(window):
     k_pos = torch.tensor(list(range(8)) + list(range(4)) + [49] * 3, device=dev)
     q = torch.randn(1, 14, 7, 64, device=dev, dtype=bf)
     k, v = (torch.randn(15, 2, 64, device=dev, dtype=bf) for _ in range(2))
-    out = packed_kept_attention(q, k, v, q_seq, k_seq, q_pos, k_pos, 4, window, 0.125, {})
+    bounds = sequence_bounds(q_seq, 4), sequence_bounds(k_seq, 4)
+    out = packed_kept_attention(q, k, v, q_seq, k_seq, q_pos, k_pos, bounds, window, 0.125, {})
     for t in range(5):
         seen = (k_seq == q_seq[t]) & (k_pos <= q_pos[t])
         if window is not None:

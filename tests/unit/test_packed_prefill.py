@@ -156,7 +156,8 @@ def test_kept_attention_equals_each_conversation_alone(window):
     k_pos = torch.tensor(list(range(8)) + list(range(4)) + [49] * 3)
     q = torch.randn(1, 6, 7, 16)
     k, v = torch.randn(15, 2, 16), torch.randn(15, 2, 16)
-    out = packed_kept_attention(q, k, v, q_seq, k_seq, q_pos, k_pos, 4, window, 0.25, {})
+    bounds = sequence_bounds(q_seq, 4), sequence_bounds(k_seq, 4)
+    out = packed_kept_attention(q, k, v, q_seq, k_seq, q_pos, k_pos, bounds, window, 0.25, {})
     for t in range(5):
         seen = (k_seq == q_seq[t]) & (k_pos <= q_pos[t])
         if window is not None:
