@@ -18,8 +18,8 @@ from dflash_train.recipe import HINT, MIN, to_config
 
 SOURCE_KINDS = ("sharegpt", "jsonl", "hf", "magpie")
 BACKEND_KINDS = ("auto", "engine", "hf", "openai")
-ENGINE_ATTENTIONS = ("auto", "sdpa", "flex")
-ENGINE_PREFILLS = ("auto", "padded", "packed")  # backend.prefill (data_gen/engine.py)  # data_gen/engine_attention.py; auto: flex on a GPU
+ENGINE_ATTENTIONS = ("auto", "sdpa", "flex")  # data_gen/engine_attention.py; auto: flex on a GPU
+ENGINE_PREFILLS = ("auto", "padded", "packed")  # backend.prefill (data_gen/engine.py); auto: packed where flash runs
 
 
 def engine_attention_for(device_type: str) -> str:
