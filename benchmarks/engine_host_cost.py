@@ -9,7 +9,7 @@ data_gen uses it (a TargetModel, 512 slots). Each row is the median of many repe
     python -m benchmarks.engine_host_cost                    # the table, then cProfile's top 15
     python -m benchmarks.engine_host_cost --repeats 50 --rows 16 --profile-top 0
 
-  fresh prefill     one `_prefill` forward of `rows` fresh prompts (`_prefill_groups`: one group)
+  fresh prefill     one `_prefill` forward of `rows` fresh prompts (`prefill_groups`: one group)
   kept prefill      one `_prefill_after` forward of `rows` next turns after what their rows hold
   admit round       one `_admit` of rows/2 fresh prompts and rows/2 next turns (both forwards,
                     the slot bookkeeping and the slots' device state)

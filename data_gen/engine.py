@@ -50,6 +50,9 @@ from torch import nn
 from data_gen.config import ENGINE_ATTENTIONS, ENGINE_PREFILLS, BackendConfig, SamplingConfig, engine_attention_for
 from data_gen.engine_attention import (decode_attention, packed_attention, packed_bounds, packed_flash,
                                        packed_kept_attention, sequence_bounds)
+from data_gen.engine_prefill import (PACKED_DENSE_PAIRS, PACKED_DENSE_TOKENS, PACKED_KEYS, PREFILL_TOKENS, Shapes,
+                                     kept_groups, pack_fresh, pack_kept, packed_groups, packed_kept_groups, pad_rows,
+                                     prefill_groups)
 from data_gen.generators import Completion, Progress, past
 from data_gen.sampling import sample_tokens, uniform_stream
 from dflash_train.model.target import TargetModel, decoder_layers
@@ -62,26 +65,6 @@ WIDTH_STEP = 256
 # a chunk must outlast the host's work on a snapshot (mostly launching a prefill), and a
 # finished row idles up to two chunks.
 STEPS_PER_SYNC = 8
-# Prompt tokens (padding included) per prefill forward: bounds its activations.
-PREFILL_TOKENS = 16384
-# A prefill after kept prefixes (_kept_groups): cache columns gathered (rows times span) and
-# (query, column) pairs masked per KV head (rows times new tokens times span) a forward.
-KEPT_COLUMNS = 1 << 19
-KEPT_SCORES = 1 << 24
-# With CUDA graphs a prefill forward's rows and widths are rounded up to powers of two, its
-# width to BUCKET_WIDTH at least, a kept group's span to BUCKET_SPAN at least (_Shapes).
-BUCKET_WIDTH = 16
-BUCKET_SPAN = 256
-# A packed prefill's tokens a forward: PREFILL_TOKENS with flash attention (half precision on a
-# GPU), else at most PACKED_DENSE_TOKENS (SDPA under a dense mask of every (query, key) pair);
-# with buckets its length a power of two from PACKED_MIN up to PACKED_STEP, then a multiple of it.
-PACKED_DENSE_TOKENS = 2048
-PACKED_MIN = 128
-PACKED_STEP = 2048
-# Next turns packed (after what their rows hold): the cache entries a forward gathers with flash
-# attention, and without it the (query, key) pairs of its dense mask.
-PACKED_KEYS = 1 << 16
-PACKED_DENSE_PAIRS = 1 << 22
 
 
 @dataclass
@@ -268,8 +251,8 @@ class GenerationEngine:
         self._flash = flash
         # auto: packed where flash attention takes the packed rows (backend.prefill)
         self.prefill = ("packed" if flash else "padded") if prefill == "auto" else prefill
-        self.shapes = _Shapes(self.graphs is not None if buckets is None else buckets, max_len,
-                              PREFILL_TOKENS if flash else PACKED_DENSE_TOKENS)
+        self.shapes = Shapes(self.graphs is not None if buckets is None else buckets, max_len,
+                             PREFILL_TOKENS if flash else PACKED_DENSE_TOKENS)
         self.prefill_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_seen: set[tuple] = set()
         self.prefill_counts: Counter = Counter()
@@ -430,14 +413,14 @@ class GenerationEngine:
             self._prefill_after(after)
         fresh = [(slot, p[:-1]) for slot, p in admitted if slot not in kept]
         if self.prefill == "packed":
-            for length, group in _packed_groups(fresh, self.shapes):
-                self._forward("prefill", ("packed", 1, length), _pack(group, length, self.max_len), self._packed_forward,
-                              sum(len(t) for _, t in group))
+            for length, group in packed_groups(fresh, self.shapes):
+                self._forward("prefill", ("packed", 1, length), pack_fresh(group, length, self.max_len),
+                              self._packed_forward, sum(len(t) for _, t in group))
             return
-        for rows, width, group in _prefill_groups(fresh, self.shapes):
+        for rows, width, group in prefill_groups(fresh, self.shapes):
             # Right padding: a causal row never sees the padding after it.
             packed = [t + [0] * (width - len(t)) + [slot] for slot, t in group]
-            self._forward("prefill", ("fresh", rows, width), _pad_rows(packed, rows), self._fresh_forward,
+            self._forward("prefill", ("fresh", rows, width), pad_rows(packed, rows), self._fresh_forward,
                           sum(len(t) for _, t in group))
 
     def _fresh_forward(self, packed: torch.Tensor) -> None:
@@ -449,7 +432,7 @@ class GenerationEngine:
                    **{STEP_KWARG: step})
 
     def _packed_forward(self, packed: torch.Tensor) -> None:
-        """One prefill forward of fresh prompts packed in one row, `packed` (5, T) (_pack): the
+        """One prefill forward of fresh prompts packed in one row, `packed` (5, T) (pack_fresh): the
         tokens, their positions, slots, cache columns, and where their prompts start in the row."""
         tokens, positions, slots, columns, starts = packed
         bounds = packed_bounds(starts, self.batch_size + 1)  # at most a prompt a slot, and the padding
@@ -460,15 +443,15 @@ class GenerationEngine:
     def _prefill_after_packed(self, todo: list[tuple[int, list[int], int]]) -> None:
         """Prefill of next turns (slot, tokens, start), packed: each row's new tokens end to end
         in one row, each attending to its own cache row (_packed_kept_forward)."""
-        for q_len, k_len, group in _packed_kept_groups(todo, self.shapes, PACKED_KEYS,
+        for q_len, k_len, group in packed_kept_groups(todo, self.shapes, PACKED_KEYS,
                                                        None if self._flash else PACKED_DENSE_PAIRS):
-            flat = _pack_kept(group, q_len, k_len, self.max_len)
+            flat = pack_kept(group, q_len, k_len, self.max_len)
             self._forward("prefill-kept", ("packed-kept", 1, q_len, k_len), flat,
                           functools.partial(self._packed_kept_forward, q_len=q_len, k_len=k_len),
                           sum(len(t) - start for _, t, start in group))
 
     def _packed_kept_forward(self, flat: torch.Tensor, q_len: int, k_len: int) -> None:
-        """One prefill forward of next turns packed in one row, `flat` (_pack_kept): the new
+        """One prefill forward of next turns packed in one row, `flat` (pack_kept): the new
         tokens, their positions, slots and conversations (q_len each), then the keys' slots,
         columns and conversations (k_len each)."""
         q, k = flat[:4 * q_len].view(4, q_len), flat[4 * q_len:].view(3, k_len)
@@ -482,10 +465,10 @@ class GenerationEngine:
 
     def _prefill_after(self, todo: list[tuple[int, list[int], int]]) -> None:
         """Prefill of (slot, tokens, start): the row holds tokens[:start] already."""
-        for rows, width, span, group in _kept_groups(todo, self.shapes):
+        for rows, width, span, group in kept_groups(todo, self.shapes):
             packed = [t[start:] + [0] * (width - len(t) + start) + [slot, start, len(t) - start]
                       for slot, t, start in group]
-            self._forward("prefill-kept", ("kept", rows, width, span), _pad_rows(packed, rows),
+            self._forward("prefill-kept", ("kept", rows, width, span), pad_rows(packed, rows),
                           functools.partial(self._kept_forward, span=span), sum(len(t) - start for _, t, start in group))
 
     def _kept_forward(self, packed: torch.Tensor, span: int) -> None:
@@ -659,163 +642,6 @@ class GenerationEngine:
             if snapshot is None and all(key is None for key in self.slot_key):
                 return
             pending = snapshot
-
-
-def _pow2(n: int) -> int:
-    """The least power of two >= n (n >= 1)."""
-    return 1 << (n - 1).bit_length()
-
-
-@dataclass(frozen=True)
-class _Shapes:
-    """The shapes of prefill forwards: as their rows need (eager), or with `buckets` (CUDA
-    graphs, one a shape) rounded up to a few: rows and widths powers of two, widths from
-    BUCKET_WIDTH, kept spans powers of two from BUCKET_SPAN; within a row's `columns`."""
-
-    buckets: bool
-    columns: int  # cache columns a row has
-    packed_most: int = PREFILL_TOKENS  # the longest packed forward but for a longer prompt alone
-
-    def rows(self, n: int, most: int | None = None) -> int:
-        if not self.buckets:
-            return n
-        return _pow2(n) if most is None else min(_pow2(n), most)
-
-    def width(self, w: int) -> int:
-        return min(self.columns, max(BUCKET_WIDTH, _pow2(w))) if self.buckets else w
-
-    def packed(self, n: int) -> int:
-        """The length of a packed forward of n tokens: n, or with buckets a power of two of
-        PACKED_MIN tokens at least up to PACKED_STEP, then a multiple of PACKED_STEP."""
-        if not self.buckets:
-            return n
-        return max(PACKED_MIN, _pow2(n)) if n <= PACKED_STEP else -(-n // PACKED_STEP) * PACKED_STEP
-
-    def span(self, s: int) -> int:
-        """Cache columns read by a group of rows holding up to s tokens: a multiple of 16 (the
-        memory-efficient kernel's mask alignment), or a bucket."""
-        return min(self.columns, max(BUCKET_SPAN, _pow2(s)) if self.buckets else -(-s // 16) * 16)
-
-
-def _pad_rows(packed: list[list[int]], rows: int) -> list[list[int]]:
-    """A group's packed rows padded to `rows` with copies of its first: a copy writes what the
-    first writes, so the forward's result is the group's."""
-    return packed + [packed[0]] * (rows - len(packed))
-
-
-def _prefill_groups(todo: list[tuple[int, list[int]]], shapes: _Shapes) -> Iterator[tuple[int, int, list]]:
-    """(rows, width, group) of the forwards that prefill fresh rows (slot, tokens): longest first,
-    so a group holds similar lengths and little padding, each at most PREFILL_TOKENS tokens wide
-    in all (one row at least); `rows` and `width` the forward's shape (`shapes`), at least the
-    group's rows and its longest row."""
-    todo = sorted((r for r in todo if r[1]), key=lambda r: len(r[1]))
-    while todo:
-        width = shapes.width(len(todo[-1][1]))
-        most = max(1, PREFILL_TOKENS // width)
-        n = min(len(todo), most)
-        group, todo = todo[-n:], todo[:-n]
-        yield shapes.rows(n, most), width, group
-
-
-def _packed_groups(todo: list[tuple[int, list[int]]], shapes: _Shapes) -> Iterator[tuple[int, list]]:
-    """(length, group) of the packed forwards that prefill fresh rows (slot, tokens): longest
-    first, each group as many prompts as fit in `shapes.packed_most` tokens (a longer prompt
-    alone), `length` its bucketed length (shapes.packed)."""
-    todo = sorted((r for r in todo if r[1]), key=lambda r: -len(r[1]))
-    while todo:
-        group, total = [todo[0]], len(todo[0][1])
-        rest = []
-        for r in todo[1:]:  # first fit, longest first
-            if total + len(r[1]) <= shapes.packed_most:
-                group.append(r)
-                total += len(r[1])
-            else:
-                rest.append(r)
-        todo = rest
-        yield shapes.packed(total), group
-
-
-def _pack(group: list[tuple[int, list[int]]], length: int, columns: int) -> list[list[int]]:
-    """The (5, length) rows of a packed forward (_packed_forward): tokens, positions, slots,
-    cache columns, and where each token's prompt starts in the row. The padding after the
-    prompts is a prompt of its own, whose keys/values go to the last cache column of the
-    group's first slot (no fed token is ever there: see _after_prefix)."""
-    tokens, positions, slots, starts = [], [], [], []
-    for slot, t in group:
-        starts += [len(tokens)] * len(t)
-        tokens += t
-        positions += range(len(t))
-        slots += [slot] * len(t)
-    pad = length - len(tokens)
-    starts += [len(tokens)] * pad
-    return [tokens + [0] * pad, positions + [0] * pad, slots + [group[0][0]] * pad, positions + [columns - 1] * pad,
-            starts]
-
-
-def _packed_kept_groups(todo: list[tuple[int, list[int], int]], shapes: _Shapes, most_keys: int,
-                        most_pairs: int | None) -> Iterator[tuple[int, int, list]]:
-    """(new tokens' length, keys' length, group) of the packed forwards that prefill next turns
-    (slot, tokens, start: the row holds tokens[:start]): the longest rows first, first fit, a
-    group's new tokens at most `shapes.packed_most`, the cache entries it reads (each row's
-    tokens) at most `most_keys` and, when given, their product at most `most_pairs` (one row at
-    least); the lengths bucketed (shapes.packed), the keys' at least the new tokens' padding
-    longer than theirs (a padding query always sees a padding key)."""
-    todo = sorted((r for r in todo if len(r[1]) > r[2]), key=lambda r: -len(r[1]))
-    while todo:
-        group, q, k, rest = [todo[0]], len(todo[0][1]) - todo[0][2], len(todo[0][1]), []
-        for r in todo[1:]:
-            q2, k2 = q + len(r[1]) - r[2], k + len(r[1])
-            if q2 <= shapes.packed_most and k2 <= most_keys and (most_pairs is None or q2 * k2 <= most_pairs):
-                group.append(r)
-                q, k = q2, k2
-            else:
-                rest.append(r)
-        todo = rest
-        q_len = shapes.packed(q)
-        yield q_len, shapes.packed(k + q_len - q), group
-
-
-def _pack_kept(group: list[tuple[int, list[int], int]], q_len: int, k_len: int, columns: int) -> list[int]:
-    """The flat buffer of a packed next-turn forward (_packed_kept_forward): for the new tokens
-    their ids, positions, slots and conversation (0, 1, ...), q_len each; for the keys (each
-    row's columns up to its last new token) their slots, columns and conversation, k_len each.
-    The padding of each side is one more conversation, in the last column of the group's
-    first slot (no fed token is ever there: see _after_prefix)."""
-    tokens, positions, slots, seq, key_slots, key_cols, key_seq = [], [], [], [], [], [], []
-    for i, (slot, t, start) in enumerate(group):
-        tokens += t[start:]
-        positions += range(start, len(t))
-        slots += [slot] * (len(t) - start)
-        seq += [i] * (len(t) - start)
-        key_slots += [slot] * len(t)
-        key_cols += range(len(t))
-        key_seq += [i] * len(t)
-    pad_q, pad_k, last, n = q_len - len(tokens), k_len - len(key_slots), columns - 1, len(group)
-    first = group[0][0]
-    return (tokens + [0] * pad_q + positions + [last] * pad_q + slots + [first] * pad_q + seq + [n] * pad_q
-            + key_slots + [first] * pad_k + key_cols + [last] * pad_k + key_seq + [n] * pad_k)
-
-
-def _kept_groups(todo: list[tuple[int, list[int], int]], shapes: _Shapes) -> Iterator[tuple[int, int, int, list]]:
-    """(rows, width, span, group) of the forwards that prefill rows (slot, tokens, start) after
-    the tokens[:start] their cache rows hold: longest rows first, so that a group's rows read
-    similar spans of cache; a group gathers at most KEPT_COLUMNS cache columns (rows times its
-    span, the longest row's length rounded up by `shapes`), feeds at most PREFILL_TOKENS tokens
-    (rows times its width, the most new tokens of a row, rounded up) and masks at most
-    KEPT_SCORES (query, column) pairs of a KV head (rows times width times span), one row at
-    least; `rows` the forward's rows (`shapes`: at least the group's)."""
-    todo = sorted((r for r in todo if len(r[1]) > r[2]), key=lambda r: len(r[1]), reverse=True)
-    while todo:
-        span = shapes.span(len(todo[0][1]))
-        n = width = 0
-        for _, tokens, start in todo:
-            wider = shapes.width(max(width, len(tokens) - start))
-            rows = shapes.rows(n + 1)
-            if n and (rows * span > KEPT_COLUMNS or rows * wider > PREFILL_TOKENS or rows * wider * span > KEPT_SCORES):
-                break
-            n, width = n + 1, wider
-        yield shapes.rows(n), width, span, todo[:n]
-        todo = todo[n:]
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:

@@ -76,7 +76,7 @@ def test_greedy_answers_equal_hf(smollm2, prompts, attention, once):
 
 def test_bucketed_prefills_give_the_same_answers(smollm2, prompts, once):
     """The prefill shapes of CUDA graphs (rows and widths rounded up to powers of two, groups
-    padded with copies of a row; data_gen/engine.py _Shapes), run eagerly: the greedy answers
+    padded with copies of a row; data_gen/engine_prefill.py Shapes), run eagerly: the greedy answers
     are hf's."""
     gen = EngineGenerator(smollm2, BackendConfig(kind="engine", batch_size=8, attention="sdpa"),
                           SamplingConfig(max_new_tokens=MAX_NEW), [IM_END], max_prompt_len=256, buckets=True)

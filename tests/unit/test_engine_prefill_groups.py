@@ -1,5 +1,5 @@
 """How the generation engine groups the rows of a prefill after kept prefixes
-(data_gen/engine.py `_kept_groups`): every row exactly once, longest rows first, and each
+(data_gen/engine_prefill.py `kept_groups`): every row exactly once, longest rows first, and each
 forward within its three budgets (cache columns gathered, tokens fed, masked pairs), eager or
 at the bucketed shapes of CUDA graphs (powers of two, the fresh rows' groups too), so a
 group never pads short rows out to a long row's span by the hundreds (the 2026-11-28 profile:
@@ -10,11 +10,11 @@ import random
 
 import pytest
 
-from data_gen import engine
-from data_gen.engine import (BUCKET_SPAN, BUCKET_WIDTH, KEPT_COLUMNS, KEPT_SCORES, PREFILL_TOKENS, _kept_groups,
-                             _prefill_groups, _Shapes)
+from data_gen import engine_prefill
+from data_gen.engine_prefill import (BUCKET_SPAN, BUCKET_WIDTH, KEPT_COLUMNS, KEPT_SCORES, PREFILL_TOKENS, Shapes,
+                                     kept_groups, prefill_groups)
 
-EAGER = _Shapes(False, 4096)
+EAGER = Shapes(False, 4096)
 
 
 def rows(count: int, seed: int) -> list[tuple[int, list[int], int]]:
@@ -30,7 +30,7 @@ def rows(count: int, seed: int) -> list[tuple[int, list[int], int]]:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_every_row_once_longest_first_within_the_budgets(seed):
     todo = rows(2000, seed)
-    groups = [(width, span, group) for rows, width, span, group in _kept_groups(todo, EAGER) if rows == len(group)]
+    groups = [(width, span, group) for rows, width, span, group in kept_groups(todo, EAGER) if rows == len(group)]
     seen = [slot for _, _, group in groups for slot, _, _ in group]
     assert sorted(seen) == list(range(2000))
     lengths = [len(tokens) for _, _, group in groups for _, tokens, _ in group]
@@ -50,14 +50,14 @@ def test_every_row_once_longest_first_within_the_budgets(seed):
 
 
 def test_a_row_over_every_budget_goes_alone_and_the_span_stays_in_the_cache(monkeypatch):
-    monkeypatch.setattr(engine, "KEPT_COLUMNS", 100)
-    (rows, width, span, group), *rest = _kept_groups([(3, [1] * 1000, 10), (4, [1] * 20, 19)], _Shapes(False, 1001))
+    monkeypatch.setattr(engine_prefill, "KEPT_COLUMNS", 100)
+    (rows, width, span, group), *rest = kept_groups([(3, [1] * 1000, 10), (4, [1] * 20, 19)], Shapes(False, 1001))
     assert (rows, width, span, [r[0] for r in group]) == (1, 990, 1001, [3])  # 1,008 rounded, cut to the cache's 1,001
     assert [(n, w, s, [r[0] for r in g]) for n, w, s, g in rest] == [(1, 1, 32, [4])]
 
 
 def test_rows_with_nothing_new_are_left_out():
-    assert list(_kept_groups([(0, [1, 2, 3], 3)], EAGER)) == []
+    assert list(kept_groups([(0, [1, 2, 3], 3)], EAGER)) == []
 
 
 def pow2(n: int) -> bool:
@@ -78,7 +78,7 @@ def test_bucketed_kept_groups_are_powers_of_two_within_the_budgets(seed):
     BUCKET_WIDTH, a span from BUCKET_SPAN), at least the group's, and the budgets hold for the
     padded shape; so few shapes come that each is captured once."""
     todo = rows(2000, seed)
-    groups = list(_kept_groups(todo, _Shapes(True, 4096)))
+    groups = list(kept_groups(todo, Shapes(True, 4096)))
     assert sorted(slot for *_, group in groups for slot, _, _ in group) == list(range(2000))
     for n, width, span, group in groups:
         assert pow2(n) and n >= len(group) > n // 2
@@ -94,10 +94,10 @@ def test_bucketed_kept_groups_are_powers_of_two_within_the_budgets(seed):
 
 def test_bucketed_shapes_stay_in_the_cache():
     """A cache of 1,000 columns (not a power of two): widths and spans are cut to it."""
-    shapes = _Shapes(True, 1000)
-    [(n, width, span, group)] = _kept_groups([(0, [1] * 990, 10), (1, [1] * 600, 590)], shapes)
+    shapes = Shapes(True, 1000)
+    [(n, width, span, group)] = kept_groups([(0, [1] * 990, 10), (1, [1] * 600, 590)], shapes)
     assert (n, width, span, [r[0] for r in group]) == (2, 1000, 1000, [0, 1])
-    [(n, width, group)] = _prefill_groups([(0, [1] * 900), (1, [1] * 20), (2, [1] * 7)], shapes)
+    [(n, width, group)] = prefill_groups([(0, [1] * 900), (1, [1] * 20), (2, [1] * 7)], shapes)
     assert (n, width, [r[0] for r in group]) == (4, 1000, [2, 1, 0])
 
 
@@ -105,7 +105,7 @@ def test_bucketed_shapes_stay_in_the_cache():
 def test_fresh_groups_every_row_once_within_the_tokens(buckets):
     rng = random.Random(2)
     todo = [(slot, [7] * rng.randint(1, 4000)) for slot in range(3000)]
-    groups = list(_prefill_groups(todo, _Shapes(buckets, 4096)))
+    groups = list(prefill_groups(todo, Shapes(buckets, 4096)))
     assert sorted(slot for *_, group in groups for slot, _ in group) == list(range(3000))
     for n, width, group in groups:
         longest = max(len(t) for _, t in group)

@@ -1,5 +1,5 @@
-"""The engine's packed prefill (backend.prefill=packed; data_gen/engine.py _packed_groups and
-_pack, data_gen/engine_attention.py packed_bounds, packed_mask, packed_attention): several
+"""The engine's packed prefill (backend.prefill=packed; data_gen/engine_prefill.py packed_groups
+and pack_fresh, data_gen/engine_attention.py packed_bounds, packed_mask, packed_attention): several
 fresh prompts in one row, each attending to itself alone. The bounds are where each prompt
 begins, then the row's end repeated (a fixed shape for a captured forward); the dense mask
 is a loop's over every (query, key) pair; the attention of a packed row equals each prompt's
@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from data_gen.config import BackendConfig
-from data_gen.engine import PACKED_MIN, PACKED_STEP, _pack, _pack_kept, _packed_groups, _packed_kept_groups, _Shapes
 from data_gen.engine_attention import (packed_attention, packed_bounds, packed_kept_attention, packed_mask,
                                        sequence_bounds)
+from data_gen.engine_prefill import (PACKED_MIN, PACKED_STEP, Shapes, pack_fresh, pack_kept, packed_groups,
+                                     packed_kept_groups)
 
 
 def starts_of(lengths: list[int], total: int) -> torch.Tensor:
@@ -73,9 +74,9 @@ def test_packed_attention_equals_each_prompt_alone(window):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_groups_pack_every_prompt_once_within_the_budget(buckets, seed):
     rng = random.Random(seed)
-    shapes = _Shapes(buckets, 8192, packed_most=4096)
+    shapes = Shapes(buckets, 8192, packed_most=4096)
     todo = [(slot, [slot] * rng.randint(0, 3000)) for slot in range(60)] + [(60, [1] * 5000)]  # one over the budget
-    groups = list(_packed_groups(todo, shapes))
+    groups = list(packed_groups(todo, shapes))
     packed = [slot for _, group in groups for slot, _ in group]
     assert sorted(packed) == sorted(slot for slot, t in todo if t), "every non-empty prompt once"
     assert groups[0][1] == [(60, [1] * 5000)], "the longest first, alone over the budget"
@@ -89,7 +90,7 @@ def test_groups_pack_every_prompt_once_within_the_budget(buckets, seed):
 
 
 def test_pack_lays_out_tokens_positions_slots_columns_and_starts():
-    rows = _pack([(3, [11, 12, 13]), (0, [21, 22])], length=8, columns=100)
+    rows = pack_fresh([(3, [11, 12, 13]), (0, [21, 22])], length=8, columns=100)
     assert rows == [[11, 12, 13, 21, 22, 0, 0, 0],
                     [0, 1, 2, 0, 1, 0, 0, 0],
                     [3, 3, 3, 0, 0, 3, 3, 3],
@@ -125,10 +126,10 @@ def test_kept_groups_pack_every_next_turn_once_within_the_budgets():
     keys (each row's tokens) within their budgets and their product within the dense budget, a
     row over them alone; the keys' bucket leaves at least the new tokens' padding for padding."""
     rng = random.Random(0)
-    shapes = _Shapes(True, 8192, packed_most=2048)
+    shapes = Shapes(True, 8192, packed_most=2048)
     todo = [(slot, [1] * n, n - rng.randint(1, 300)) for slot, n in enumerate(rng.randint(301, 3000) for _ in range(40))]
     todo.append((40, [1] * 10, 10))  # nothing new: no forward
-    groups = list(_packed_kept_groups(todo, shapes, 1 << 14, 1 << 22))
+    groups = list(packed_kept_groups(todo, shapes, 1 << 14, 1 << 22))
     assert sorted(slot for _, _, g in groups for slot, _, _ in g) == list(range(40))
     for q_len, k_len, group in groups:
         q = sum(len(t) - start for _, t, start in group)
@@ -139,7 +140,7 @@ def test_kept_groups_pack_every_next_turn_once_within_the_budgets():
 
 
 def test_pack_kept_lays_out_new_tokens_then_keys():
-    flat = _pack_kept([(2, [7, 8, 9, 10], 2), (0, [5, 6, 4], 1)], q_len=6, k_len=9, columns=50)
+    flat = pack_kept([(2, [7, 8, 9, 10], 2), (0, [5, 6, 4], 1)], q_len=6, k_len=9, columns=50)
     assert flat == ([9, 10, 6, 4, 0, 0] + [2, 3, 1, 2, 49, 49] + [2, 2, 0, 0, 2, 2] + [0, 0, 1, 1, 2, 2]
                     + [2, 2, 2, 2, 0, 0, 0, 2, 2] + [0, 1, 2, 3, 0, 1, 2, 49, 49] + [0, 0, 0, 0, 1, 1, 1, 2, 2])
 
