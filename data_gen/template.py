@@ -30,7 +30,8 @@ GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 # Tokenized pieces of rendered text (between added tokens) a shaper keeps (ChatShaper._piece_ids),
-# and how many of its first `ids` calls it checks against tokenizing the text whole.
+# with their character spans, and how many of its first `ids` and `encode` calls it checks against
+# tokenizing the text whole.
 PIECE_CACHE = 1 << 16
 PIECE_CHECKS = 64
 
@@ -191,34 +192,46 @@ class ChatShaper:
             out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                      add_generation_prompt=add_generation_prompt, **self._kwargs())
             return list(out["input_ids"])
-        text = self.render(messages, add_generation_prompt)
+        return self._tokens(self.render(messages, add_generation_prompt))
+
+    def _tokens(self, text: str, offsets: bool = False):
+        """The text's ids (with `offsets`: and each token's character span, as a pair of lists),
+        by pieces while they are on; a checked call that differs turns them off."""
         if self._split is None:
-            return self._whole(text)
-        ids = self._by_pieces(text)
+            return self._whole(text, offsets)
+        got = self._by_pieces(text, offsets)
         if self._checks > 0:
             self._checks -= 1
-            whole = self._whole(text)
-            if whole != ids:
+            whole = self._whole(text, offsets)
+            if whole != got:
                 self._split = None
                 return whole
-        return ids
+        return got
 
-    def _whole(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def _whole(self, text: str, offsets: bool = False):
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=offsets)
+        ids = list(enc["input_ids"])
+        return (ids, [tuple(o) for o in enc["offset_mapping"]]) if offsets else ids
 
-    def _by_pieces(self, text: str) -> list[int]:
-        out = []
+    def _by_pieces(self, text: str, offsets: bool = False):
+        """`_whole` a piece between added tokens at a time, each piece's tokens and spans
+        tokenized once (the spans relative to the piece, shifted to where it sits)."""
+        ids, spans, at = [], [], 0
         for i, piece in enumerate(self._split.split(text)):
             if i % 2:  # an added token
-                out.append(self._added[piece])
+                ids.append(self._added[piece])
+                spans.append((at, at + len(piece)))
             elif piece:
-                ids = self._piece_ids.get(piece)
-                if ids is None:
+                got = self._piece_ids.get(piece)
+                if got is None:
                     if len(self._piece_ids) >= PIECE_CACHE:
                         self._piece_ids.clear()
-                    ids = self._piece_ids[piece] = self._whole(piece)
-                out.extend(ids)
-        return out
+                    got = self._piece_ids[piece] = self._whole(piece, offsets=True)
+                ids.extend(got[0])
+                if offsets:
+                    spans.extend((at + s, at + e) for s, e in got[1])
+            at += len(piece)
+        return (ids, spans) if offsets else ids
 
     def encode(self, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
         """(input_ids, loss_mask) of a rendered conversation; mask 1 on assistant turns."""
@@ -228,10 +241,8 @@ class ChatShaper:
                 add_generation_prompt=add_generation_prompt, **self._kwargs())
             return list(out["input_ids"]), [int(x) for x in out["assistant_masks"]]
         text = self.render(messages, add_generation_prompt)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        spans = self._learned_spans(messages, text, add_generation_prompt)
-        mask = _within(enc["offset_mapping"], spans)
-        return list(enc["input_ids"]), mask
+        ids, offsets = self._tokens(text, offsets=True)  # by pieces: a row's text is mostly its asked turns'
+        return ids, _within(offsets, self._learned_spans(messages, text, add_generation_prompt))
 
     def prompt(self, system: str | None, user_turns, answers: list[list[int]],
                texts: list[str] | None = None) -> tuple[list[int], list[int]]:

@@ -188,9 +188,17 @@ def test_asked_turns_tokenized_by_pieces_equal_the_whole_texts(smollm2_tokenizer
         for k in range(len(users)):
             text = sh.render(sh.messages(system, users[:k + 1], texts), add_generation_prompt=True)
             assert sh.prompt_ids(system, users, texts) == sh._whole(text)
+            # a row's mask: its tokens' character spans by pieces are the whole text's too
+            assert sh._by_pieces(text, offsets=True) == sh._whole(text, offsets=True)
             asked += 1
             texts.append([" Sure. ", "", "<|im_end|> x", "line\n\n"][k % 4] + users[k][:40])
     assert asked >= 80 and len(sh._piece_ids) > 0 and sh._split is not None
+    whole = shaper(tok)
+    whole._split = None
+    for system, users in [c for c in convs if len(c[1]) > 1][-6:]:
+        answers = [tok(f" Answer {k}. ", add_special_tokens=False)["input_ids"] for k in range(len(users) - 1)]
+        row = sh.prompt(system, users, answers)
+        assert row == whole.prompt(system, users, answers) and sum(row[1]) > 0
 
 
 def test_pieces_that_differ_from_the_whole_text_are_turned_off(smollm2_tokenizer, monkeypatch):
@@ -198,7 +206,7 @@ def test_pieces_that_differ_from_the_whole_text_are_turned_off(smollm2_tokenizer
     and turns the pieces off for good."""
     sh = shaper(smollm2_tokenizer)
     assert sh._checks > 0
-    monkeypatch.setattr(sh, "_by_pieces", lambda text: [0])
+    monkeypatch.setattr(sh, "_by_pieces", lambda text, offsets=False: [0])
     whole = sh._whole(sh.render(chat("Hi"), add_generation_prompt=True))
     assert sh.prompt_ids(None, ["Hi"], []) == whole and sh._split is None
     assert sh.prompt_ids(None, ["Hi"], []) == whole
@@ -206,7 +214,7 @@ def test_pieces_that_differ_from_the_whole_text_are_turned_off(smollm2_tokenizer
 
 def test_turn_host_cost_benchmark_asks_the_same_prompts_both_ways(capsys):
     """benchmarks/turn_host_cost.py on a few ShareGPT conversations: a row each way, and every
-    prompt asked by pieces is the whole text's."""
+    prompt asked by pieces is the whole text's, every row's prompt and loss mask too."""
     from benchmarks.turn_host_cost import main
 
     main(["--conversations", "6", "--answer-tokens", "20"])
@@ -215,3 +223,4 @@ def test_turn_host_cost_benchmark_asks_the_same_prompts_both_ways(capsys):
     assert [line.split()[0] for line in out[2:4]] == ["whole", "pieces"]
     asked = int(out[4].split()[-1].split("/")[1])
     assert out[4] == f"prompts the same both ways: {asked}/{asked}" and asked >= 6
+    assert out[5] == "rows (prompt and loss mask) the same both ways: 6/6"
