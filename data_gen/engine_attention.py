@@ -100,8 +100,15 @@ def packed_bounds(starts: torch.Tensor, sequences: int) -> torch.Tensor:
 def packed_mask(starts: torch.Tensor, window: int | None) -> torch.Tensor:
     """(T, T) bool: query t sees the keys of its own prompt up to itself (within `window`)."""
     t = torch.arange(len(starts), device=starts.device)
-    seen = (starts[:, None] == starts[None, :]) & (t[None, :] <= t[:, None])
-    return seen & (t[None, :] > t[:, None] - window) if window is not None else seen
+    return sequence_mask(starts, starts, t, t, window)
+
+
+def sequence_mask(q_seq: torch.Tensor, k_seq: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                  window: int | None) -> torch.Tensor:
+    """(T, Tk) bool, the dense mask of packed rows: query t sees the keys of its own sequence
+    (`q_seq`, `k_seq`) at positions up to its own (`q_pos`, `k_pos`), within `window`."""
+    seen = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    return seen & (k_pos[None, :] > q_pos[:, None] - window) if window is not None else seen
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, bounds: torch.Tensor,
@@ -151,10 +158,7 @@ def packed_kept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_s
         return out.transpose(0, 1)[None]
     mask = masks.get(window)
     if mask is None:
-        mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-        if window is not None:
-            mask &= k_pos[None, :] > q_pos[:, None] - window
-        masks[window] = mask
+        mask = masks[window] = sequence_mask(q_seq, k_seq, q_pos, k_pos, window)
     return F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
                                           scale=scale, enable_gqa=True)
 
