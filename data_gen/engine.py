@@ -234,8 +234,16 @@ class GenerationEngine:
         if compile is None:  # auto: where it was measured (issue 39's job, one H200: 36.5K tokens/s against 29.2K)
             compile = self.device.type == "cuda" and self.attention == "flex"
         # The decode step, compiled (inside its CUDA graph on a GPU: fused kernels rather than
-        # the ~60 an eager layer issues; engines of one shape share the compiled code), or as it is.
-        self._step = torch.compile(self._decode, dynamic=False, fullgraph=True) if compile else self._decode
+        # the ~60 an eager layer issues), or as it is. Compiled in two parts, the forward and the
+        # token choice: the forward's code depends on the cache's shape alone, so engines of one
+        # cache shape share it whatever they sample (the magpie writer's and the answers',
+        # data_gen/pipeline.py Generators.build); compiled whole, each engine's step took 33-44 s
+        # on a machine's first run (one H200, benchmarks/engine_compile_cost.py).
+        self._compiled = None
+        if compile:
+            self._compiled = (torch.compile(self._logits, dynamic=False, fullgraph=True),
+                              torch.compile(self._choose, dynamic=False, fullgraph=True))
+        self._step = self._decode_compiled if compile else self._decode
         self.model = _private_model(target.model)
         self.sampling = sampling
         self.batch_size, self.max_new = batch_size, sampling.max_new_tokens
@@ -304,10 +312,21 @@ class GenerationEngine:
 
     def _decode(self, width: int) -> None:
         """One decode step of every slot, in place, without a host sync."""
+        self._choose(self._logits(width))
+
+    def _decode_compiled(self, width: int) -> None:
+        logits, choose = self._compiled
+        choose(logits(width))
+
+    def _logits(self, width: int) -> torch.Tensor:
+        """The step's forward: each slot's next-token logits (B, V), its keys/values written."""
         step = _Step(self.cache_k, self.cache_v, pos=self.pos, live=~self.done, width=width,
                      attention=self.attention, masks={})
-        logits = self.model(input_ids=self.tokens[:, None], position_ids=self.pos[:, None], use_cache=False,
-                            **{STEP_KWARG: step}).logits[:, -1]  # (B, V)
+        return self.model(input_ids=self.tokens[:, None], position_ids=self.pos[:, None], use_cache=False,
+                          **{STEP_KWARG: step}).logits[:, -1]
+
+    def _choose(self, logits: torch.Tensor) -> None:
+        """The step's token choice and bookkeeping, from its logits (B, V)."""
         s = self.sampling
         if s.greedy:
             nxt = logits.argmax(-1)

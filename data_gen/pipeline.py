@@ -144,11 +144,18 @@ class Generators:
         self.budget = budget
 
     def build(self, sampling: SamplingConfig, shaper: ChatShaper, stop_ids: list[int] | None = None):
-        """A generator of `sampling` that stops at `stop_ids` (None: the end of an answer)."""
+        """A generator of `sampling` that stops at `stop_ids` (None: the end of an answer).
+
+        Every engine of a run holds rows of one length, max_prompt_len and the most new tokens
+        any of them writes (the answers' or a magpie source's): the engine's compiled decode
+        forward depends on that shape alone, so the magpie writer's and the answers' share it
+        (data_gen/engine.py; each compiled on its own, 33 s more on a machine's first run)."""
         cfg = self.cfg
+        most_new = max([cfg.sampling.max_new_tokens] + [s.max_tokens for s in cfg.sources if s.kind == "magpie"])
+        rows = cfg.max_prompt_len + most_new - sampling.max_new_tokens  # the engine adds sampling.max_new_tokens
         gen = build_generator(cfg.backend, sampling, cfg.target.name, stop_ids or shaper.stop_ids,
                               pad_token_id(self.tokenizer, shaper), self.tokenizer, self.local_rank, cfg.target.dtype,
-                              cfg.cache_dir, self.target, cfg.max_prompt_len)
+                              cfg.cache_dir, self.target, rows)
         self.target = getattr(gen, "target", self.target)
         if self.budget is not None:
             self.budget.start()

@@ -147,3 +147,18 @@ def test_side_by_side_script_runs_a_quality_run_into_its_table(tmp_path):
     with tarfile.open(tmp_path / "out" / "results.tgz") as archive:
         names = archive.getnames()
     assert {"./dflash-1/quality.json", "./dflash-1/eval_results.json", "./dflash-1/dflash-1.log"} <= set(names)
+
+
+@SCRIPTS
+def test_engine_compile_cost_counts_what_each_engine_compiles():
+    """benchmarks/engine_compile_cost.py on CPU (a tiny model, empty caches): the answering engine
+    compiles its forward and its token choice, the magpie writer in rows as long only its own
+    choice, a second answering engine nothing, the magpie writer in rows of its own a forward."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.engine_compile_cost", "--device", "cpu", "--tiny",
+                           "--slots", "4", "--max-prompt-len", "64", "--cold"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[:3] == ["engine", "temperature", "max_new"] and "caches cold" in lines[0]
+    graphs = {line[:18].strip(): int(line[18:].split()[4]) for line in lines[1:5]}
+    assert graphs == {"answer": 2, "magpie": 1, "answer again": 0, "magpie, own rows": 1}, lines

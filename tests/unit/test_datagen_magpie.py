@@ -222,3 +222,25 @@ def test_a_chunk_writes_what_the_missing_prompts_need_and_no_more(tmp_path, smol
     assert writer._size(4096, 10) == 11
     assert writer._size(4096, 1) == 2
     assert writer._size(19_900, 904) == 100  # the source's max_candidates (20,000) caps it
+
+
+@pytest.mark.parametrize("max_tokens, answer_tokens", [(24, 1024), (300, 200)])
+def test_the_magpie_writer_and_the_answers_get_engine_rows_of_one_length(tmp_path, monkeypatch, max_tokens,
+                                                                         answer_tokens):
+    """Every generator of a run is built for cache rows of max_prompt_len plus the most new tokens
+    any of them writes (the answers' or a magpie source's), so that the engine's compiled decode
+    forward, which depends on that shape alone, is compiled once for both."""
+    from data_gen import pipeline
+    from data_gen.config import SamplingConfig
+
+    built = []  # (new tokens, the max_prompt_len the engine is built with) of each generator
+    monkeypatch.setattr(pipeline, "build_generator", lambda *a: built.append((a[1].max_new_tokens, a[-1])))
+    cfg = config(tmp_path, 4, sources=[{"kind": "magpie", "num_prompts": 4, "max_tokens": max_tokens},
+                                       {"kind": "sharegpt", "num_prompts": 4}],
+                 sampling={"max_new_tokens": answer_tokens})
+    shaper = type("Shaper", (), {"stop_ids": [2]})()
+    generators = pipeline.Generators(cfg, type("Tok", (), {"pad_token_id": 0})())
+    generators.build(SamplingConfig(max_new_tokens=max_tokens, temperature=1.0), shaper)
+    generators.build(cfg.sampling, shaper)
+    most = max(max_tokens, answer_tokens)
+    assert built == [(max_tokens, 64 + most - max_tokens), (answer_tokens, 64 + most - answer_tokens)]

@@ -100,3 +100,34 @@ def test_a_step_that_does_not_compile_decodes_eagerly(target, monkeypatch):
                                          r"eagerly"):
         e._capture_all()
     assert e.graphs == {COLUMNS: "graph of 2"} and ran == [COLUMNS] and e._step == e._decode
+
+
+def test_engines_of_one_cache_shape_share_the_compiled_forward(target):
+    """The step compiles in two parts, the forward and the token choice: a second engine whose
+    cache rows are as long compiles only its own token choice, whatever it samples (the magpie
+    writer beside the answers: a machine's first run compiled each whole step in 33-44 s on an
+    H200), and gives the answers of its eager step."""
+    from torch._dynamo.utils import counters
+
+    def compiled() -> tuple[int, int]:  # graphs, and the operators dynamo put in them
+        return counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]
+
+    def since(start: tuple[int, int]) -> tuple[int, int]:
+        return tuple(a - b for a, b in zip(compiled(), start))
+
+    torch._dynamo.reset()  # what earlier tests compiled is compiled again here
+    start = compiled()
+    greedy = answers(target, True)
+    graphs, step_ops = since(start)
+    assert graphs == 2, "the first engine: its forward and its token choice"
+    start = compiled()
+    sampled = answers(target, True, temperature=0.9, top_p=0.8)
+    graphs, choice_ops = since(start)
+    assert graphs == 1 and choice_ops < step_ops / 2, "the sampled engine compiled its token choice alone"
+    assert sampled == answers(target, False, temperature=0.9, top_p=0.8) and greedy == answers(target, False)
+    start = compiled()
+    e = GenerationEngine(target, SLOTS, COLUMNS + 16, SamplingConfig(max_new_tokens=MAX_NEW), [STOP],
+                         cuda_graphs=False, attention="flex", compile=True)
+    e.submit(0, [5, 6, 7])
+    # longer rows: a forward of their own (the greedy choice is the first engine's)
+    assert len(list(e.drain())) == 1 and since(start)[0] == 1
