@@ -315,6 +315,7 @@ class GenerationEngine:
         self._choose(self._logits(width))
 
     def _decode_compiled(self, width: int) -> None:
+        """`_decode` of the compiled parts (backend.compile)."""
         logits, choose = self._compiled
         choose(logits(width))
 
