@@ -36,7 +36,8 @@ def format_summary(result: RunResult) -> str:
              f"  {'generated this run':<28}{result.generated_tokens:>10}  "
              f"({result.tokens_per_s:.1f} tok/s over {result.elapsed_s:.1f} s)",
              f"  {'seconds of this process':<28}prompts ready after {result.prompts_s:.1f} (magpie writing "
-             f"included), answering generator built in {result.build_s:.1f} (of the {result.elapsed_s:.1f})"]
+             f"included), answering generator built in {result.build_s:.1f}, shards written in "
+             f"{result.write_s:.1f} (of the {result.elapsed_s:.1f})"]
     for reason, n in sorted(c["finish_reasons"].items()):
         lines.append(f"  {'finish_reason=' + reason:<28}{n:>10}")
     if c["retokenized"]:

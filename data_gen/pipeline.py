@@ -64,8 +64,10 @@ class RunResult:
     unstarted: int = 0  # prompts never answered because of the budget
     # This rank's seconds from the start of run() to its prompts (sources read, magpie prompts
     # written) and, of elapsed_s, to its answering generator built (target loaded, engine set up)
+    # and writing its shards (while the engine decodes nothing new: its host is writing)
     prompts_s: float = 0.0
     build_s: float = 0.0
+    write_s: float = 0.0
 
 
 class Budget:
@@ -308,9 +310,9 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
             if not finished and data_format.read_shard_meta(out, k) is None}
     budget = generators.budget
     _barrier(world)  # every rank has read budget.json before rank 0 writes it again
-    started, generated, build_s = time.perf_counter(), 0, 0.0
+    started, generated, build_s, write_s = time.perf_counter(), 0, 0.0, 0.0
     if mine and (budget is None or not past(budget.deadline)):
-        generated, build_s = _generate(cfg, shaper, generators, mine, out, rank, budget, progress)
+        generated, build_s, write_s = _generate(cfg, shaper, generators, mine, out, rank, budget, progress)
     elapsed = time.perf_counter() - started
     _barrier(world)
     metas = [data_format.read_shard_meta(out, k) for k in range(num_shards)]
@@ -337,16 +339,17 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
         reached, unstarted = recorded.get("reached", False), recorded.get("prompts_unstarted", 0)
     _barrier(world)
     return RunResult(str(out), counts, generated / elapsed if elapsed > 0 else 0.0, generated, elapsed, complete,
-                     reached, unstarted if reached else 0, prompts_s, build_s)
+                     reached, unstarted if reached else 0, prompts_s, build_s, write_s)
 
 
 def _generate(cfg: DatagenConfig, shaper: ChatShaper, generators: Generators, mine: dict, out: Path, rank: int,
               budget: Budget | None, progress: bool) -> int:
     """Answer this rank's shards, committing each as it completes (or as the budget ends
-    it); the generated token count and the seconds building the generator took."""
+    it); the generated token count, the seconds building the generator took and those writing
+    the shards."""
     began = time.perf_counter()
     generator = generators.build(cfg.sampling, shaper)  # starts the budget, unless magpie writing did
-    started, generated = time.perf_counter(), 0
+    started, generated, write_s = time.perf_counter(), 0, 0.0
     bar = tqdm(total=sum(map(len, mine.values())), unit="prompt", disable=not progress or rank != 0,
                desc=f"rank {rank}")
     try:
@@ -354,7 +357,9 @@ def _generate(cfg: DatagenConfig, shaper: ChatShaper, generators: Generators, mi
                                              None if budget is None else budget.deadline):
             if budget is not None:  # first: a kill between the two then counts the seconds
                 budget.save()
+            writing = time.perf_counter()
             data_format.write_shard(out, k, rows, {**meta, "rank": rank})
+            write_s += time.perf_counter() - writing
             generated += meta["generated_tokens"]
             bar.update(len(mine[k]))
             bar.set_postfix_str(f"{generated / (time.perf_counter() - started):.1f} tok/s")
@@ -362,7 +367,7 @@ def _generate(cfg: DatagenConfig, shaper: ChatShaper, generators: Generators, mi
         bar.close()  # ends the bar's line, so an error message starts on its own
         if budget is not None:
             budget.save()
-    return generated, started - began
+    return generated, started - began, write_s
 
 
 def _backend_settings(cfg: DatagenConfig) -> dict:

@@ -69,6 +69,9 @@ def test_rows_equal_target_generate(hf_run, smollm2, smollm2_tokenizer):
     cfg, result, data = hf_run
     _, _, _, shaper, prompts, _ = setup(cfg, smollm2_tokenizer)
     assert data["prompt_id"] == [p.prompt_id for p in prompts] and result.complete
+    from data_gen.cli import format_summary  # the seconds its shards took to write, in its summary
+    assert 0 < result.write_s < result.elapsed_s
+    assert f"shards written in {result.write_s:.1f} (of the {result.elapsed_s:.1f})" in format_summary(result)
     for p, r in zip(prompts, data):
         answers = []
         for turn in range(len(p.user_turns)):
