@@ -35,19 +35,26 @@ ENGINES = (("answer", 0.0, 512, 512), ("magpie", 1.0, 256, 512), ("answer again"
 
 
 def target_model(device: str, tiny: bool, max_len: int):
+    """Qwen2.5-0.5B's structure and widths (benchmarks/engine_host_cost.py's model), or with
+    `tiny` a 2-layer model of tiny widths; random weights."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from benchmarks.engine_host_cost import tiny_qwen
     from dflash_train.model.target import TargetModel
 
-    shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=256) if tiny else
-             dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, head_dim=64, vocab_size=151936))
-    config = Qwen2Config(**shape, max_position_embeddings=max_len, tie_word_embeddings=True)
-    torch.manual_seed(0)
+    if tiny:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=max_len,
+                             tie_word_embeddings=True)
+        torch.manual_seed(0)
+        model = TargetModel(Qwen2ForCausalLM(config).eval())
+    else:
+        model = tiny_qwen(head_dim=64, intermediate=4864, vocab=151936, max_len=max_len)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return TargetModel(Qwen2ForCausalLM(config).to(device=device, dtype=dtype).eval())
+    model.model.to(device=device, dtype=dtype)
+    return model
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     from data_gen.engine import GenerationEngine
 
     target = target_model(args.device, args.tiny, args.max_prompt_len + 512)
-    print(f"{'engine':<18}{'temperature':>12}{'max_new':>9}{'rows new':>10}{'seconds':>9}{'graphs':>8}{'fx hits':>9}{'fx misses':>11}"
-          f"  caches {'cold' if args.cold else 'as found'}, {args.slots} slots, {args.device}")
+    print(f"{'engine':<18}{'temperature':>12}{'max_new':>9}{'rows new':>10}{'seconds':>9}{'graphs':>8}{'fx hits':>9}"
+          f"{'fx misses':>11}  caches {'cold' if args.cold else 'as found'}, {args.slots} slots, {args.device}")
     for name, temperature, max_new, rows_new in ENGINES:
         before = {k: sum(counters[g][k] for g in ("stats", "inductor"))
                   for k in ("unique_graphs", "fxgraph_cache_hit", "fxgraph_cache_miss")}

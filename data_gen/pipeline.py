@@ -343,7 +343,7 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
 
 
 def _generate(cfg: DatagenConfig, shaper: ChatShaper, generators: Generators, mine: dict, out: Path, rank: int,
-              budget: Budget | None, progress: bool) -> int:
+              budget: Budget | None, progress: bool) -> tuple[int, float, float]:
     """Answer this rank's shards, committing each as it completes (or as the budget ends
     it); the generated token count, the seconds building the generator took and those writing
     the shards."""

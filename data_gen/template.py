@@ -220,7 +220,8 @@ class ChatShaper:
         for i, piece in enumerate(self._split.split(text)):
             if i % 2:  # an added token
                 ids.append(self._added[piece])
-                spans.append((at, at + len(piece)))
+                if offsets:
+                    spans.append((at, at + len(piece)))
             elif piece:
                 got = self._piece_ids.get(piece)
                 if got is None:
