@@ -15,10 +15,11 @@ max_prompt_len and `rows new` tokens:
   answer again    the first settings again (a second engine of one shape in one process)
   magpie, own rows  the magpie writer in rows of its own 256 new tokens (as it was built before)
 
-    python -m benchmarks.engine_compile_cost [--cold] [--slots 512] [--max-prompt-len 3072]
+    python -m benchmarks.engine_compile_cost [--cold] [--region model|layer] [--slots 512] [--max-prompt-len 3072]
     python -m benchmarks.engine_compile_cost --device cpu --tiny --slots 4 --max-prompt-len 64
 
 --cold points inductor's and Triton's caches at a new empty folder first, as on a fresh machine.
+--region: backend.compile_region, the whole forward (model) or one decoder layer's code (layer).
 --tiny: a 2-layer model of tiny widths (the CPU smoke).
 """
 
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slots", type=int, default=512)
     p.add_argument("--max-prompt-len", type=int, default=3072)
     p.add_argument("--cold", action="store_true", help="empty inductor and Triton caches first")
+    p.add_argument("--region", choices=("model", "layer"), default="model", help="backend.compile_region")
     args = p.parse_args(argv)
     if args.cold:  # read by inductor and Triton when they first look: before torch compiles anything
         root = tempfile.mkdtemp(prefix="engine-compile-")
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
 
     target = target_model(args.device, args.tiny, args.max_prompt_len + 512)
     print(f"{'engine':<18}{'temperature':>12}{'max_new':>9}{'rows new':>10}{'seconds':>9}{'graphs':>8}{'fx hits':>9}"
-          f"{'fx misses':>11}  caches {'cold' if args.cold else 'as found'}, {args.slots} slots, {args.device}")
+          f"{'fx misses':>11}  caches {'cold' if args.cold else 'as found'}, {args.slots} slots, {args.device}, "
+          f"compile_region={args.region}")
     for name, temperature, max_new, rows_new in ENGINES:
         before = {k: sum(counters[g][k] for g in ("stats", "inductor"))
                   for k in ("unique_graphs", "fxgraph_cache_hit", "fxgraph_cache_miss")}
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         engine = GenerationEngine(target, args.slots, args.max_prompt_len + rows_new,
                                   SamplingConfig(max_new_tokens=max_new, temperature=temperature), [0],
-                                  attention="flex", compile=True)
+                                  attention="flex", compile=True, compile_region=args.region)
         engine.submit(0, [5, 6, 7, 8])
         done = list(engine.drain())
         if args.device == "cuda":

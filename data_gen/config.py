@@ -20,6 +20,9 @@ SOURCE_KINDS = ("sharegpt", "jsonl", "hf", "magpie")
 BACKEND_KINDS = ("auto", "engine", "hf", "openai")
 ENGINE_ATTENTIONS = ("auto", "sdpa", "flex")  # data_gen/engine_attention.py; auto: flex on a GPU
 ENGINE_PREFILLS = ("auto", "padded", "packed")  # backend.prefill (data_gen/engine.py); auto: packed where flash runs
+# backend.compile_region (data_gen/engine.py): what torch.compile takes whole, the decode step's forward
+# (model) or each decoder layer (layer: one graph for the stack)
+COMPILE_REGIONS = ("model", "layer")
 
 
 def engine_attention_for(device_type: str) -> str:
@@ -153,6 +156,10 @@ class BackendConfig:
     # one H200: 36.5K tokens/s against 29.2K), eager where the step does not compile (a warning
     # says so); true needs flex.
     compile: bool | None = None
+    # engine, compiled: model traces and compiles the step's whole forward; layer compiles one
+    # decoder layer's code, which every layer runs with its own weights and cache (the rest of the
+    # forward eager, inside the same CUDA graph): a graph a 24th of the size to compile.
+    compile_region: str = "model"
     # engine: how fresh prompts are prefilled. padded: groups of similar lengths, a row each,
     # right-padded (on a GPU rows and widths rounded up to powers of two); packed: one row of
     # several prompts, each attending to itself alone (on a GPU in bf16/fp16 flash attention's
@@ -178,6 +185,8 @@ class BackendConfig:
             raise ValueError(f"backend.kind={self.kind!r}: expected one of {list(BACKEND_KINDS)}")
         if self.attention not in ENGINE_ATTENTIONS:
             raise ValueError(f"backend.attention={self.attention!r}: expected one of {list(ENGINE_ATTENTIONS)}")
+        if self.compile_region not in COMPILE_REGIONS:
+            raise ValueError(f"backend.compile_region={self.compile_region!r}: expected one of {list(COMPILE_REGIONS)}")
         if self.prefill not in ENGINE_PREFILLS:
             raise ValueError(f"backend.prefill={self.prefill!r}: expected one of {list(ENGINE_PREFILLS)}")
         if self.sync_steps is not None and (type(self.sync_steps) is not int or self.sync_steps < 1):

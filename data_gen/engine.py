@@ -41,14 +41,14 @@ import math
 import warnings
 from collections import Counter, deque
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data_gen.config import ENGINE_ATTENTIONS, ENGINE_PREFILLS, BackendConfig, SamplingConfig, engine_attention_for
-from data_gen.engine_attention import (decode_attention, packed_attention, packed_bounds, packed_flash,
+from data_gen.config import COMPILE_REGIONS, ENGINE_ATTENTIONS, ENGINE_PREFILLS, BackendConfig, SamplingConfig, engine_attention_for
+from data_gen.engine_attention import (block_mask, decode_attention, packed_attention, packed_bounds, packed_flash,
                                        packed_kept_attention, sequence_bounds)
 from data_gen.engine_prefill import (PACKED_DENSE_PAIRS, PACKED_DENSE_TOKENS, PACKED_KEYS, PREFILL_TOKENS, Shapes,
                                      kept_groups, pack_fresh, pack_kept, packed_groups, packed_kept_groups, pad_rows,
@@ -91,6 +91,23 @@ class _Step:
     # next turns packed: the new tokens' slots, positions and conversations (T,) each, the keys'
     # slots, columns and conversations (Tk,) each, and the two sides' sequence_bounds
     kept_packed: tuple | None = None
+    # a decode step's one layer (backend.compile_region=layer): that layer's cache (k, v), so its
+    # compiled code never reads the layer's index, and one graph serves the whole stack
+    layer_cache: tuple | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.pos is not None
+
+
+def _layer_step(index: int, eager, compiled, *args, **kwargs):
+    """A decoder layer's forward with backend.compile_region=layer: compiled in a decode step
+    (given that layer's cache alone), eager in a prefill, whose shapes vary."""
+    step = kwargs.get(STEP_KWARG)
+    if step is None or not step.decoding:
+        return eager(*args, **kwargs)
+    kwargs[STEP_KWARG] = replace(step, layer_cache=(step.cache_k[index], step.cache_v[index]))
+    return compiled(*args, **kwargs)
 
 
 def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -101,7 +118,7 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     step: _Step = kwargs.pop(STEP_KWARG)
-    k_cache, v_cache = step.cache_k[module.layer_idx], step.cache_v[module.layer_idx]
+    k_cache, v_cache = step.layer_cache or (step.cache_k[module.layer_idx], step.cache_v[module.layer_idx])
     if step.fed is not None:
         return _after_prefix(module, query, key, value, k_cache, v_cache, step, scaling, sliding_window), None
     if step.kept_packed is not None:
@@ -180,6 +197,14 @@ def _after_prefix(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     return out.reshape(n, hq, length, d).transpose(1, 2).contiguous()  # (n, T, Hq, D)
 
 
+def _compile_layers(model: nn.Module) -> None:
+    """backend.compile_region=layer: each decoder layer's decode forward compiled (one graph
+    for the stack: the layers' code and shapes are one, their weights and caches its inputs)."""
+    for i, layer in enumerate(decoder_layers(model)):
+        eager = layer.forward
+        layer.forward = functools.partial(_layer_step, i, eager, torch.compile(eager, dynamic=False, fullgraph=True))
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
 
@@ -218,7 +243,9 @@ class GenerationEngine:
     def __init__(self, target: TargetModel, batch_size: int, max_len: int, sampling: SamplingConfig,
                  stop_ids: list[int], cuda_graphs: bool = True, sync_steps: int | None = None,
                  attention: str = "auto", buckets: bool | None = None, compile: bool | None = None,
-                 prefill: str = "auto"):
+                 prefill: str = "auto", compile_region: str = COMPILE_REGIONS[0]):
+        if compile_region not in COMPILE_REGIONS:
+            raise ValueError(f"compile_region={compile_region!r}: expected one of {list(COMPILE_REGIONS)}")
         if attention not in ENGINE_ATTENTIONS:
             raise ValueError(f"attention={attention!r}: expected one of {list(ENGINE_ATTENTIONS)}")
         if prefill not in ENGINE_PREFILLS:
@@ -239,16 +266,21 @@ class GenerationEngine:
         # cache shape share it whatever they sample (the magpie writer's and the answers',
         # data_gen/pipeline.py Generators.build); compiled whole, each engine's step took 33-44 s
         # on a machine's first run (one H200, benchmarks/engine_compile_cost.py).
+        self.model = _private_model(target.model)
         self._compiled = None
         if compile:
-            self._compiled = (torch.compile(self._logits, dynamic=False, fullgraph=True),
+            if compile_region == "layer":
+                _compile_layers(self.model)
+            self._compiled = (self._logits if compile_region == "layer" else
+                              torch.compile(self._logits, dynamic=False, fullgraph=True),
                               torch.compile(self._choose, dynamic=False, fullgraph=True))
         self._step = self._decode_compiled if compile else self._decode
-        self.model = _private_model(target.model)
         self.sampling = sampling
         self.batch_size, self.max_new = batch_size, sampling.max_new_tokens
         self.max_len = max_len
         self.layers = len(decoder_layers(self.model))
+        # the attention layers' sliding windows (None: the whole row)
+        self._windows = {getattr(m, "sliding_window", None) for m in self.model.modules() if hasattr(m, "layer_idx")}
         self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if cuda_graphs and self.device.type == "cuda" else None
         self._pool = None
         self._streams = None  # (warm-up, capture) streams, made at the first capture
@@ -321,8 +353,13 @@ class GenerationEngine:
 
     def _logits(self, width: int) -> torch.Tensor:
         """The step's forward: each slot's next-token logits (B, V), its keys/values written."""
-        step = _Step(self.cache_k, self.cache_v, pos=self.pos, live=~self.done, width=width,
-                     attention=self.attention, masks={})
+        live = ~self.done
+        masks = {}
+        if self.attention == "flex":  # each window's mask built before the layers, which all read it
+            heads, kv_heads = self.model.config.num_attention_heads, _kv_shape(self.model.config)[0]
+            masks = {w: block_mask(self.pos, live, self.max_len, heads // kv_heads, w) for w in self._windows}
+        step = _Step(self.cache_k, self.cache_v, pos=self.pos, live=live, width=width, attention=self.attention,
+                     masks=masks)
         return self.model(input_ids=self.tokens[:, None], position_ids=self.pos[:, None], use_cache=False,
                           **{STEP_KWARG: step}).logits[:, -1]
 
@@ -686,7 +723,8 @@ class EngineGenerator:
         self.target = target  # shared with a generator of other sampling settings (magpie)
         self.engine = GenerationEngine(target, cfg.batch_size, max_prompt_len + sampling.max_new_tokens, sampling,
                                        stop_ids, cfg.cuda_graphs, sync_steps=cfg.sync_steps, attention=cfg.attention,
-                                       buckets=buckets, compile=cfg.compile, prefill=cfg.prefill)
+                                       buckets=buckets, compile=cfg.compile, prefill=cfg.prefill,
+                                       compile_region=cfg.compile_region)
 
     @classmethod
     def load(cls, spec: str, cfg: BackendConfig, sampling: SamplingConfig, stop_ids: list[int],

@@ -26,9 +26,9 @@ STOP = 3
 
 
 def _engine(target, graphs: bool, batch_size: int = 4, attention: str = "sdpa", compile: bool = False,
-            prefill: str = "padded", **sampling):
+            prefill: str = "padded", region: str = "model", **sampling):
     cfg = BackendConfig(kind="engine", batch_size=batch_size, cuda_graphs=graphs, attention=attention, compile=compile,
-                        prefill=prefill)
+                        prefill=prefill, compile_region=region)
     return EngineGenerator(target, cfg, SamplingConfig(max_new_tokens=MAX_NEW, **sampling), [STOP], MAX_PROMPT,
                            buckets=True)
 
@@ -98,12 +98,14 @@ def test_prefill_graphs_in_generation_give_the_eager_answers(tiny, prompts, atte
     assert counts["eager"] >= counts["captured"], counts
 
 
+@pytest.mark.parametrize("region", ["model", "layer"])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}])
-def test_compiled_steps_in_graphs_give_the_eager_answers(tiny, prompts, sampling):
-    """backend.compile: the flex decode step compiled, then captured: the eager engine's answers
-    (float32: fused kernels round alike to the last bits at most)."""
+def test_compiled_steps_in_graphs_give_the_eager_answers(tiny, prompts, sampling, region):
+    """backend.compile: the flex decode step compiled (whole, or a layer's code for each layer),
+    then captured: the eager engine's answers (float32: fused kernels round alike to the last
+    bits at most)."""
     seeds = list(range(len(prompts)))
-    compiled = _engine(tiny, True, attention="flex", compile=True, **sampling)
+    compiled = _engine(tiny, True, attention="flex", compile=True, region=region, **sampling)
     eager = _engine(tiny, False, attention="flex", **sampling)
     assert [c.ids for c in compiled.generate(prompts, seeds)] == [c.ids for c in eager.generate(prompts, seeds)]
     assert sorted(compiled.engine.graphs) == [MAX_PROMPT + MAX_NEW]

@@ -26,18 +26,19 @@ def target():
     return TargetModel(make_tiny_target("qwen2", layers=2, vocab=50))
 
 
-def answers(target, compile: bool, **sampling) -> dict:
+def answers(target, compile: bool, region: str = "model", **sampling) -> dict:
     e = GenerationEngine(target, SLOTS, COLUMNS, SamplingConfig(max_new_tokens=MAX_NEW, **sampling), [STOP],
-                         cuda_graphs=False, attention="flex", compile=compile)
+                         cuda_graphs=False, attention="flex", compile=compile, compile_region=region)
     g = torch.Generator().manual_seed(1)
     for i in range(7):  # 7 prompts of 5-59 tokens through 4 slots: rows refill beside others
         e.submit(i, torch.randint(4, 50, (5 + 9 * i,), generator=g).tolist(), seed=i)
     return {key: (c.ids, c.finish_reason) for key, c in e.drain()}
 
 
+@pytest.mark.parametrize("region", ["model", "layer"])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_p": 0.8}])
-def test_compiled_steps_give_the_eager_answers(target, sampling):
-    eager, compiled = answers(target, False, **sampling), answers(target, True, **sampling)
+def test_compiled_steps_give_the_eager_answers(target, sampling, region):
+    eager, compiled = answers(target, False, **sampling), answers(target, True, region, **sampling)
     assert compiled == eager and len(eager) == 7
     assert {reason for _, reason in eager.values()} == {"stop", "length"}, "rows ended both ways"
 
@@ -131,3 +132,53 @@ def test_engines_of_one_cache_shape_share_the_compiled_forward(target):
     e.submit(0, [5, 6, 7])
     # longer rows: a forward of their own (the greedy choice is the first engine's)
     assert len(list(e.drain())) == 1 and since(start)[0] == 1
+
+
+def test_a_compiled_layer_serves_the_whole_stack(target):
+    """backend.compile_region=layer: dynamo traces one decoder layer's decode forward, and every
+    layer runs that graph with its own weights and cache (a target of 3 layers: one graph for
+    them, a third of the operators the whole forward's graph holds); the prefills, of varying
+    shapes, stay eager (no graph per prompt length); a second engine of the same rows compiles
+    only its token choice; the answers are the eager step's."""
+    from torch._dynamo.utils import counters
+
+    three = TargetModel(make_tiny_target("qwen2", layers=3, vocab=50))
+
+    def compiled() -> tuple[int, int]:
+        return counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]
+
+    ops = {}
+    for region in ("model", "layer"):
+        torch._dynamo.reset()
+        start = compiled()
+        greedy = answers(three, True, region)
+        graphs, ops[region] = (a - b for a, b in zip(compiled(), start))
+        assert graphs == 2, f"{region}: the forward (or its one layer) and the token choice"
+        assert greedy == answers(three, False)
+    assert ops["layer"] < ops["model"] / 2, ops
+    start = compiled()
+    sampled = answers(three, True, "layer", temperature=0.9, top_p=0.8)
+    assert compiled()[0] - start[0] == 1, "the second engine compiled its token choice alone"
+    assert sampled == answers(three, False, temperature=0.9, top_p=0.8)
+
+
+def test_a_compiled_layer_step_writes_each_layers_own_cache(target):
+    """Given its layer's cache by the step, a compiled layer writes that cache alone: after one
+    step every layer's cache holds the new position, and the layers' entries differ."""
+    e = GenerationEngine(target, SLOTS, COLUMNS, SamplingConfig(max_new_tokens=MAX_NEW), [3], cuda_graphs=False,
+                         attention="flex", compile=True, compile_region="layer")
+    e.submit(0, [5, 6, 7, 8])
+    with torch.inference_mode():
+        e._admit(None)
+        before = [c.clone() for c in e.cache_k]
+        e._step(COLUMNS)
+    assert all(not torch.equal(b[0, :, 3], a[0, :, 3]) for a, b in zip(before, e.cache_k)), "position 3 written"
+    assert not torch.equal(e.cache_k[0][0, :, 3], e.cache_k[1][0, :, 3]), "each layer its own entries"
+
+
+def test_compile_region_is_checked():
+    with pytest.raises(ValueError, match=r"backend.compile_region='layers': expected one of \['model', 'layer'\]"):
+        BackendConfig(compile_region="layers").check()
+    with pytest.raises(ValueError, match=r"compile_region='stack': expected one of \['model', 'layer'\]"):
+        GenerationEngine(TargetModel(make_tiny_target("qwen2", layers=1, vocab=50)), SLOTS, COLUMNS,
+                         SamplingConfig(max_new_tokens=2), [3], compile_region="stack")
