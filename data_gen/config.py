@@ -22,7 +22,7 @@ ENGINE_ATTENTIONS = ("auto", "sdpa", "flex")  # data_gen/engine_attention.py; au
 ENGINE_PREFILLS = ("auto", "padded", "packed")  # backend.prefill (data_gen/engine.py); auto: packed where flash runs
 # backend.compile_region (data_gen/engine.py): what torch.compile takes whole, the decode step's forward
 # (model) or each decoder layer (layer: one graph for the stack)
-COMPILE_REGIONS = ("model", "layer")
+COMPILE_REGIONS = ("layer", "model")
 
 
 def engine_attention_for(device_type: str) -> str:
@@ -159,7 +159,7 @@ class BackendConfig:
     # engine, compiled: model traces and compiles the step's whole forward; layer compiles one
     # decoder layer's code, which every layer runs with its own weights and cache (the rest of the
     # forward eager, inside the same CUDA graph): a graph a 24th of the size to compile.
-    compile_region: str = "model"
+    compile_region: str = "layer"
     # engine: how fresh prompts are prefilled. padded: groups of similar lengths, a row each,
     # right-padded (on a GPU rows and widths rounded up to powers of two); packed: one row of
     # several prompts, each attending to itself alone (on a GPU in bf16/fp16 flash attention's

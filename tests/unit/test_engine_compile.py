@@ -177,8 +177,8 @@ def test_a_compiled_layer_step_writes_each_layers_own_cache(target):
 
 
 def test_compile_region_is_checked():
-    with pytest.raises(ValueError, match=r"backend.compile_region='layers': expected one of \['model', 'layer'\]"):
+    with pytest.raises(ValueError, match=r"backend.compile_region='layers': expected one of \['layer', 'model'\]"):
         BackendConfig(compile_region="layers").check()
-    with pytest.raises(ValueError, match=r"compile_region='stack': expected one of \['model', 'layer'\]"):
+    with pytest.raises(ValueError, match=r"compile_region='stack': expected one of \['layer', 'model'\]"):
         GenerationEngine(TargetModel(make_tiny_target("qwen2", layers=1, vocab=50)), SLOTS, COLUMNS,
                          SamplingConfig(max_new_tokens=2), [3], compile_region="stack")
