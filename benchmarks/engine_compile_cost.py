@@ -15,11 +15,11 @@ max_prompt_len and `rows new` tokens:
   answer again    the first settings again (a second engine of one shape in one process)
   magpie, own rows  the magpie writer in rows of its own 256 new tokens (as it was built before)
 
-    python -m benchmarks.engine_compile_cost [--cold] [--region model|layer] [--slots 512] [--max-prompt-len 3072]
+    python -m benchmarks.engine_compile_cost [--cold] [--region layer|model] [--slots 512] [--max-prompt-len 3072]
     python -m benchmarks.engine_compile_cost --device cpu --tiny --slots 4 --max-prompt-len 64
 
 --cold points inductor's and Triton's caches at a new empty folder first, as on a fresh machine.
---region: backend.compile_region, the whole forward (model) or one decoder layer's code (layer).
+--region: backend.compile_region, one decoder layer's code (layer, the default) or the whole forward (model).
 --tiny: a 2-layer model of tiny widths (the CPU smoke).
 """
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slots", type=int, default=512)
     p.add_argument("--max-prompt-len", type=int, default=3072)
     p.add_argument("--cold", action="store_true", help="empty inductor and Triton caches first")
-    p.add_argument("--region", choices=("model", "layer"), default="model", help="backend.compile_region")
+    p.add_argument("--region", choices=("layer", "model"), default="layer", help="backend.compile_region")
     args = p.parse_args(argv)
     if args.cold:  # read by inductor and Triton when they first look: before torch compiles anything
         root = tempfile.mkdtemp(prefix="engine-compile-")

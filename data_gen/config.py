@@ -158,7 +158,8 @@ class BackendConfig:
     compile: bool | None = None
     # engine, compiled: model traces and compiles the step's whole forward; layer compiles one
     # decoder layer's code, which every layer runs with its own weights and cache (the rest of the
-    # forward eager, inside the same CUDA graph): a graph a 24th of the size to compile.
+    # forward eager, inside the same CUDA graph): a graph a 24th of the size to compile (issue
+    # 39's job on one H200: 16 s of compile cold against 48, 66.5-74.1K tokens/s against 64.5-67.6K).
     compile_region: str = "layer"
     # engine: how fresh prompts are prefilled. padded: groups of similar lengths, a row each,
     # right-padded (on a GPU rows and widths rounded up to powers of two); packed: one row of

@@ -265,7 +265,9 @@ class GenerationEngine:
         # token choice: the forward's code depends on the cache's shape alone, so engines of one
         # cache shape share it whatever they sample (the magpie writer's and the answers',
         # data_gen/pipeline.py Generators.build); compiled whole, each engine's step took 33-44 s
-        # on a machine's first run (one H200, benchmarks/engine_compile_cost.py).
+        # on a machine's first run (one H200, benchmarks/engine_compile_cost.py). The forward is
+        # compiled a decoder layer at a time (compile_region=layer: one graph for the stack,
+        # 16 s cold against 48 for the whole forward) or whole (model).
         self.model = _private_model(target.model)
         self._compiled = None
         if compile:

@@ -178,7 +178,10 @@ def decode_attention(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         mask = masks.get(window)
         if mask is None:
             mask = masks[window] = block_mask(pos, live, k.shape[2], q.shape[2], window)
-        return compiled_flex()(q, k, v, block_mask=mask, scale=scale, kernel_options=DECODE_KERNEL_OPTIONS if q.is_cuda else None)
+        # traced inside a compiled step, flex_attention itself (the cached wrapper would be inlined
+        # with a warning); eager, compiled once a process
+        flex = flex_attention if torch.compiler.is_compiling() else compiled_flex()
+        return flex(q, k, v, block_mask=mask, scale=scale, kernel_options=DECODE_KERNEL_OPTIONS if q.is_cuda else None)
     mask = masks.get(window)
     if mask is None:
         mask = masks[window] = visible(pos, width, window)[:, None, None, :]  # (B, 1, 1, width)
