@@ -182,26 +182,13 @@ def test_flash_kept_attention_equals_each_conversation_alone(window):
     """bf16: next turns packed (3 and 2 new tokens after 5 and 2 held, then padding) through flash
     attention's variable-length kernel, causal from the bottom right: each new token's attention
     over its own conversation's keys up to its position, to bf16's rounding."""
-    from data_gen.engine_attention import packed_kept_attention, sequence_bounds
+    from tests.kept_layout import KEYS, assert_each_conversation_alone
 
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
-    q_seq = torch.tensor([0] * 3 + [1] * 2 + [2] * 2, device=dev)
-    q_pos = torch.tensor([5, 6, 7, 2, 3, 49, 49], device=dev)
-    k_seq = torch.tensor([0] * 8 + [1] * 4 + [2] * 3, device=dev)
-    k_pos = torch.tensor(list(range(8)) + list(range(4)) + [49] * 3, device=dev)
     q = torch.randn(1, 14, 7, 64, device=dev, dtype=bf)
-    k, v = (torch.randn(15, 2, 64, device=dev, dtype=bf) for _ in range(2))
-    bounds = sequence_bounds(q_seq, 4), sequence_bounds(k_seq, 4)
-    out = packed_kept_attention(q, k, v, q_seq, k_seq, q_pos, k_pos, bounds, window, 0.125, {})
-    for t in range(5):
-        seen = (k_seq == q_seq[t]) & (k_pos <= q_pos[t])
-        if window is not None:
-            seen &= k_pos > q_pos[t] - window
-        keys = k[seen].float().transpose(0, 1).repeat_interleave(7, 0)
-        vals = v[seen].float().transpose(0, 1).repeat_interleave(7, 0)
-        alone = torch.nn.functional.scaled_dot_product_attention(q[0, :, t:t + 1].float(), keys, vals, scale=0.125)
-        assert torch.allclose(out[0, :, t:t + 1].float(), alone, atol=2e-2), t
+    k, v = (torch.randn(KEYS, 2, 64, device=dev, dtype=bf) for _ in range(2))
+    assert_each_conversation_alone(q, k, v, window, 0.125, atol=2e-2)
 
 
 def test_flash_packed_next_turns_in_graphs_write_the_padded_caches():

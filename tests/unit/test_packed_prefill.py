@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from data_gen.config import BackendConfig
-from data_gen.engine_attention import (packed_attention, packed_bounds, packed_kept_attention, packed_mask,
-                                       sequence_bounds)
+from data_gen.engine_attention import packed_attention, packed_bounds, packed_mask, sequence_bounds
 from data_gen.engine_prefill import (PACKED_MIN, PACKED_STEP, Shapes, pack_fresh, pack_kept, packed_groups,
                                      packed_kept_groups)
+from tests.kept_layout import KEYS, assert_each_conversation_alone, kept_layout
 
 
 def starts_of(lengths: list[int], total: int) -> torch.Tensor:
@@ -151,20 +151,8 @@ def test_kept_attention_equals_each_conversation_alone(window):
     token's attention over its own conversation's keys up to its position (SDPA, one at a
     time), within 1e-5; the bounds of the numbered sequences."""
     torch.manual_seed(0)
-    q_seq = torch.tensor([0] * 3 + [1] * 2 + [2] * 2)
-    q_pos = torch.tensor([5, 6, 7, 2, 3, 49, 49])
-    k_seq = torch.tensor([0] * 8 + [1] * 4 + [2] * 3)
-    k_pos = torch.tensor(list(range(8)) + list(range(4)) + [49] * 3)
-    q = torch.randn(1, 6, 7, 16)
-    k, v = torch.randn(15, 2, 16), torch.randn(15, 2, 16)
-    bounds = sequence_bounds(q_seq, 4), sequence_bounds(k_seq, 4)
-    out = packed_kept_attention(q, k, v, q_seq, k_seq, q_pos, k_pos, bounds, window, 0.25, {})
-    for t in range(5):
-        seen = (k_seq == q_seq[t]) & (k_pos <= q_pos[t])
-        if window is not None:
-            seen &= k_pos > q_pos[t] - window
-        keys, vals = k[seen].transpose(0, 1).repeat_interleave(3, 0), v[seen].transpose(0, 1).repeat_interleave(3, 0)
-        alone = F.scaled_dot_product_attention(q[0, :, t:t + 1], keys, vals, scale=0.25)
-        assert torch.allclose(out[0, :, t:t + 1], alone, atol=1e-5), t
+    q, k, v = torch.randn(1, 6, 7, 16), torch.randn(KEYS, 2, 16), torch.randn(KEYS, 2, 16)
+    assert_each_conversation_alone(q, k, v, window, 0.25, atol=1e-5)
+    q_seq, _, k_seq, _ = kept_layout()
     assert sequence_bounds(q_seq, 4).tolist() == [0, 3, 5, 7, 7]
     assert sequence_bounds(k_seq, 4).tolist() == [0, 8, 12, 15, 15]
