@@ -1,7 +1,8 @@
 """Generation speed of dflash-datagen's in-process generators, side by side on the same
 prompts, batch size and answer length: `hf` (model.generate, left-padded batches), `engine`
 (data_gen/engine.py, SDPA decode attention; `engine-flex` with backend.attention=flex,
-`engine-flex-compiled` with its decode step compiled too (backend.compile); `engine-eager`
+`engine-flex-compiled` with its decode step compiled too (backend.compile, a decoder layer at a
+time; `engine-flex-compiled-model` the whole forward, backend.compile_region=model); `engine-eager`
 without CUDA graphs; a kind ending in `-packed` with the fresh prompts packed in rows,
 backend.prefill=packed) and optionally `hf-static` (generate with transformers'
 static cache, which transformers compiles on a GPU). Prints generated tokens/s, the GPU's idle
@@ -53,7 +54,7 @@ from data_gen.turns import generate_shards
 from dflash_train.model.target import load_target, load_tokenizer
 
 KINDS = ("hf", "engine", "engine-flex", "engine-flex-compiled", "engine-eager", "hf-static", "engine-packed",
-         "engine-flex-packed", "engine-flex-compiled-packed")
+         "engine-flex-packed", "engine-flex-compiled-packed", "engine-flex-compiled-model-packed")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -124,6 +125,7 @@ def build(kind: str, target, args, stop_ids: list[int], pad_id: int):
                         cuda_graphs=kind != "engine-eager", attention="flex" if "flex" in kind else "sdpa",
                         sync_steps=args.sync_steps if kind.startswith("engine") else None,
                         compile=kind.startswith("engine-flex-compiled"),
+                        compile_region="model" if "-compiled-model" in kind else "layer",
                         prefill="packed" if kind.endswith("-packed") else "padded")
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     if cfg.kind == "engine":
