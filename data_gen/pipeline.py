@@ -185,7 +185,7 @@ def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = No
 
     def fits(p: SourcePrompt) -> tuple[str, str] | None:
         try:
-            ids, _ = shaper.prompt(p.system, p.user_turns, [])
+            ids = shaper.prompt_ids(p.system, p.user_turns, [])  # its length alone: no loss mask
         except Exception as e:  # a template raising (jinja `raise_exception`, odd roles): skip it
             return "template_error", f"{p.source} {p.prompt_id}: {type(e).__name__}: {e}"
         if len(ids) > cfg.max_prompt_len:
