@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data_gen.config import COMPILE_REGIONS, ENGINE_ATTENTIONS, ENGINE_PREFILLS, BackendConfig, SamplingConfig, engine_attention_for
+from data_gen.config import (COMPILE_REGIONS, ENGINE_ATTENTIONS, ENGINE_PREFILLS, BackendConfig, SamplingConfig,
+                             engine_attention_for)
 from data_gen.engine_attention import (block_mask, decode_attention, packed_attention, packed_bounds, packed_flash,
                                        packed_kept_attention, sequence_bounds)
 from data_gen.engine_prefill import (PACKED_DENSE_PAIRS, PACKED_DENSE_TOKENS, PACKED_KEYS, PREFILL_TOKENS, Shapes,
@@ -197,12 +198,14 @@ def _after_prefix(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     return out.reshape(n, hq, length, d).transpose(1, 2).contiguous()  # (n, T, Hq, D)
 
 
-def _compile_layers(model: nn.Module) -> None:
+def _compile_layers(model: nn.Module) -> list[tuple[nn.Module, object]]:
     """backend.compile_region=layer: each decoder layer's decode forward compiled (one graph
-    for the stack: the layers' code and shapes are one, their weights and caches its inputs)."""
-    for i, layer in enumerate(decoder_layers(model)):
-        eager = layer.forward
-        layer.forward = functools.partial(_layer_step, i, eager, torch.compile(eager, dynamic=False, fullgraph=True))
+    for the stack: the layers' code and shapes are one, their weights and caches its inputs).
+    Returns each layer with its eager forward, to put back if the step does not compile."""
+    eager = [(layer, layer.forward) for layer in decoder_layers(model)]
+    for i, (layer, forward) in enumerate(eager):
+        layer.forward = functools.partial(_layer_step, i, forward, torch.compile(forward, dynamic=False, fullgraph=True))
+    return eager
 
 
 def _register_attention() -> None:
@@ -270,9 +273,10 @@ class GenerationEngine:
         # 16 s cold against 48 for the whole forward) or whole (model).
         self.model = _private_model(target.model)
         self._compiled = None
+        self._eager_layers = []  # (layer, its eager forward) while the layers are compiled
         if compile:
             if compile_region == "layer":
-                _compile_layers(self.model)
+                self._eager_layers = _compile_layers(self.model)
             self._compiled = (self._logits if compile_region == "layer" else
                               torch.compile(self._logits, dynamic=False, fullgraph=True),
                               torch.compile(self._choose, dynamic=False, fullgraph=True))
@@ -431,6 +435,8 @@ class GenerationEngine:
                               f"{str(e).splitlines()[0] if str(e) else ''}); it runs eagerly (backend.compile=false "
                               "says so up front)", stacklevel=2)
                 self._step = self._decode
+                for layer, forward in self._eager_layers:
+                    layer.forward = forward
                 self.graphs[width] = self._capture(functools.partial(self._step, width), warmups=2)
 
     def _run_steps(self, width: int, steps: int) -> None:

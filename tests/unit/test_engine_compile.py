@@ -182,3 +182,28 @@ def test_compile_region_is_checked():
     with pytest.raises(ValueError, match=r"compile_region='stack': expected one of \['layer', 'model'\]"):
         GenerationEngine(TargetModel(make_tiny_target("qwen2", layers=1, vocab=50)), SLOTS, COLUMNS,
                          SamplingConfig(max_new_tokens=2), [3], compile_region="stack")
+
+
+def test_layers_that_do_not_compile_decode_eagerly(target, monkeypatch):
+    """backend.compile_region=layer where torch.compile fails (a target dynamo cannot take): the
+    warning, then the eager layers put back, so the step runs and gives the eager answers. The
+    capture is simulated as above."""
+    def broken_compile(fn, **options):
+        def fails(*args, **kwargs):
+            raise RuntimeError("Unsupported: a graph break")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    e = GenerationEngine(target, SLOTS, COLUMNS, SamplingConfig(max_new_tokens=MAX_NEW), [STOP], cuda_graphs=False,
+                         attention="flex", compile=True, compile_region="layer")
+    monkeypatch.setattr(e, "_capture", lambda run, warmups: (run(), "graph")[1])
+    e.graphs = {}
+    with pytest.warns(UserWarning, match=r"did not compile \(RuntimeError: Unsupported: a graph break\)"), \
+            torch.inference_mode():
+        e._capture_all()
+    assert e._step == e._decode
+    e.graphs = None
+    g = torch.Generator().manual_seed(1)
+    for i in range(7):
+        e.submit(i, torch.randint(4, 50, (5 + 9 * i,), generator=g).tolist(), seed=i)
+    assert {key: (c.ids, c.finish_reason) for key, c in e.drain()} == answers(target, False)
