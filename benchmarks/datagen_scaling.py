@@ -30,10 +30,12 @@ from dflash_train.data.format import load_generated, read_manifest, read_shard_m
 GPUS = (1, 2)
 # the summary line each rank prints (data_gen/cli.py format_summary)
 SUMMARY = re.compile(r"generated this run\s+(\d+)\s+\([\d.]+ tok/s over ([\d.]+) s\)")
-# and the line after it: the rank's seconds to its prompts, to its answering generator and
-# writing its shards (a summary before 67c9023 has no such seconds)
-PHASES = re.compile(r"prompts ready after ([\d.]+) .*?answering generator built in ([\d.]+)"
-                    r"(?:, shards written in ([\d.]+))?")
+# and the line after it: the rank's seconds to its prompts (of them writing magpie prompts), to
+# its answering generator, writing its shards, and loading the target (a summary before 67c9023
+# has no shard seconds, one before 84bdf06 no magpie or load seconds)
+PHASES = re.compile(r"prompts ready after ([\d.]+) (?:\(magpie prompts written in ([\d.]+)\))?.*?"
+                    r"answering generator built in ([\d.]+)(?:, shards written in ([\d.]+))?"
+                    r"(?: \(of the [\d.]+\), the target loaded in ([\d.]+))?")
 TARGET_SPEEDUP = 1.9  # issue 39 item 4: two GPUs at least 1.9x one GPU's tokens/s
 
 
@@ -45,7 +47,8 @@ class Run:
     generated: int
     wall_s: float
     rank_s: list[float]  # each rank's answering seconds, as its summary printed them
-    phases: list[tuple]  # each rank's (prompts ready, generator built, shards written or None) seconds
+    phases: list[tuple]  # each rank's (prompts ready, magpie, generator built, shards written, target loaded)
+    # seconds (None: not in its summary)
     shard_ids: list[str]  # the prompt ids of every shard, in shard order
     shards_by_rank: dict[int, int]
     input_ids: dict[str, list[int]]  # a row's input_ids by its prompt_id
@@ -85,7 +88,7 @@ def read_run(root: Path, gpus: int) -> Run:
     wall = float((root / f"gpus-{gpus}.t1").read_text()) - float((root / f"gpus-{gpus}.t0").read_text())
     log = (root / f"gpus-{gpus}.log").read_text(errors="replace")
     rank_s = [float(s) for _, s in SUMMARY.findall(log)]
-    phases = [(float(a), float(b), float(c) if c else None) for a, b, c in PHASES.findall(log)]
+    phases = [tuple(float(x) if x else None for x in found) for found in PHASES.findall(log)]
     return Run(gpus, manifest["counts"]["prompts"], manifest["counts"]["rows"],
                sum(m["generated_tokens"] for m in metas), wall, rank_s, phases,
                [p for m in metas for p in m["prompt_ids"]], dict(sorted(Counter(m["rank"] for m in metas).items())),
@@ -118,8 +121,11 @@ def table(root: Path) -> tuple[list[str], bool, bool]:
     lines.append("")
     for r in runs.values():
         ranks = ", ".join(f"rank {k} {v}" for k, v in r.shards_by_rank.items())
-        phases = "; ".join(f"prompts ready after {a:.1f} s, generator built in {b:.1f} s"
-                           + ("" if c is None else f", shards written in {c:.1f} s") for a, b, c in r.phases)
+        phases = "; ".join(f"prompts ready after {ready:.1f} s" + ("" if magpie is None else f" (magpie {magpie:.1f} s)")
+                           + f", generator built in {built:.1f} s"
+                           + ("" if written is None else f", shards written in {written:.1f} s")
+                           + ("" if load is None else f", target loaded in {load:.1f} s")
+                           for ready, magpie, built, written, load in r.phases)
         lines.append(f"{r.gpus} GPU(s): ranks' answer seconds {', '.join(f'{s:.1f}' for s in r.rank_s)}; "
                      f"shards by rank: {ranks}" + (f"; by process: {phases}" if phases else ""))
     two = runs.get(2)

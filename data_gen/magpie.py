@@ -129,6 +129,7 @@ class MagpieWriter:
                          "target_weights": identity["weights"], "stop_token_ids": self.stop_ids}
         self._sampler = None
         self.read: list[dict] = []  # the candidates handed on or dropped, in order
+        self.seconds = 0.0  # writing candidates (the first call's compile and capture included)
 
     def _check_settings(self) -> None:
         path = self.folder / "settings.json"
@@ -193,6 +194,7 @@ class MagpieWriter:
                                              None if self.budget is None else self.budget.deadline, progress)
         finally:
             bar.close()
+            self.seconds += time.perf_counter() - began
         failed = [r.detail for r in results if isinstance(r, Failure)]
         if failed:
             raise GeneratorUnavailable(f"magpie source {self.src.name!r}: {len(failed)} prompts failed, "

@@ -68,6 +68,10 @@ class RunResult:
     prompts_s: float = 0.0
     build_s: float = 0.0
     write_s: float = 0.0
+    # Loading the target (in prompts_s where a magpie writer's generator loaded it, else in
+    # build_s) and, of prompts_s, writing magpie candidates (the first call's compile included)
+    load_s: float = 0.0
+    magpie_s: float = 0.0
 
 
 class Budget:
@@ -144,6 +148,8 @@ class Generators:
     def __init__(self, cfg: DatagenConfig, tokenizer, local_rank: int = 0, target=None, budget=None):
         self.cfg, self.tokenizer, self.local_rank, self.target = cfg, tokenizer, local_rank, target
         self.budget = budget
+        self.load_s = 0.0  # seconds loading the target (the build that had none)
+        self.magpie_s = 0.0  # seconds the magpie writers' generators took (setup adds them)
 
     def build(self, sampling: SamplingConfig, shaper: ChatShaper, stop_ids: list[int] | None = None):
         """A generator of `sampling` that stops at `stop_ids` (None: the end of an answer).
@@ -155,10 +161,14 @@ class Generators:
         cfg = self.cfg
         most_new = max([cfg.sampling.max_new_tokens] + [s.max_tokens for s in cfg.sources if s.kind == "magpie"])
         rows = cfg.max_prompt_len + most_new - sampling.max_new_tokens  # the engine adds sampling.max_new_tokens
+        began = time.perf_counter()
+        loads = self.target is None
         gen = build_generator(cfg.backend, sampling, cfg.target.name, stop_ids or shaper.stop_ids,
                               pad_token_id(self.tokenizer, shaper), self.tokenizer, self.local_rank, cfg.target.dtype,
                               cfg.cache_dir, self.target, rows)
         self.target = getattr(gen, "target", self.target)
+        if loads and self.target is not None:
+            self.load_s += time.perf_counter() - began
         if self.budget is not None:
             self.budget.start()
         return gen
@@ -211,6 +221,8 @@ def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = No
     for w in writers:
         kept = {p.prompt_id for p in prompts if p.source == w.src.name}
         skips.reports[w.src.name] = w.report(kept, skips.by_source.get(w.src.name, Counter()))
+        if generators is not None:
+            generators.magpie_s += w.seconds
     return tokenizer, identity, tok_ident, shaper, interleave(prompts), skips
 
 
@@ -339,7 +351,8 @@ def run(cfg: DatagenConfig, target=None, tokenizer=None, progress: bool = True) 
         reached, unstarted = recorded.get("reached", False), recorded.get("prompts_unstarted", 0)
     _barrier(world)
     return RunResult(str(out), counts, generated / elapsed if elapsed > 0 else 0.0, generated, elapsed, complete,
-                     reached, unstarted if reached else 0, prompts_s, build_s, write_s)
+                     reached, unstarted if reached else 0, prompts_s, build_s, write_s, generators.load_s,
+                     generators.magpie_s)
 
 
 def _generate(cfg: DatagenConfig, shaper: ChatShaper, generators: Generators, mine: dict, out: Path, rank: int,

@@ -57,8 +57,11 @@ def test_target_writes_prompts_and_a_restart_reads_them_back(tmp_path, smollm2, 
     assert f"<|im_start|>user\n{FIRST}<|im_end|>\n<|im_start|>assistant\n" in texts[0]
     assert set(data["source"]) == {"magpie"} and read_manifest(cfg.out_dir)["counts"]["rows"] == 3
 
+    # the summary's seconds: writing the candidates is part of the prompts' (the target came loaded)
+    assert 0 < result.magpie_s < result.prompts_s and result.load_s == 0
+
     again = run(cfg, target=smollm2, tokenizer=smollm2_tokenizer, progress=False)
-    assert again.generated_tokens == 0 and len(list(folder.iterdir())) == 4
+    assert again.generated_tokens == 0 and len(list(folder.iterdir())) == 4 and again.magpie_s == 0
 
     # As if killed after the first chunk: only it is on disk. The restart sizes its chunks by the
     # usable share so far (2 of 3 read: 2 candidates for the one prompt missing, then 2 of 5: 3)

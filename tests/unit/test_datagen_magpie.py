@@ -244,3 +244,29 @@ def test_the_magpie_writer_and_the_answers_get_engine_rows_of_one_length(tmp_pat
     generators.build(cfg.sampling, shaper)
     most = max(max_tokens, answer_tokens)
     assert built == [(max_tokens, 64 + most - max_tokens), (answer_tokens, 64 + most - answer_tokens)]
+
+
+def test_generators_count_the_seconds_loading_the_target(tmp_path, monkeypatch):
+    """Generators.load_s: the seconds of the build that loaded the target (the summary's "target
+    loaded in"), not those of a later build on the loaded one, nor any where it came loaded."""
+    import time
+
+    from data_gen import pipeline
+    from data_gen.config import SamplingConfig
+
+    def build_generator(*args):
+        time.sleep(0.2 if args[-2] is None else 0.0)  # args[-2]: the target already loaded, if any
+        return type("Generator", (), {"target": "the loaded target"})()
+
+    monkeypatch.setattr(pipeline, "build_generator", build_generator)
+    cfg = config(tmp_path, 4)
+    shaper = type("Shaper", (), {"stop_ids": [2]})()
+    generators = pipeline.Generators(cfg, type("Tok", (), {"pad_token_id": 0})())
+    generators.build(SamplingConfig(max_new_tokens=8, temperature=1.0), shaper)
+    assert 0.2 <= generators.load_s < 1.0 and generators.target == "the loaded target"
+    first = generators.load_s
+    generators.build(cfg.sampling, shaper)
+    assert generators.load_s == first
+    loaded = pipeline.Generators(cfg, type("Tok", (), {"pad_token_id": 0})(), target="given")
+    loaded.build(cfg.sampling, shaper)
+    assert loaded.load_s == 0

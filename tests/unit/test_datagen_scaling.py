@@ -13,10 +13,11 @@ COUNTS = {"prompts": 4, "rows": 4, "tokens": 8, "response_tokens": 4, "retokeniz
           "ended_early": {}, "skipped": {}, "skipped_examples": {}}
 
 
-def summary(seconds: float, prompts_s: float = 0.0, build_s: float = 0.0, write_s: float = 0.0) -> str:
+def summary(seconds: float, prompts_s: float = 0.0, build_s: float = 0.0, write_s: float = 0.0,
+            magpie_s: float = 0.0, load_s: float = 0.0) -> str:
     """A rank's summary as dflash-datagen prints it."""
     return format_summary(RunResult("out", COUNTS, 1.0, 1, seconds, True, prompts_s=prompts_s, build_s=build_s,
-                                    write_s=write_s)) + "\n"
+                                    write_s=write_s, magpie_s=magpie_s, load_s=load_s)) + "\n"
 
 
 def row(prompt_id: str, ids: list[int]) -> dict:
@@ -55,14 +56,16 @@ def cells(lines: list[str], gpus: int) -> list[str]:
 def test_two_gpus_against_one_scaling_and_equal_rows(tmp_path, capsys):
     write_run(tmp_path, 1, SHARDS, [20.0], (100, 150))
     changed = [SHARDS[0], [("c", [5, 6]), ("d", [7, 9])]]  # one row differs (bf16 on a GPU)
-    write_run(tmp_path, 2, changed, [9.0, 10.0], (200, 230), phases=[(14.2, 0.4, 1.5), (3.5, 6.25, 0.75)])
+    write_run(tmp_path, 2, changed, [9.0, 10.0], (200, 230),
+              phases=[(14.2, 0.4, 1.5, 9.1, 3.0), (3.5, 6.25, 0.75, 0.0, 6.0)])
     lines, once, equal = table(tmp_path)
     # 200 tokens over 20 s against over the slower rank's 10 s: 2x, all of two GPUs' share
     assert cells(lines, 1) == ["1", "4", "4", "200", "50", "20.0", "10.0", "", ""]
     assert cells(lines, 2) == ["2", "4", "4", "200", "30", "10.0", "20.0", "100.0%", "83.3%"]
     assert ("2 GPU(s): ranks' answer seconds 9.0, 10.0; shards by rank: rank 0 1, rank 1 1; by process: prompts "
-            "ready after 14.2 s, generator built in 0.4 s, shards written in 1.5 s; prompts ready after 3.5 s, "
-            "generator built in 6.2 s, shards written in 0.8 s") in lines
+            "ready after 14.2 s (magpie 9.1 s), generator built in 0.4 s, shards written in 1.5 s, target loaded in "
+            "3.0 s; prompts ready after 3.5 s (magpie 0.0 s), generator built in 6.2 s, shards written in 0.8 s, "
+            "target loaded in 6.0 s") in lines
     assert "2 GPUs: 2.00x one GPU's tokens/s (target 1.9x: met)" in lines
     assert lines[-1].endswith("2 GPU(s) yes (4 distinct of 4 ids in the shards, 4 prompts); "
                               "rows equal to the 1-GPU run's: 3 of 4")
@@ -102,5 +105,8 @@ def test_summaries_before_the_shard_seconds_still_parse():
     from benchmarks.datagen_scaling import PHASES
 
     old = "prompts ready after 45.8 (magpie writing included), answering generator built in 0.0 (of the 130.2)"
-    assert PHASES.findall(old) == [("45.8", "0.0", "")]
-    assert PHASES.findall(summary(20.0, 3.0, 1.0, 2.5)) == [("3.0", "1.0", "2.5")]
+    assert PHASES.findall(old) == [("45.8", "", "0.0", "", "")]
+    shards = ("prompts ready after 36.6 (magpie writing included), answering generator built in 0.0, shards written "
+              "in 1.6 (of the 63.4)")
+    assert PHASES.findall(shards) == [("36.6", "", "0.0", "1.6", "")]
+    assert PHASES.findall(summary(20.0, 3.0, 1.0, 2.5, 1.5, 0.5)) == [("3.0", "1.5", "1.0", "2.5", "0.5")]
