@@ -34,7 +34,7 @@ SUMMARY = re.compile(r"generated this run\s+(\d+)\s+\([\d.]+ tok/s over ([\d.]+)
 # its answering generator, writing its shards, and loading the target (a summary before 67c9023
 # has no shard seconds, one before 84bdf06 no magpie or load seconds)
 PHASES = re.compile(r"prompts ready after ([\d.]+) (?:\(magpie prompts written in ([\d.]+)\))?.*?"
-                    r"answering generator built in ([\d.]+)(?:, shards written in ([\d.]+))?"
+                    r"answering generator built in ([\d.]+)(?:,\s+shards written in ([\d.]+))?"
                     r"(?: \(of the [\d.]+\), the target loaded in ([\d.]+))?")
 TARGET_SPEEDUP = 1.9  # issue 39 item 4: two GPUs at least 1.9x one GPU's tokens/s
 

@@ -36,9 +36,9 @@ def format_summary(result: RunResult) -> str:
              f"  {'generated this run':<28}{result.generated_tokens:>10}  "
              f"({result.tokens_per_s:.1f} tok/s over {result.elapsed_s:.1f} s)",
              f"  {'seconds of this process':<28}prompts ready after {result.prompts_s:.1f} (magpie prompts "
-             f"written in {result.magpie_s:.1f}), answering generator built in {result.build_s:.1f}, shards "
-             f"written in {result.write_s:.1f} (of the {result.elapsed_s:.1f}), the target loaded in "
-             f"{result.load_s:.1f} (by the first generator built: the magpie writer's, else the answers')"]
+             f"written in {result.magpie_s:.1f}), answering generator built in {result.build_s:.1f},",
+             f"  {'':<28}shards written in {result.write_s:.1f} (of the {result.elapsed_s:.1f}), the target loaded "
+             f"in {result.load_s:.1f} (by the first generator built: the magpie writer's, else the answers')"]
     for reason, n in sorted(c["finish_reasons"].items()):
         lines.append(f"  {'finish_reason=' + reason:<28}{n:>10}")
     if c["retokenized"]:
