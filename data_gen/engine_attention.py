@@ -172,8 +172,9 @@ def decode_attention(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                      live: torch.Tensor, width: int, window: int | None, scale: float | None,
                      masks: dict) -> torch.Tensor:
     """q (B, Hkv, G, D) folded queries, k/v (B, Hkv, S, D) the layer's cache with this step's
-    keys written; returns (B, Hkv, G, D). `masks` caches the step's masks by window: built by
-    the first layer, shared by the others."""
+    keys written; returns (B, Hkv, G, D). `masks` holds the step's masks by window, shared by
+    every layer: the engine builds flex's before the layers (GenerationEngine._logits, so a
+    layer compiled alone reads it as an input); one missing is built by the first layer."""
     if kind == "flex":
         mask = masks.get(window)
         if mask is None:
