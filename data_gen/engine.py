@@ -51,8 +51,8 @@ from data_gen.config import (COMPILE_REGIONS, ENGINE_ATTENTIONS, ENGINE_PREFILLS
                              engine_attention_for)
 from data_gen.engine_attention import (block_mask, decode_attention, packed_attention, packed_bounds, packed_flash,
                                        packed_kept_attention, sequence_bounds)
-from data_gen.engine_prefill import (PACKED_DENSE_PAIRS, PACKED_DENSE_TOKENS, PACKED_KEYS, PREFILL_TOKENS, Shapes,
-                                     kept_groups, pack_fresh, pack_kept, packed_groups, packed_kept_groups, pad_rows,
+from data_gen.engine_prefill import (FRESH_PROMPT_TOKENS, KEPT_TURN_TOKENS, PACKED_DENSE_PAIRS, PACKED_DENSE_TOKENS,
+                                     PACKED_KEYS, PREFILL_TOKENS, Shapes, kept_groups, pack_fresh, pack_kept, packed_groups, packed_kept_groups, pad_rows,
                                      prefill_groups)
 from data_gen.generators import Completion, Progress, past
 from data_gen.sampling import sample_tokens, uniform_stream
@@ -87,10 +87,11 @@ class _Step:
     attention: str = "sdpa"  # decode: backend.attention
     masks: dict | None = None  # decode and kept-prefix prefill: the step's masks by sliding window (None: full)
     # packed prefill: each token's slot, cache column and the index its prompt starts at in the row, (T,)
-    # each, and where the prompts begin (packed_bounds)
+    # each, where the prompts begin (packed_bounds) and what no prompt is longer than (Shapes.longest)
     packed: tuple | None = None
     # next turns packed: the new tokens' slots, positions and conversations (T,) each, the keys'
-    # slots, columns and conversations (Tk,) each, and the two sides' sequence_bounds
+    # slots, columns and conversations (Tk,) each, and the two sides' sequence_bounds with what no
+    # conversation's new tokens exceed (Shapes.longest)
     kept_packed: tuple | None = None
     # a decode step's one layer (backend.compile_region=layer): that layer's cache (k, v), so its
     # compiled code never reads the layer's index, and one graph serves the whole stack
@@ -131,10 +132,10 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                                     scaling, step.masks)
         return out.transpose(1, 2).contiguous(), None
     if step.packed is not None:
-        slots, columns, starts, bounds = step.packed
+        slots, columns, starts, bounds, longest = step.packed
         k_cache[slots, :, columns] = key[0].transpose(0, 1)  # (T, Hkv, D) into the (slot, :, column) entries
         v_cache[slots, :, columns] = value[0].transpose(0, 1)
-        out = packed_attention(query, key, value, starts, bounds, sliding_window, scaling, step.masks)
+        out = packed_attention(query, key, value, starts, bounds, longest, sliding_window, scaling, step.masks)
         return out.transpose(1, 2).contiguous(), None
     if step.rows is not None:
         length = query.shape[2]
@@ -298,7 +299,7 @@ class GenerationEngine:
         # auto: packed where flash attention takes the packed rows (backend.prefill)
         self.prefill = ("packed" if flash else "padded") if prefill == "auto" else prefill
         self.shapes = Shapes(self.graphs is not None if buckets is None else buckets, max_len,
-                             PREFILL_TOKENS if flash else PACKED_DENSE_TOKENS)
+                             PREFILL_TOKENS if flash else PACKED_DENSE_TOKENS, batch_size)
         self.prefill_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_seen: set[tuple] = set()
         self.prefill_counts: Counter = Counter()
@@ -500,8 +501,11 @@ class GenerationEngine:
         """One prefill forward of fresh prompts packed in one row, `packed` (5, T) (pack_fresh): the
         tokens, their positions, slots, cache columns, and where their prompts start in the row."""
         tokens, positions, slots, columns, starts = packed
-        bounds = packed_bounds(starts, self.batch_size + 1)  # at most a prompt a slot, and the padding
-        step = _Step(self.cache_k, self.cache_v, packed=(slots, columns, starts, bounds), masks={})
+        length = len(tokens)
+        # the prompts a forward of this length holds at most, and the padding (Shapes.prompts)
+        bounds = packed_bounds(starts, self.shapes.prompts(length, FRESH_PROMPT_TOKENS) + 1)
+        step = _Step(self.cache_k, self.cache_v, packed=(slots, columns, starts, bounds, self.shapes.longest(length)),
+                     masks={})
         self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False, logits_to_keep=1,
                    **{STEP_KWARG: step})
 
@@ -521,8 +525,10 @@ class GenerationEngine:
         columns and conversations (k_len each)."""
         q, k = flat[:4 * q_len].view(4, q_len), flat[4 * q_len:].view(3, k_len)
         tokens, positions, slots, seq = q
-        # at most a conversation a slot, and the padding: once a forward, as _packed_forward's
-        bounds = sequence_bounds(seq, self.batch_size + 1), sequence_bounds(k[2], self.batch_size + 1)
+        # the conversations a forward of this length holds at most, and the padding: once a
+        # forward, as _packed_forward's
+        sequences = self.shapes.prompts(q_len, KEPT_TURN_TOKENS) + 1
+        bounds = sequence_bounds(seq, sequences), sequence_bounds(k[2], sequences), self.shapes.longest(q_len)
         step = _Step(self.cache_k, self.cache_v, kept_packed=(slots, positions, seq, k[0], k[1], k[2], bounds),
                      masks={})
         self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False, logits_to_keep=1,

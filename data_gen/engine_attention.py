@@ -112,18 +112,17 @@ def sequence_mask(q_seq: torch.Tensor, k_seq: torch.Tensor, q_pos: torch.Tensor,
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, bounds: torch.Tensor,
-                     window: int | None, scale: float | None, masks: dict) -> torch.Tensor:
+                     longest: int, window: int | None, scale: float | None, masks: dict) -> torch.Tensor:
     """q (1, Hq, T, D), k/v (1, Hkv, T, D) of a packed prefill: several prompts in one row, each
-    attending to itself alone (`starts` (T,) and `bounds` (packed_bounds) say where they are);
-    returns (1, Hq, T, D). In half precision on a GPU flash attention's variable-length kernel
-    (causal within each prompt, grouped-query heads as they are, padding-free but the row's
-    end); otherwise SDPA under the dense (T, T) mask (packed_mask, built once a forward:
+    attending to itself alone (`starts` (T,) and `bounds` (packed_bounds) say where they are, no
+    prompt or padding longer than `longest`); returns (1, Hq, T, D). In half precision on a GPU
+    flash attention's variable-length kernel (causal within each prompt, grouped-query heads as
+    they are, padding-free but the row's end); otherwise SDPA under the dense (T, T) mask (packed_mask, built once a forward:
     `masks` by window), which only short rows can afford (data_gen/engine.py PACKED_DENSE_TOKENS)."""
-    length = q.shape[2]
     if packed_flash(q):
         left = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
         out = torch.ops.aten._flash_attention_forward(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                                      bounds, bounds, length, length, 0.0, True, False, scale=scale,
+                                                      bounds, bounds, longest, longest, 0.0, True, False, scale=scale,
                                                       **left)[0]  # (T, Hq, D)
         return out.transpose(0, 1)[None]
     mask = masks.get(window)
@@ -145,15 +144,15 @@ def packed_kept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_s
     """The next turns of several conversations in one row: q (1, Hq, T, D) their new tokens, k/v
     (Tk, Hkv, D) each conversation's cache entries up to its last new token, gathered in the
     same order; `q_seq`/`k_seq` each token's and key's conversation (0, 1, ... in order),
-    `bounds` their sequence_bounds, `q_pos`/`k_pos` their positions. Query t sees the keys of its own
+    `bounds` their sequence_bounds and what no conversation's new tokens exceed, `q_pos`/`k_pos` their positions. Query t sees the keys of its own
     conversation at positions up to its own (within `window`); returns (1, Hq, T, D). Flash
     attention's variable-length kernel in half precision on a GPU (causal from the bottom right:
     a conversation's last query sees its last key, as its keys end at its last new token), SDPA
     under the dense mask of those pairs otherwise (built once a forward: `masks` by window)."""
     if packed_flash(q):
         left = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
-        q_bounds, k_bounds = bounds
-        out = torch.ops.aten._flash_attention_forward(q[0].transpose(0, 1), k, v, q_bounds, k_bounds, q.shape[2],
+        q_bounds, k_bounds, longest = bounds
+        out = torch.ops.aten._flash_attention_forward(q[0].transpose(0, 1), k, v, q_bounds, k_bounds, longest,
                                                       k.shape[0], 0.0, True, False, scale=scale, **left)[0]
         return out.transpose(0, 1)[None]
     mask = masks.get(window)

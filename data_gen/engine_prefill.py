@@ -35,6 +35,18 @@ PACKED_STEP = 2048
 # attention, and without it the (query, key) pairs of its dense mask.
 PACKED_KEYS = 1 << 16
 PACKED_DENSE_PAIRS = 1 << 22
+# Flash attention's variable-length kernel launches (longest / 128) x sequences x heads programs,
+# and a CUDA graph fixes both numbers for a shape; programs past a prompt's end exit at once, at
+# about a nanosecond each (benchmarks/packed_flash_grid.py, one H200: a layer's call on 2,048
+# tokens of 6 prompts took 203 us with 513 sequences and the row's length as the longest, 60 us
+# with its own). So a packed forward of L tokens passes as its longest what no prompt or padding
+# exceeds (Shapes.longest), and holds at most max(PACKED_FEW, L // TOKENS_A_PROMPT) prompts, a
+# slot each at most (Shapes.prompts): a group of shorter ones is split. A fresh prompt's chat
+# template alone is about 30 tokens; a next turn (the answer's end, the user's turn, the
+# assistant's start) averaged 49 on issue 39's job.
+PACKED_FEW = 16
+FRESH_PROMPT_TOKENS = 32
+KEPT_TURN_TOKENS = 16
 
 
 def pow2(n: int) -> int:
@@ -51,6 +63,7 @@ class Shapes:
     buckets: bool
     columns: int  # cache columns a row has
     packed_most: int = PREFILL_TOKENS  # the longest packed forward but for a longer prompt alone
+    slots: int | None = None  # the engine's slots: a packed forward's prompts at most (None: no bound)
 
     def rows(self, n: int, most: int | None = None) -> int:
         if not self.buckets:
@@ -66,6 +79,19 @@ class Shapes:
         if not self.buckets:
             return n
         return max(PACKED_MIN, pow2(n)) if n <= PACKED_STEP else -(-n // PACKED_STEP) * PACKED_STEP
+
+    def prompts(self, length: int, tokens_each: int) -> int:
+        """The most prompts (or next turns) a packed forward of `length` tokens holds: one every
+        `tokens_each` tokens (PACKED_FEW at least), a slot each at most; its flash attention's
+        sequences are one more (the padding)."""
+        most = max(PACKED_FEW, length // tokens_each)
+        return most if self.slots is None else min(self.slots, most)
+
+    def longest(self, length: int) -> int:
+        """What no sequence of a packed forward of `length` new tokens is longer than: a prompt
+        (or a next turn) fits its cache row, the padding after them is under PACKED_STEP
+        (`packed`)."""
+        return min(length, max(self.columns, PACKED_STEP))
 
     def span(self, s: int) -> int:
         """Cache columns read by a group of rows holding up to s tokens: a multiple of 16 (the
@@ -96,13 +122,14 @@ def prefill_groups(todo: list[tuple[int, list[int]]], shapes: Shapes) -> Iterato
 def packed_groups(todo: list[tuple[int, list[int]]], shapes: Shapes) -> Iterator[tuple[int, list]]:
     """(length, group) of the packed forwards that prefill fresh rows (slot, tokens): longest
     first, each group as many prompts as fit in `shapes.packed_most` tokens (a longer prompt
-    alone), `length` its bucketed length (shapes.packed)."""
+    alone) and `shapes.prompts` allows its length, `length` its bucketed length (shapes.packed)."""
     todo = sorted((r for r in todo if r[1]), key=lambda r: -len(r[1]))
     while todo:
         group, total = [todo[0]], len(todo[0][1])
         rest = []
         for r in todo[1:]:  # first fit, longest first
-            if total + len(r[1]) <= shapes.packed_most:
+            n = total + len(r[1])  # the cap is a final length's: lengths only grow, and it with them
+            if n <= shapes.packed_most and len(group) < shapes.prompts(shapes.packed(n), FRESH_PROMPT_TOKENS):
                 group.append(r)
                 total += len(r[1])
             else:
@@ -133,15 +160,17 @@ def packed_kept_groups(todo: list[tuple[int, list[int], int]], shapes: Shapes, m
     """(new tokens' length, keys' length, group) of the packed forwards that prefill next turns
     (slot, tokens, start: the row holds tokens[:start]): the longest rows first, first fit, a
     group's new tokens at most `shapes.packed_most`, the cache entries it reads (each row's
-    tokens) at most `most_keys` and, when given, their product at most `most_pairs` (one row at
-    least); the lengths bucketed (shapes.packed), the keys' at least the new tokens' padding
-    longer than theirs (a padding query always sees a padding key)."""
+    tokens) at most `most_keys` and, when given, their product at most `most_pairs`, its rows as
+    many as `shapes.prompts` allows its new tokens' length (one row at least); the lengths
+    bucketed (shapes.packed), the keys' at least the new tokens' padding longer than theirs (a
+    padding query always sees a padding key)."""
     todo = sorted((r for r in todo if len(r[1]) > r[2]), key=lambda r: -len(r[1]))
     while todo:
         group, q, k, rest = [todo[0]], len(todo[0][1]) - todo[0][2], len(todo[0][1]), []
         for r in todo[1:]:
             q2, k2 = q + len(r[1]) - r[2], k + len(r[1])
-            if q2 <= shapes.packed_most and k2 <= most_keys and (most_pairs is None or q2 * k2 <= most_pairs):
+            if (q2 <= shapes.packed_most and k2 <= most_keys and (most_pairs is None or q2 * k2 <= most_pairs)
+                    and len(group) < shapes.prompts(shapes.packed(q2), KEPT_TURN_TOKENS)):
                 group.append(r)
                 q, k = q2, k2
             else:

@@ -24,12 +24,13 @@ def kept_layout(device: str = "cpu") -> tuple[torch.Tensor, ...]:
 
 
 def assert_each_conversation_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
-                                   scale: float, atol: float) -> None:
+                                   scale: float, atol: float, longest: int = 7) -> None:
     """packed_kept_attention of q (1, Hq, 7, D) over k, v (15, Hkv, D) in the layout above equals,
     for each real new token, SDPA over its own conversation's keys up to its position (and within
-    `window`), computed alone in float32, to `atol`."""
+    `window`), computed alone in float32, to `atol`; `longest` the most new tokens of a sequence
+    given (flash attention's max_seqlen_q: the row's 7, or its longest sequence's 3)."""
     q_seq, q_pos, k_seq, k_pos = kept_layout(str(q.device))
-    bounds = sequence_bounds(q_seq, 4), sequence_bounds(k_seq, 4)
+    bounds = sequence_bounds(q_seq, 4), sequence_bounds(k_seq, 4), longest
     out = packed_kept_attention(q, k, v, q_seq, k_seq, q_pos, k_pos, bounds, window, scale, {})
     groups = q.shape[1] // k.shape[1]
     for t in range(NEW_TOKENS):

@@ -127,11 +127,13 @@ def test_packed_prefills_in_graphs_give_the_padded_answers(tiny, prompts, compil
     assert e.prefill_counts["replayed"] >= 1, e.prefill_counts
 
 
+@pytest.mark.parametrize("longest", [640, 300])
 @pytest.mark.parametrize("window", [None, 40])
-def test_flash_packed_attention_equals_each_prompt_alone(window):
+def test_flash_packed_attention_equals_each_prompt_alone(window, longest):
     """bf16 on a GPU: flash attention's variable-length kernel over a packed row (prompts of 1
     to 300 tokens, the padding a prompt of its own, the bounds ending in empty prompts) gives
-    each prompt's causal attention run alone (SDPA), to bf16's rounding."""
+    each prompt's causal attention run alone (SDPA), to bf16's rounding, the longest sequence
+    given as the row's length or as its longest prompt (Shapes.longest: the grid's rows)."""
     from data_gen.engine_attention import packed_attention, packed_bounds, packed_flash
 
     torch.manual_seed(0)
@@ -141,7 +143,7 @@ def test_flash_packed_attention_equals_each_prompt_alone(window):
     q = torch.randn(1, 14, total, 64, device="cuda", dtype=torch.bfloat16)  # 7 query heads a KV head
     k, v = (torch.randn(1, 2, total, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     assert packed_flash(q)
-    out = packed_attention(q, k, v, starts, packed_bounds(starts, 12), window, 0.125, {})
+    out = packed_attention(q, k, v, starts, packed_bounds(starts, 12), longest, window, 0.125, {})
     at = 0
     for n in lengths + [total - sum(lengths)]:
         s = slice(at, at + n)
@@ -177,18 +179,20 @@ def test_flash_packed_prefill_in_graphs_writes_the_padded_caches():
     assert _engine(tiny_float32(), True, prefill="auto").engine.prefill == "padded", "auto: padded in float32"
 
 
+@pytest.mark.parametrize("longest", [7, 3])
 @pytest.mark.parametrize("window", [None, 3])
-def test_flash_kept_attention_equals_each_conversation_alone(window):
+def test_flash_kept_attention_equals_each_conversation_alone(window, longest):
     """bf16: next turns packed (3 and 2 new tokens after 5 and 2 held, then padding) through flash
     attention's variable-length kernel, causal from the bottom right: each new token's attention
-    over its own conversation's keys up to its position, to bf16's rounding."""
+    over its own conversation's keys up to its position, to bf16's rounding, the longest sequence
+    given as the row's 7 new tokens or its longest conversation's 3."""
     from tests.kept_layout import KEYS, assert_each_conversation_alone
 
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
     q = torch.randn(1, 14, 7, 64, device=dev, dtype=bf)
     k, v = (torch.randn(KEYS, 2, 64, device=dev, dtype=bf) for _ in range(2))
-    assert_each_conversation_alone(q, k, v, window, 0.125, atol=2e-2)
+    assert_each_conversation_alone(q, k, v, window, 0.125, atol=2e-2, longest=longest)
 
 
 def test_flash_packed_next_turns_in_graphs_write_the_padded_caches():

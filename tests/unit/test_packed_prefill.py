@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from data_gen.config import BackendConfig
 from data_gen.engine_attention import packed_attention, packed_bounds, packed_mask, sequence_bounds
-from data_gen.engine_prefill import (PACKED_MIN, PACKED_STEP, Shapes, pack_fresh, pack_kept, packed_groups,
-                                     packed_kept_groups)
+from data_gen.engine_prefill import (FRESH_PROMPT_TOKENS, KEPT_TURN_TOKENS, PACKED_FEW, PACKED_MIN, PACKED_STEP,
+                                     Shapes, pack_fresh, pack_kept, packed_groups, packed_kept_groups)
 from tests.kept_layout import KEYS, assert_each_conversation_alone, kept_layout
 
 
@@ -58,7 +58,7 @@ def test_packed_attention_equals_each_prompt_alone(window):
     starts = starts_of(LENGTHS, 640)
     q = torch.randn(1, 6, 640, 16)  # 3 query heads a KV head
     k, v = torch.randn(1, 2, 640, 16), torch.randn(1, 2, 640, 16)
-    out = packed_attention(q, k, v, starts, packed_bounds(starts, 9), window, 0.25, {})
+    out = packed_attention(q, k, v, starts, packed_bounds(starts, 9), 640, window, 0.25, {})
     at = 0
     for n in LENGTHS + [640 - sum(LENGTHS)]:
         s = slice(at, at + n)
@@ -74,7 +74,7 @@ def test_packed_attention_equals_each_prompt_alone(window):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_groups_pack_every_prompt_once_within_the_budget(buckets, seed):
     rng = random.Random(seed)
-    shapes = Shapes(buckets, 8192, packed_most=4096)
+    shapes = Shapes(buckets, 8192, packed_most=4096, slots=64)
     todo = [(slot, [slot] * rng.randint(0, 3000)) for slot in range(60)] + [(60, [1] * 5000)]  # one over the budget
     groups = list(packed_groups(todo, shapes))
     packed = [slot for _, group in groups for slot, _ in group]
@@ -83,6 +83,9 @@ def test_groups_pack_every_prompt_once_within_the_budget(buckets, seed):
     for length, group in groups:
         n = sum(len(t) for _, t in group)
         assert n <= 4096 or len(group) == 1
+        assert len(group) <= shapes.prompts(length, FRESH_PROMPT_TOKENS)
+        # flash attention's longest sequence (Shapes.longest) bounds every prompt and the padding
+        assert max(len(t) for _, t in group) <= shapes.longest(length) and length - n <= shapes.longest(length)
         assert length == (n if not buckets else max(PACKED_MIN, 1 << (n - 1).bit_length()) if n <= PACKED_STEP
                           else -(-n // PACKED_STEP) * PACKED_STEP)
         assert [len(t) for _, t in group] == sorted((len(t) for _, t in group), reverse=True)
@@ -135,6 +138,8 @@ def test_kept_groups_pack_every_next_turn_once_within_the_budgets():
         q = sum(len(t) - start for _, t, start in group)
         k = sum(len(t) for _, t, _ in group)
         assert len(group) == 1 or (q <= 2048 and k <= 1 << 14 and q * k <= 1 << 22)
+        assert len(group) <= shapes.prompts(q_len, KEPT_TURN_TOKENS)
+        assert max(len(t) - start for _, t, start in group) <= shapes.longest(q_len) and q_len - q <= shapes.longest(q_len)
         assert q_len == shapes.packed(q) and k_len == shapes.packed(k + q_len - q) and k_len - k >= q_len - q
         assert [len(t) for _, t, _ in group] == sorted((len(t) for _, t, _ in group), reverse=True)
 
@@ -156,3 +161,32 @@ def test_kept_attention_equals_each_conversation_alone(window):
     q_seq, _, k_seq, _ = kept_layout()
     assert sequence_bounds(q_seq, 4).tolist() == [0, 3, 5, 7, 7]
     assert sequence_bounds(k_seq, 4).tolist() == [0, 8, 12, 15, 15]
+
+
+def test_a_packed_forward_holds_one_prompt_every_so_many_tokens_and_a_slot_each_at_most():
+    """A captured forward fixes flash attention's sequences and longest sequence (its grid):
+    the prompts a forward of L tokens may hold are max(PACKED_FEW, L // tokens a prompt), a slot
+    each at most; the longest is the row's length or, past it, the cache row (a prompt fits
+    one) or PACKED_STEP (the bucketed padding is under it), whichever is more."""
+    shapes = Shapes(True, 3584, slots=512)
+    assert [shapes.prompts(n, FRESH_PROMPT_TOKENS) for n in (128, 512, 2048, 4096, 16384)] == [16, 16, 64, 128, 512]
+    assert [shapes.prompts(n, KEPT_TURN_TOKENS) for n in (128, 2048, 8192, 16384)] == [16, 128, 512, 512]
+    assert Shapes(True, 3584, slots=8).prompts(16384, FRESH_PROMPT_TOKENS) == 8 and PACKED_FEW == 16
+    assert Shapes(True, 3584).prompts(1 << 20, 32) == 1 << 15, "no slots given: no bound"
+    assert [shapes.longest(n) for n in (128, 2048, 3584, 4096, 16384)] == [128, 2048, 3584, 3584, 3584]
+    assert Shapes(True, 100).longest(16384) == PACKED_STEP, "a short cache row: the padding's bound"
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_short_prompts_are_split_into_forwards_their_grid_allows(buckets):
+    """200 prompts of 20 tokens fit one forward's token budget, but a forward of about 4,000
+    tokens may hold 125 (one every 32 tokens): they are split, every prompt once, each forward
+    within its length's bound; so are next turns of 8 new tokens (one every 16)."""
+    shapes = Shapes(buckets, 3584, slots=512)
+    groups = list(packed_groups([(slot, [1] * 20) for slot in range(200)], shapes))
+    assert len(groups) >= 2 and sorted(s for _, g in groups for s, _ in g) == list(range(200))
+    assert all(len(g) <= shapes.prompts(length, FRESH_PROMPT_TOKENS) for length, g in groups)
+    assert len(groups[0][1]) == shapes.prompts(groups[0][0], FRESH_PROMPT_TOKENS), "as many as its length allows"
+    kept = list(packed_kept_groups([(slot, [1] * 108, 100) for slot in range(300)], shapes, 1 << 16, None))
+    assert len(kept) >= 2 and sorted(s for _, _, g in kept for s, _, _ in g) == list(range(300))
+    assert all(len(g) <= shapes.prompts(q_len, KEPT_TURN_TOKENS) for q_len, _, g in kept)
