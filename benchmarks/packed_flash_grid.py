@@ -1,17 +1,20 @@
 """The grid of the engine's packed prefill attention (data_gen/engine_attention.py): flash
 attention's variable-length kernel launches (max_seqlen_q / 128) x sequences x heads programs,
-and a CUDA graph fixes both numbers for a shape, so the engine passes the row's length and one
-sequence a slot (513 at 512 slots) whatever the row holds; most programs find no rows and exit.
-This times one layer's call on issue 39's shapes (Qwen2.5-0.5B: 14 query heads, 2 KV heads of
+and a CUDA graph fixes both numbers for a shape: whatever the row holds, the engine passed the
+row's length and one sequence a slot (513 at 512 slots) until bfeaab8, and most programs found
+no rows and exited; it now passes bounds of a shape's own (Shapes.longest, Shapes.prompts). This
+times one layer's call on issue 39's shapes (Qwen2.5-0.5B: 14 query heads, 2 KV heads of
 64; prompts drawn around a mean of 220 tokens, as ShareGPT's every-turn prompts) with:
 
-  engine     sequences slots + 1, max_seqlen_q the row's length (as the engine does)
+  slots      sequences slots + 1, max_seqlen_q the row's length (the engine before bfeaab8)
   cap        sequences slots + 1, max_seqlen_q min(length, max(columns, 2048)): no sequence of a
              row is longer (a prompt fits its cache row, the padding is under 2048 tokens)
+  engine     as the engine passes them now: max_seqlen_q the cap, sequences Shapes.prompts + 1
+             (one fresh prompt every 32 tokens of the row, a next turn every 16)
   exact      sequences the row's own (prompts + padding), max_seqlen_q its longest: the floor
 
 and for the next turns' rows (queries a conversation's new tokens, keys its whole history). Each
-variant's output over the real tokens must equal the engine's bit for bit.
+variant's output over the real tokens must equal the first's bit for bit.
 
     python -m benchmarks.packed_flash_grid [--slots 512 --columns 3584 --lengths 2048,4096,8192,16384]
 """
@@ -25,7 +28,7 @@ import random
 import torch
 
 from benchmarks.cuda_timing import median_ms
-from data_gen.engine_prefill import PACKED_STEP
+from data_gen.engine_prefill import FRESH_PROMPT_TOKENS, KEPT_TURN_TOKENS, PACKED_STEP, Shapes
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -84,10 +87,14 @@ def row(kind: str, length: int, args, rng: random.Random) -> dict:
     q = torch.randn(length, args.heads, args.head_dim, device=dev, dtype=dt)
     k = torch.randn(k_len, args.kv_heads, args.head_dim, device=dev, dtype=dt)
     v = torch.randn_like(k)
-    cap = min(length, max(args.columns, PACKED_STEP))
+    shapes = Shapes(True, args.columns, slots=args.slots)
+    cap = shapes.longest(length)
+    prompts = shapes.prompts(length, FRESH_PROMPT_TOKENS if kind == "fresh" else KEPT_TURN_TOKENS)
+    assert len(q_lens) <= prompts, f"{len(q_lens)} prompts in {length} tokens: more than the engine's {prompts}"
     variants = {
-        "engine": (args.slots + 1, length, k_len),
+        "slots": (args.slots + 1, length, k_len),
         "cap": (args.slots + 1, cap, k_len),
+        "engine": (prompts + 1, cap, k_len),
         "exact": (len(q_all), max(q_all), max(k_all)),
     }
     out, ref = {"kind": kind, "length": length, "sequences": len(q_all), "longest": max(q_all)}, None
@@ -110,11 +117,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = [row(kind, int(n), args, rng) for kind in ("fresh", "kept") for n in args.lengths.split(",")]
     print(f"one layer's packed attention, {args.heads} heads / {args.kv_heads} KV of {args.head_dim}, "
           f"{args.slots} slots, {args.columns} columns, bf16 on {torch.cuda.get_device_name()}; microseconds a call")
-    print(f"{'rows':<6}{'length':>7}{'seqs':>6}{'longest':>8}{'engine':>9}{'cap':>9}{'exact':>9}  same as engine")
+    print(f"{'rows':<6}{'length':>7}{'seqs':>6}{'longest':>8}{'slots':>9}{'cap':>9}{'engine':>9}{'exact':>9}  same")
     for r in rows:
-        same = "yes" if r["cap_same"] and r["exact_same"] else "NO"
-        print(f"{r['kind']:<6}{r['length']:>7}{r['sequences']:>6}{r['longest']:>8}{r['engine_us']:>9.1f}"
-              f"{r['cap_us']:>9.1f}{r['exact_us']:>9.1f}  {same}")
+        same = "yes" if r["cap_same"] and r["engine_same"] and r["exact_same"] else "NO"
+        print(f"{r['kind']:<6}{r['length']:>7}{r['sequences']:>6}{r['longest']:>8}{r['slots_us']:>9.1f}"
+              f"{r['cap_us']:>9.1f}{r['engine_us']:>9.1f}{r['exact_us']:>9.1f}  {same}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -52,8 +52,8 @@ from data_gen.config import (COMPILE_REGIONS, ENGINE_ATTENTIONS, ENGINE_PREFILLS
 from data_gen.engine_attention import (block_mask, decode_attention, packed_attention, packed_bounds, packed_flash,
                                        packed_kept_attention, sequence_bounds)
 from data_gen.engine_prefill import (FRESH_PROMPT_TOKENS, KEPT_TURN_TOKENS, PACKED_DENSE_PAIRS, PACKED_DENSE_TOKENS,
-                                     PACKED_KEYS, PREFILL_TOKENS, Shapes, kept_groups, pack_fresh, pack_kept, packed_groups, packed_kept_groups, pad_rows,
-                                     prefill_groups)
+                                     PACKED_KEYS, PREFILL_TOKENS, Shapes, kept_groups, pack_fresh, pack_kept, packed_groups,
+                                     packed_kept_groups, pad_rows, prefill_groups)
 from data_gen.generators import Completion, Progress, past
 from data_gen.sampling import sample_tokens, uniform_stream
 from dflash_train.model.target import TargetModel, decoder_layers

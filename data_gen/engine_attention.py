@@ -117,8 +117,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: 
     attending to itself alone (`starts` (T,) and `bounds` (packed_bounds) say where they are, no
     prompt or padding longer than `longest`); returns (1, Hq, T, D). In half precision on a GPU
     flash attention's variable-length kernel (causal within each prompt, grouped-query heads as
-    they are, padding-free but the row's end); otherwise SDPA under the dense (T, T) mask (packed_mask, built once a forward:
-    `masks` by window), which only short rows can afford (data_gen/engine.py PACKED_DENSE_TOKENS)."""
+    they are, padding-free but the row's end); otherwise SDPA under the dense (T, T) mask
+    (packed_mask, built once a forward: `masks` by window), which only short rows can afford
+    (data_gen/engine.py PACKED_DENSE_TOKENS)."""
     if packed_flash(q):
         left = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
         out = torch.ops.aten._flash_attention_forward(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
@@ -144,8 +145,9 @@ def packed_kept_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_s
     """The next turns of several conversations in one row: q (1, Hq, T, D) their new tokens, k/v
     (Tk, Hkv, D) each conversation's cache entries up to its last new token, gathered in the
     same order; `q_seq`/`k_seq` each token's and key's conversation (0, 1, ... in order),
-    `bounds` their sequence_bounds and what no conversation's new tokens exceed, `q_pos`/`k_pos` their positions. Query t sees the keys of its own
-    conversation at positions up to its own (within `window`); returns (1, Hq, T, D). Flash
+    `bounds` their sequence_bounds and what no conversation's new tokens exceed, `q_pos`/`k_pos`
+    their positions. Query t sees the keys of its own conversation at positions up to its own
+    (within `window`); returns (1, Hq, T, D). Flash
     attention's variable-length kernel in half precision on a GPU (causal from the bottom right:
     a conversation's last query sees its last key, as its keys end at its last new token), SDPA
     under the dense mask of those pairs otherwise (built once a forward: `masks` by window)."""

@@ -139,7 +139,8 @@ def test_kept_groups_pack_every_next_turn_once_within_the_budgets():
         k = sum(len(t) for _, t, _ in group)
         assert len(group) == 1 or (q <= 2048 and k <= 1 << 14 and q * k <= 1 << 22)
         assert len(group) <= shapes.prompts(q_len, KEPT_TURN_TOKENS)
-        assert max(len(t) - start for _, t, start in group) <= shapes.longest(q_len) and q_len - q <= shapes.longest(q_len)
+        longest = shapes.longest(q_len)
+        assert max(len(t) - start for _, t, start in group) <= longest and q_len - q <= longest
         assert q_len == shapes.packed(q) and k_len == shapes.packed(k + q_len - q) and k_len - k >= q_len - q
         assert [len(t) for _, t, _ in group] == sorted((len(t) for _, t, _ in group), reverse=True)
 
