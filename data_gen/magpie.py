@@ -269,6 +269,8 @@ class MagpieWriter:
             records = self._chunk(start, remaining())
             if records is None:
                 return
+            # each candidate's fit is checked in turn: its tokens first, all of the chunk's in one call
+            self.shaper.prime([(None, r["text"]) for r in records if self._usable(r)])
             for r in records:
                 if remaining() <= 0:
                     return

@@ -213,11 +213,9 @@ def setup(cfg: DatagenConfig, tokenizer=None, generators: Generators | None = No
         return writer.candidates(remaining, skips)
 
     skips = SkipLog()
-    prompts = []
-    for p in iter_prompts(cfg.sources, eval_hashes(cfg.exclude_eval), t.max_turns, skips, fits, {"magpie": magpie}):
-        prompts.append(p)
-        if cfg.num_prompts is not None and len(prompts) == cfg.num_prompts:
-            break
+    # the file sources' prompts checked a batch at a time (one call of the tokenizer), magpie's a chunk
+    prompts = list(iter_prompts(cfg.sources, eval_hashes(cfg.exclude_eval), t.max_turns, skips, fits,
+                                {"magpie": magpie}, limit=cfg.num_prompts, prime=shaper.prime))
     for w in writers:
         kept = {p.prompt_id for p in prompts if p.source == w.src.name}
         skips.reports[w.src.name] = w.report(kept, skips.by_source.get(w.src.name, Counter()))

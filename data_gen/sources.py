@@ -15,6 +15,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from itertools import islice
 from typing import Callable, Iterator
 
 from dflash_train.data.prompts import (BadConversation, chat_messages, jsonl_lines, load_benchmark, prompt_hash,
@@ -25,6 +26,8 @@ from data_gen.config import SourceConfig
 
 # Details kept per skip reason for the summary: enough to find the bad input, not a flood.
 MAX_EXAMPLES = 3
+# Records a file source reads ahead to check their fit together (iter_prompts's `prime`).
+PRIME_BATCH = 512
 
 
 @dataclass(frozen=True)
@@ -164,20 +167,36 @@ def eval_hashes(names: list[str]) -> set[str]:
 
 def iter_prompts(sources: list[SourceConfig], exclude: set[str], max_turns: int | None, skips: SkipLog,
                  fits: Callable[[SourcePrompt], tuple[str, str] | None] = lambda p: None,
-                 readers: dict | None = None) -> Iterator[SourcePrompt]:
+                 readers: dict | None = None, limit: int | None = None,
+                 prime: Callable[[list[tuple[str | None, str]]], None] | None = None) -> Iterator[SourcePrompt]:
     """Usable prompts of all sources in order: well-formed, non-empty, unique, not eval, and
     accepted by `fits` (which returns a skip reason and detail otherwise). A source stops at
-    its `num_prompts` usable ones. `readers` adds readers for kinds that need more than a
-    file (magpie): a reader is called as reader(src, skips, remaining)."""
+    its `num_prompts` usable ones, all of them at `limit`. `readers` adds readers for kinds that
+    need more than a file (magpie): a reader is called as reader(src, skips, remaining).
+
+    `prime`, when given, is handed the (system prompt, first user turn) of a file source's
+    records a batch at a time before they are checked one by one (ChatShaper.prime: their
+    tokens in one call). A batch is never larger than the prompts still wanted, so every record
+    read ahead is one the source would read in turn: the reader's own skips (a malformed line)
+    are those it would count anyway."""
     seen: set[str] = set()
     readers = {**READERS, **(readers or {})}
+    total = 0
     for src in sources:
         taken = 0
 
         def remaining(src=src) -> int:
             return (src.num_prompts - taken) if src.num_prompts is not None else 1
 
-        for where, field, value in readers[src.kind](src, skips, remaining):
+        def ahead(src=src) -> int:  # the records a batch may read: no more than the prompts still wanted
+            wanted = [PRIME_BATCH, *([] if src.num_prompts is None else [src.num_prompts - taken]),
+                      *([] if limit is None else [limit - total])]
+            return min(wanted)
+
+        records = readers[src.kind](src, skips, remaining)
+        if prime is not None and src.kind in READERS:
+            records = _read_ahead(records, ahead, prime, src, max_turns)
+        for where, field, value in records:
             try:
                 p = _prompt(src, where, field, value, max_turns)
                 hashes = [prompt_hash(u) for u in p.user_turns]
@@ -193,9 +212,30 @@ def iter_prompts(sources: list[SourceConfig], exclude: set[str], max_turns: int 
                 skips.add(s.reason, str(s), source=src.name)
                 continue
             taken += 1
+            total += 1
             yield p
+            if limit is not None and total >= limit:
+                return
             if remaining() <= 0:
                 break
+
+
+def _read_ahead(records: Iterator, ahead: Callable[[], int], prime: Callable, src: SourceConfig,
+                max_turns: int | None) -> Iterator:
+    """`records` in order, read `ahead()` at a time (one at least) once the last batch is
+    used up, each batch's first prompts handed to `prime` first (those that parse; the rest
+    are reported when checked in turn)."""
+    records = iter(records)
+    while batch := list(islice(records, max(1, ahead()))):
+        firsts = []
+        for where, field, value in batch:
+            try:
+                p = _prompt(src, where, field, value, max_turns)
+            except Exception:  # a bad record: iter_prompts reports it (or raises) in its turn
+                continue
+            firsts.append((p.system, p.user_turns[0]))
+        prime(firsts)
+        yield from batch
 
 
 def _prompt(src: SourceConfig, where: str, field: str, value, max_turns: int | None) -> SourcePrompt:

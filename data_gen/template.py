@@ -234,6 +234,32 @@ class ChatShaper:
             at += len(piece)
         return (ids, spans) if offsets else ids
 
+    def prime(self, first_turns: list[tuple[str | None, str]]) -> None:
+        """Tokenize in one call the pieces of these first prompts (system prompt, first user turn)
+        that the piece cache lacks, so that each one's `prompt_ids` finds its pieces there: one
+        batch for many prompts (the fast tokenizer encodes a batch on every core) instead of a
+        call each. Cache only: ids and spans are `_whole`'s for each piece. Nothing while the
+        pieces are off; a prompt whose template raises is left to `prompt_ids` to report."""
+        if self._split is None or self.uses_markers:
+            return
+        todo: dict[str, None] = {}
+        for system, user in first_turns:
+            try:
+                text = self.render(self.messages(system, (user,), []), add_generation_prompt=True)
+            except Exception:  # a template raising: the fit check reports it
+                continue
+            for i, piece in enumerate(self._split.split(text)):
+                if not i % 2 and piece and piece not in self._piece_ids:
+                    todo[piece] = None
+        if not todo:
+            return
+        if len(self._piece_ids) + len(todo) > PIECE_CACHE:
+            self._piece_ids.clear()
+        pieces = list(todo)
+        enc = self.tokenizer(pieces, add_special_tokens=False, return_offsets_mapping=True)
+        for piece, ids, spans in zip(pieces, enc["input_ids"], enc["offset_mapping"], strict=True):
+            self._piece_ids[piece] = (list(ids), [tuple(o) for o in spans])
+
     def encode(self, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
         """(input_ids, loss_mask) of a rendered conversation; mask 1 on assistant turns."""
         if self.uses_markers:

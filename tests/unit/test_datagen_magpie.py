@@ -112,15 +112,20 @@ def candidates():
 
 
 @pytest.mark.parametrize("num_prompts, kept, kept_tokens, unused", [(3, 3, 1 + 7 + 8, 1), (5, 4, 1 + 7 + 8 + 9, 0)])
-def test_filters_drop_empty_duplicate_truncated_eval_and_too_long(tmp_path, smollm2_tokenizer, num_prompts, kept,
-                                                                 kept_tokens, unused):
+def test_filters_drop_empty_duplicate_truncated_eval_and_too_long(tmp_path, monkeypatch, smollm2_tokenizer, num_prompts,
+                                                                 kept, kept_tokens, unused):
     """Reading stops at num_prompts usable prompts; with more asked than stored, at the last
-    stored candidate (a rank other than 0 never samples). The report counts candidates and
+    stored candidate (a rank other than 0 never samples); each chunk read is primed first (its
+    usable candidates). The report counts candidates and
     their tokens: kept (0, 6, 7, 8), dropped (1 to 5, 20 tokens; the truncated 3, 4 tokens),
     stored but never read; the waste is the share of all tokens not in a kept prompt."""
     cfg = config(tmp_path / "out", num_prompts)
     store(cfg, smollm2_tokenizer, candidates())
+    primed = []  # each chunk read hands its usable candidates to the shaper's prime first
+    monkeypatch.setattr(ChatShaper, "prime", lambda self, firsts: primed.append(firsts))
     _, _, _, _, prompts, skips = setup(cfg, smollm2_tokenizer)
+    chunks = [[(None, t) for t, finish in chunk if finish == "stop"] for chunk in candidates()]
+    assert primed == chunks
     texts = ["Write a poem about the sea.", "How do magnets work?", "Explain recursion.", "Name three rivers."]
     assert [p.user_turns for p in prompts] == [(t,) for t in texts[:kept]]
     assert {(p.source, p.system) for p in prompts} == {("magpie", None)}

@@ -187,3 +187,46 @@ def test_datagen_recipes_compose_and_validate(name):
     cfg = to_datagen_config(raw)
     assert cfg.target.name.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert cfg.exclude_eval == ["mtbench", "humaneval"]
+
+
+@pytest.mark.parametrize("batch", [512, 3])
+@pytest.mark.parametrize("num_prompts, limit", [(None, None), (12, None), (None, 7), (25, 12), (5, 5), (40, None)])
+def test_a_file_source_read_ahead_reads_prompts_and_skips_as_one_at_a_time(tmp_path, monkeypatch, batch,
+                                                                            num_prompts, limit):
+    """prime (a file source read a batch ahead to check fits together): the same prompts, the same
+    skips (counts and examples, a reader's malformed lines and the checks' rejections) and the same
+    records read as one at a time, for any source count, overall limit and batch; every prompt
+    taken was primed first, and no batch is larger than the prompts still wanted."""
+    from data_gen import sources
+    from data_gen.sources import READERS
+
+    monkeypatch.setattr(sources, "PRIME_BATCH", batch)
+    lines = []
+    for i in range(60):
+        lines.append(["{not json", json.dumps({"prompt": f"long prompt {i}"}), json.dumps({"prompt": "dup"}),
+                      json.dumps({"prompt": f"question {i}"})][i % 4])
+    (tmp_path / "p.jsonl").write_text("\n".join(lines))
+
+    def run(prime):
+        pulled, primed = [], []
+
+        def reader(src, skips, remaining):
+            for record in READERS["jsonl"](src, skips, remaining):
+                pulled.append(record[0])
+                yield record
+
+        src = SourceConfig(kind="jsonl", path=str(tmp_path / "p.jsonl"), num_prompts=num_prompts)
+        src.validate("test")
+        skips = SkipLog()
+        fits = lambda p: ("too_long", f"{p.prompt_id}") if p.user_turns[0].startswith("long") else None  # noqa: E731
+        got = list(iter_prompts([src], set(), None, skips, fits, {"jsonl": reader}, limit=limit,
+                                prime=None if prime is None else lambda firsts: primed.append(firsts)))
+        return got, dict(skips.counts), dict(skips.examples), pulled, primed
+
+    got, counts, examples, pulled, _ = run(None)
+    got2, counts2, examples2, pulled2, primed = run(True)
+    assert got2 == got and counts2 == counts and examples2 == examples and pulled2 == pulled
+    want = min(n for n in (num_prompts, limit, 10 ** 9) if n is not None)
+    assert len(got) == min(want, 16) and counts["malformed"] >= 1 and counts["too_long"] >= 1
+    assert {(p.system, p.user_turns[0]) for p in got} <= {f for firsts in primed for f in firsts}
+    assert max(len(firsts) for firsts in primed) <= min(batch, want)

