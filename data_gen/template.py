@@ -114,6 +114,9 @@ class ChatShaper:
         self._added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()} if self._split else {}
         self._piece_ids: dict[str, list[int]] = {}
         self._checks = PIECE_CHECKS
+        # the renderings of the first prompts `prime` saw last, by (system, first user turn):
+        # each prompt's first `prompt_ids` takes its own instead of rendering it again
+        self._primed: dict[tuple[str | None, str], str] = {}
 
     @property
     def settings(self) -> dict:
@@ -239,7 +242,9 @@ class ChatShaper:
         that the piece cache lacks, so that each one's `prompt_ids` finds its pieces there: one
         batch for many prompts (the fast tokenizer encodes a batch on every core) instead of a
         call each. Cache only: ids and spans are `_whole`'s for each piece. Nothing while the
-        pieces are off; a prompt whose template raises is left to `prompt_ids` to report."""
+        pieces are off; a prompt whose template raises is left to `prompt_ids` to report. Each
+        rendering is kept until the next call, for that prompt's first `prompt_ids`."""
+        self._primed.clear()
         if self._split is None or self.uses_markers:
             return
         todo: dict[str, None] = {}
@@ -248,6 +253,7 @@ class ChatShaper:
                 text = self.render(self.messages(system, (user,), []), add_generation_prompt=True)
             except Exception:  # a template raising: the fit check reports it
                 continue
+            self._primed[system, user] = text
             for i, piece in enumerate(self._split.split(text)):
                 if not i % 2 and piece and piece not in self._piece_ids:
                     todo[piece] = None
@@ -281,5 +287,9 @@ class ChatShaper:
     def prompt_ids(self, system: str | None, user_turns, texts: list[str]) -> list[int]:
         """`prompt`'s ids alone, after the earlier answers' `answer_text`s (a turn being asked:
         the mask is needed only for the turn a training row keeps, data_gen/turns.py)."""
+        if not texts and self._primed:  # a first prompt `prime` rendered: its text, taken once
+            text = self._primed.pop((system, user_turns[0]), None)
+            if text is not None:
+                return self._tokens(text)
         return self.ids(self.messages(system, user_turns[: len(texts) + 1], texts), add_generation_prompt=True)
 

@@ -214,9 +214,9 @@ def test_pieces_that_differ_from_the_whole_text_are_turned_off(smollm2_tokenizer
 
 def test_primed_first_prompts_are_cached_as_the_whole_pieces_and_tokenize_nothing_more(smollm2_tokenizer, monkeypatch):
     """prime: the pieces of many first prompts tokenized in one batch are cached exactly as each
-    piece alone tokenizes (ids and spans); each prompt's ids then equal an unprimed shaper's
-    and add nothing to the cache; a prompt whose template raises is passed over; pieces off
-    (or a marker template), nothing is primed."""
+    piece alone tokenizes (ids and spans), and their renderings kept until the next call; each
+    prompt's ids (first turn, and a next turn) equal an unprimed shaper's; a prompt whose
+    template raises is passed over; pieces off (or a marker template), nothing is primed."""
     from data_gen import template
 
     monkeypatch.setattr(template, "PIECE_CHECKS", 0)
@@ -228,9 +228,15 @@ def test_primed_first_prompts_are_cached_as_the_whole_pieces_and_tokenize_nothin
     sh.prime(firsts + [(None, None)])  # None content: the template raises, the rest are primed
     cached = dict(sh._piece_ids)
     assert cached and all(got == sh._whole(piece, offsets=True) for piece, got in cached.items())
-    for system, user in firsts:
+    assert sh._primed == {f: sh.render(sh.messages(*f[:1], f[1:], []), True) for f in firsts}, "renderings kept"
+    for system, user in firsts:  # the first takes its rendering, a repeated one renders again
         assert sh.prompt_ids(system, [user], []) == plain.prompt_ids(system, [user], [])
-    assert sh._piece_ids == cached, "every piece was primed"
+    assert sh._piece_ids == cached and sh._primed == {}, "every first piece was primed, each rendering taken"
+    for system, user in firsts:
+        asked = [user, "next"], ["an answer"]
+        assert sh.prompt_ids(system, *asked) == plain.prompt_ids(system, *asked)
+    sh.prime([(None, "another")])
+    assert list(sh._primed) == [(None, "another")], "a call keeps its own renderings alone"
     raising.prime(firsts)
     off = shaper(tok)
     off._split = None
