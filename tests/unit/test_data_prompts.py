@@ -19,6 +19,32 @@ def test_prompt_hash_normalises_whitespace():
     assert prompt_hash("a bc") != expected
 
 
+def test_prompt_hash_is_the_regex_normal_form_on_every_unicode_space_and_real_turns():
+    """The hash (words joined by one space) equals sha256 of re.sub(r"\\s+", " ", text).strip(),
+    the form every dataset and eval exclusion was made with: on each of Unicode's whitespace
+    characters alone, in runs and at the ends, beside other text, and on real ShareGPT turns."""
+    import itertools
+    import random
+    import re
+    import sys
+
+    from data_gen.config import SHAREGPT_DEFAULT, SourceConfig
+    from data_gen.sources import SkipLog, iter_prompts
+
+    def regex_form(text):
+        return hashlib.sha256(re.sub(r"\s+", " ", text).strip().encode("utf-8")).hexdigest()
+
+    spaces = [chr(c) for c in range(sys.maxunicode + 1) if re.fullmatch(r"\s", chr(c))]
+    assert len(spaces) == 29 and "\u3000" in spaces and "\x1c" in spaces and "\u200b" not in spaces
+    rng = random.Random(0)
+    texts = [s for w in spaces for s in (w, f"a{w}b", f"{w}a{w * 3}b{w}")]
+    texts += ["".join(rng.choice(spaces + ["x", "é", "\u200b", "\u00a0y"]) for _ in range(rng.randint(0, 30)))
+              for _ in range(500)]
+    source = SourceConfig(kind="sharegpt", num_prompts=300, path=SHAREGPT_DEFAULT)
+    texts += [u for p in itertools.islice(iter_prompts([source], set(), None, SkipLog()), 300) for u in p.user_turns]
+    assert [prompt_hash(t) for t in texts] == [regex_form(t) for t in texts]
+
+
 def test_mtbench_first_turn_with_both_turns_kept():
     prompts = load_benchmark("mtbench")
     assert len(prompts) == 80
