@@ -100,6 +100,30 @@ def test_packed_prefills_give_the_same_answers(smollm2, prompts, once, buckets):
     assert [(c.ids, c.finish_reason) for c in answers] == [(c.ids, c.finish_reason) for c in hf]
 
 
+def test_short_prompts_split_into_the_forwards_their_grid_allows_give_the_same_answers(smollm2, prompts, monkeypatch):
+    """24 prompts of 4 tokens admitted at once: one packed forward's tokens, but one of 128
+    tokens holds 16 prompts at most (Shapes.prompts: flash attention's sequences a captured
+    forward fixes), so they go in two; the greedy answers are hf's."""
+    from data_gen import engine
+
+    sizes = []
+
+    def recorded(todo, shapes):
+        for length, group in engine_groups(todo, shapes):
+            sizes.append((length, len(group)))
+            yield length, group
+
+    engine_groups = engine.packed_groups
+    monkeypatch.setattr(engine, "packed_groups", recorded)
+    short = [p[-4:] for p in prompts[:24]]
+    gen = EngineGenerator(smollm2, BackendConfig(kind="engine", batch_size=24, attention="sdpa", prefill="packed"),
+                          SamplingConfig(max_new_tokens=MAX_NEW), [IM_END], max_prompt_len=256, buckets=True)
+    answers = gen.generate(short, list(range(24)))
+    assert sizes[:2] == [(128, 16), (128, 8)], sizes
+    hf = generate("hf", smollm2, short, 8)
+    assert [(c.ids, c.finish_reason) for c in answers] == [(c.ids, c.finish_reason) for c in hf]
+
+
 def test_longer_chunks_give_the_same_answers(smollm2, prompts, once):
     """backend.sync_steps=3: the host reads the slots every 3 decode steps (a finished slot idles
     up to 2 steps before its next prompt), and the greedy answers are those of reading after
