@@ -47,7 +47,8 @@ def test_bounds_are_where_each_prompt_begins_then_the_end(total):
 def test_mask_is_each_prompt_causal_alone(window):
     starts = starts_of(LENGTHS, 640)
     mask = packed_mask(starts, window)
-    want = torch.tensor([[int(starts[q]) == int(starts[k]) and k <= q and (window is None or k > q - window)
+    at = starts.tolist()  # plain ints: the loop reads 409,600 pairs
+    want = torch.tensor([[at[q] == at[k] and k <= q and (window is None or k > q - window)
                           for k in range(640)] for q in range(640)])
     assert torch.equal(mask, want)
 
