@@ -40,8 +40,9 @@ PACKED_DENSE_PAIRS = 1 << 22
 # about a nanosecond each (benchmarks/packed_flash_grid.py, one H200: a layer's call on 2,048
 # tokens of 6 prompts took 203 us with 513 sequences and the row's length as the longest, 60 us
 # with its own). So a packed forward of L tokens passes as its longest what no prompt or padding
-# exceeds (Shapes.longest), and holds at most max(PACKED_FEW, L // TOKENS_A_PROMPT) prompts, a
-# slot each at most (Shapes.prompts): a group of shorter ones is split. A fresh prompt's chat
+# exceeds (Shapes.longest), and holds at most max(PACKED_FEW, L // FRESH_PROMPT_TOKENS) fresh
+# prompts (KEPT_TURN_TOKENS: next turns), a slot each at most (Shapes.prompts): a group of
+# shorter ones is split. A fresh prompt's chat
 # template alone is about 30 tokens; a next turn (the answer's end, the user's turn, the
 # assistant's start) averaged 49 on issue 39's job.
 PACKED_FEW = 16
@@ -131,7 +132,7 @@ def packed_groups(todo: list[tuple[int, list[int]]], shapes: Shapes) -> Iterator
             n = total + len(r[1])  # the cap is a final length's: lengths only grow, and it with them
             if n <= shapes.packed_most and len(group) < shapes.prompts(shapes.packed(n), FRESH_PROMPT_TOKENS):
                 group.append(r)
-                total += len(r[1])
+                total = n
             else:
                 rest.append(r)
         todo = rest

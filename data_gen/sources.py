@@ -189,16 +189,16 @@ def iter_prompts(sources: list[SourceConfig], exclude: set[str], max_turns: int 
             return (src.num_prompts - taken) if src.num_prompts is not None else 1
 
         def ahead(src=src) -> int:  # the records a batch may read: no more than the prompts still wanted
-            wanted = [PRIME_BATCH, *([] if src.num_prompts is None else [src.num_prompts - taken]),
-                      *([] if limit is None else [limit - total])]
-            return min(wanted)
+            n = PRIME_BATCH if src.num_prompts is None else min(PRIME_BATCH, src.num_prompts - taken)
+            return n if limit is None else min(n, limit - total)
 
-        records = readers[src.kind](src, skips, remaining)
+        parsed = _parsed(readers[src.kind](src, skips, remaining), src, max_turns)
         if prime is not None and src.kind in READERS:
-            records = _read_ahead(records, ahead, prime, src, max_turns)
-        for where, field, value in records:
+            parsed = _read_ahead(parsed, ahead, prime)
+        for where, p in parsed:
             try:
-                p = _prompt(src, where, field, value, max_turns)
+                if isinstance(p, _Skip):
+                    raise p
                 hashes = [prompt_hash(u) for u in p.user_turns]
                 if exclude.intersection(hashes):
                     raise _Skip("eval_overlap", f"{where}: a user turn is a dflash-eval prompt")
@@ -220,21 +220,21 @@ def iter_prompts(sources: list[SourceConfig], exclude: set[str], max_turns: int 
                 break
 
 
-def _read_ahead(records: Iterator, ahead: Callable[[], int], prime: Callable, src: SourceConfig,
-                max_turns: int | None) -> Iterator:
-    """`records` in order, read `ahead()` at a time (one at least) once the last batch is
-    used up, each batch's first prompts handed to `prime` first (those that parse; the rest
-    are reported when checked in turn)."""
-    records = iter(records)
-    while batch := list(islice(records, max(1, ahead()))):
-        firsts = []
-        for where, field, value in batch:
-            try:
-                p = _prompt(src, where, field, value, max_turns)
-            except Exception:  # a bad record: iter_prompts reports it (or raises) in its turn
-                continue
-            firsts.append((p.system, p.user_turns[0]))
-        prime(firsts)
+def _parsed(records: Iterator, src: SourceConfig, max_turns: int | None) -> Iterator[tuple[str, object]]:
+    """(where, its SourcePrompt or the _Skip that refused it) per record of a reader, in order."""
+    for where, field, value in records:
+        try:
+            yield where, _prompt(src, where, field, value, max_turns)
+        except _Skip as s:
+            yield where, s
+
+
+def _read_ahead(parsed: Iterator, ahead: Callable[[], int], prime: Callable) -> Iterator:
+    """`parsed` records in order, read `ahead()` at a time (one at least) once the last batch
+    is used up, each batch's first prompts handed to `prime` first (a refused record is
+    reported when checked in turn)."""
+    while batch := list(islice(parsed, max(1, ahead()))):
+        prime([(p.system, p.user_turns[0]) for _, p in batch if not isinstance(p, _Skip)])
         yield from batch
 
 
