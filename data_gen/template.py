@@ -228,9 +228,8 @@ class ChatShaper:
             elif piece:
                 got = self._piece_ids.get(piece)
                 if got is None:
-                    if len(self._piece_ids) >= PIECE_CACHE:
-                        self._piece_ids.clear()
-                    got = self._piece_ids[piece] = self._whole(piece, offsets=True)
+                    self._cache_pieces([piece])
+                    got = self._piece_ids[piece]
                 ids.extend(got[0])
                 if offsets:
                     spans.extend((at + s, at + e) for s, e in got[1])
@@ -257,11 +256,14 @@ class ChatShaper:
             for i, piece in enumerate(self._split.split(text)):
                 if not i % 2 and piece and piece not in self._piece_ids:
                     todo[piece] = None
-        if not todo:
-            return
-        if len(self._piece_ids) + len(todo) > PIECE_CACHE:
+        if todo:
+            self._cache_pieces(list(todo))
+
+    def _cache_pieces(self, pieces: list[str]) -> None:
+        """Each piece's ids and character spans (`_whole`'s) into the piece cache, all in one call
+        of the tokenizer; a cache that would pass PIECE_CACHE is emptied first."""
+        if len(self._piece_ids) + len(pieces) > PIECE_CACHE:
             self._piece_ids.clear()
-        pieces = list(todo)
         enc = self.tokenizer(pieces, add_special_tokens=False, return_offsets_mapping=True)
         for piece, ids, spans in zip(pieces, enc["input_ids"], enc["offset_mapping"], strict=True):
             self._piece_ids[piece] = (list(ids), [tuple(o) for o in spans])
